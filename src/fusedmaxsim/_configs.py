@@ -1,0 +1,93 @@
+"""Launch configurations: one analytical choice per shape, never a sweep on the default path.
+
+A configuration depends only on the query-length bucket, the embedding dim, the layout and the
+device class, so a new ``Nq``, ``Nd`` or ``Ld`` (or a query length in the same bucket) reuses the
+compiled kernel. Tests force other configurations with :func:`forced_configs` so that every tile
+path runs under the single-configuration interpreter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator
+
+import triton
+
+__all__ = ["FwdConfig", "BwdConfig", "fwd_config", "bwd_config", "forced_configs", "is_interpreter"]
+
+
+def is_interpreter() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdConfig:
+    lq_tile: int  # query rows per chunk, a power of two >= 16
+    queries_per_block: int  # short queries packed into one tile (cross product only)
+    block_n: int  # document tokens per streamed tile
+    block_k: int  # embedding dim, padded to a power of two
+    num_warps: int
+    num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdConfig:
+    block_s: int  # query tokens per program (gather) or per step (owned grad_D)
+    block_t: int  # document tokens per program (owned grad_D)
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+_forced_fwd: FwdConfig | None = None
+_forced_bwd: BwdConfig | None = None
+
+
+@contextlib.contextmanager
+def forced_configs(fwd: FwdConfig | None = None, bwd: BwdConfig | None = None) -> Iterator[None]:
+    """Use these configurations for every launch inside the block (tests, tuning)."""
+    global _forced_fwd, _forced_bwd
+    saved = _forced_fwd, _forced_bwd
+    _forced_fwd, _forced_bwd = fwd, bwd
+    try:
+        yield
+    finally:
+        _forced_fwd, _forced_bwd = saved
+
+
+def block_k_for(dim: int) -> int:
+    return max(16, triton.next_power_of_2(dim))
+
+
+def fwd_config(*, Lq: int, dim: int, Nq: int, per_query_docs: bool, elem_bytes: int) -> FwdConfig:
+    if _forced_fwd is not None:
+        return _forced_fwd
+    block_k = block_k_for(dim)
+    interp = is_interpreter()
+    # Rows of the Q tile kept on chip: 128 fills a Hopper tensor-core tile at d <= 128;
+    # larger d keeps the Q tile near 32 KiB of shared memory.
+    max_rows = 32 if interp else max(16, min(128, (32768 // elem_bytes) // block_k))
+    lq_tile = min(max(16, triton.next_power_of_2(max(Lq, 1))), max_rows)
+    queries_per_block = 1
+    if not per_query_docs and lq_tile < max_rows:
+        queries_per_block = min(max_rows // lq_tile, triton.next_power_of_2(max(Nq, 1)))
+    block_m = lq_tile * queries_per_block
+    if interp:
+        return FwdConfig(lq_tile, queries_per_block, 32, block_k, 4, 1)
+    block_n = 64 if block_k <= 128 else (32 if block_k <= 256 else 16)
+    num_warps = 8 if block_m >= 128 else 4
+    num_stages = 3 if block_k <= 128 else 2
+    return FwdConfig(lq_tile, queries_per_block, block_n, block_k, num_warps, num_stages)
+
+
+def bwd_config(*, Lq: int, dim: int, elem_bytes: int) -> BwdConfig:
+    if _forced_bwd is not None:
+        return _forced_bwd
+    block_k = block_k_for(dim)
+    if is_interpreter():
+        return BwdConfig(16, 32, block_k, 4, 1)
+    block_s = min(64, max(16, triton.next_power_of_2(max(Lq, 1))))
+    block_t = 64 if block_k <= 128 else (32 if block_k <= 256 else 16)
+    return BwdConfig(block_s, block_t, block_k, 4, 2)

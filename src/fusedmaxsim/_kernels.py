@@ -1,0 +1,392 @@
+"""Triton kernels of MaxSim: the forward with a running max and argmax, and two backwards.
+
+Math
+----
+For query tokens ``Q [Nq, Lq, d]`` and documents ``D``::
+
+    S[i, j, s, t] = <Q[i, s], D[g(i), j, t]> (· q_inv[i, s] · d_inv[g(i), j, t] when normalizing)
+    A[i, j, s]    = argmax_{t valid} S[i, j, s, t]             (lowest t among ties; -1 if none)
+    score[i, j]   = Σ_{s valid, A >= 0} S[i, j, s, A[i, j, s]]
+
+``g(i)`` is the document group of query ``i``: ``0`` for the cross product (``D [1, Nd, Ld, d]``,
+every query meets every document) and ``i`` for per-query candidates (``D [Nq, K, Ld, d]``).
+A masked doc token is ``-inf`` before every max, so it never wins; a query row whose max stays
+``-inf`` adds 0. The backward needs no second matrix product, only the argmax::
+
+    grad_Q[i, s]       = Σ_j g[i, j] · D[g(i), j, A[i, j, s]]
+    grad_D[g, j, t]    = Σ_{i in group g} Σ_{s: A[i, j, s] = t} g[i, j] · Q[i, s]
+
+(with ``d_inv`` and ``q_inv`` folded in, these are the gradients with respect to the normalized
+tokens; the launcher's caller applies the normalization's Jacobian).
+
+Grid mapping
+------------
+* ``_maxsim_fwd_kernel``: program ``(j, b)`` owns document column ``j`` and a block of
+  ``BLOCK_M = LQ_TILE · QUERIES_PER_BLOCK`` query rows. On the cross product several short queries
+  share one block (each padded to ``LQ_TILE`` rows), so they share every document tile that is
+  streamed through; queries longer than ``LQ_TILE`` are walked in ``LQ_TILE`` chunks by a run-time
+  loop, so one compiled kernel serves every query length of a bucket. Document tokens stream in
+  ``BLOCK_N`` tiles through :func:`_doc_max`, the one MaxSim inner loop that every layout shares.
+  The ``[Lq, Ld]`` similarity tile lives only in registers.
+* ``_maxsim_bwd_gather_kernel``: program ``(i, s-block, column split)`` gathers the winning document
+  rows for ``grad_Q`` (row-owned) and, in the "unified" strategy, scatters ``g · Q`` rows into an
+  fp32 ``grad_D`` buffer with atomics.
+* ``_maxsim_bwd_dd_kernel``: program ``(g, j, t-block)`` owns a tile of ``grad_D`` and adds, for each
+  query of the group, ``onehot(A == t)ᵀ @ Q`` (a 0/1 matrix, so the product is exact), scaled by
+  ``g[i, j]`` in fp32. No atomics: bitwise reproducible.
+
+Caveats
+-------
+* NaN: the max propagates NaN (``PropagateNan.ALL``), so a NaN in a valid token makes the affected
+  scores NaN. A NaN in a masked token is ignored, as in the reference.
+* The atomic paths (``SCATTER_GRAD_D``, ``ATOMIC_GRAD_Q``) are not bitwise reproducible: fp32
+  additions land in varying order.
+* ``UPCAST`` computes dots in fp32: the Triton interpreter's bf16 ``tl.dot`` is wrong on CPU.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _max_propagate_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _doc_max(
+    b_q,
+    p_doc,
+    stride_doc_tok,
+    stride_doc_dim,
+    p_dmask,
+    stride_dmask_tok,
+    p_dinv,
+    stride_dinv_tok,
+    Ld,
+    o_k,
+    m_k,
+    HAS_D_MASK: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    TRACK_ARGMAX: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """The MaxSim inner loop: max (and lowest argmax) over one document of ``b_q``'s rows.
+
+    ``b_q [BLOCK_M, BLOCK_K]`` stays on chip; the document streams through in ``BLOCK_N`` tiles.
+    Returns ``row_max [BLOCK_M]`` (``-inf`` where no valid token) and ``row_arg [BLOCK_M]``
+    (int32, ``-1`` where no valid token; only meaningful when ``TRACK_ARGMAX``).
+    """
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    row_arg = tl.full([BLOCK_M], -1, tl.int32)
+    for start in range(0, Ld, BLOCK_N):
+        o_t = start + tl.arange(0, BLOCK_N)
+        m_t = o_t < Ld
+        b_d = tl.load(
+            p_doc + o_t[:, None] * stride_doc_tok + o_k[None, :] * stride_doc_dim,
+            mask=m_t[:, None] & m_k[None, :],
+            other=0.0,
+        )
+        b_s = _dot(b_q, tl.trans(b_d), DOT_PRECISION, UPCAST)  # [BLOCK_M, BLOCK_N] fp32
+        if NORMALIZE:
+            b_s = b_s * tl.load(p_dinv + o_t * stride_dinv_tok, mask=m_t, other=0.0)[None, :]
+        if HAS_D_MASK:
+            m_t = m_t & (tl.load(p_dmask + o_t * stride_dmask_tok, mask=m_t, other=0) != 0)
+        b_s = tl.where(m_t[None, :], b_s, float("-inf"))
+        tile_max = tl.reduce(b_s, 1, _max_propagate_nan)
+        if TRACK_ARGMAX:
+            # Lowest index reaching the tile max; strict '>' across tiles keeps the earliest tile.
+            tile_arg = tl.min(tl.where(b_s == tile_max[:, None], o_t[None, :], Ld), axis=1)
+            row_arg = tl.where(tile_max > row_max, tile_arg, row_arg)
+        row_max = tl.maximum(row_max, tile_max, propagate_nan=tl.PropagateNan.ALL)
+    return row_max, row_arg
+
+
+@triton.jit(do_not_specialize=["Nq", "Ncols", "Lq", "Ld"])
+def _maxsim_fwd_kernel(
+    Q,
+    D,
+    QMask,
+    DMask,
+    QInv,
+    DInv,
+    Out,
+    Argmax,
+    Nq,
+    Ncols,
+    Lq,
+    Ld,
+    dim,
+    stride_q_seq,
+    stride_q_tok,
+    stride_q_dim,
+    stride_d_grp,
+    stride_d_col,
+    stride_d_tok,
+    stride_d_dim,
+    stride_qm_seq,
+    stride_qm_tok,
+    stride_dm_grp,
+    stride_dm_col,
+    stride_dm_tok,
+    stride_qinv_seq,
+    stride_qinv_tok,
+    stride_dinv_grp,
+    stride_dinv_col,
+    stride_dinv_tok,
+    stride_out_seq,
+    stride_out_col,
+    HAS_Q_MASK: tl.constexpr,
+    HAS_D_MASK: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    SAVE_ARGMAX: tl.constexpr,
+    PER_QUERY_DOCS: tl.constexpr,
+    LQ_TILE: tl.constexpr,
+    QUERIES_PER_BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = LQ_TILE * QUERIES_PER_BLOCK
+    i_col = tl.program_id(0).to(tl.int64)
+    i_blk = tl.program_id(1).to(tl.int64)
+
+    o_r = tl.arange(0, BLOCK_M)
+    o_query = i_blk * QUERIES_PER_BLOCK + o_r // LQ_TILE  # [BLOCK_M] query of each row
+    o_row_in_tile = o_r % LQ_TILE
+    m_query = o_query < Nq
+    o_k = tl.arange(0, BLOCK_K)
+    m_k = o_k < dim
+
+    # Per-query candidates have one query per block, and that query owns the document group.
+    i_grp = i_blk if PER_QUERY_DOCS else 0
+    p_doc = D + i_grp * stride_d_grp + i_col * stride_d_col
+    p_dmask = DMask + i_grp * stride_dm_grp + i_col * stride_dm_col
+    p_dinv = DInv + i_grp * stride_dinv_grp + i_col * stride_dinv_col
+
+    acc = tl.zeros([QUERIES_PER_BLOCK], tl.float32)
+    for chunk in range(0, Lq, LQ_TILE):
+        o_s = chunk + o_row_in_tile
+        m_row = m_query & (o_s < Lq)
+        m_valid = m_row
+        if HAS_Q_MASK:
+            qm = tl.load(QMask + o_query * stride_qm_seq + o_s * stride_qm_tok, mask=m_row, other=0)
+            m_valid = m_valid & (qm != 0)
+        b_q = tl.load(
+            Q + o_query[:, None] * stride_q_seq + o_s[:, None] * stride_q_tok + o_k[None, :] * stride_q_dim,
+            mask=m_valid[:, None] & m_k[None, :],
+            other=0.0,
+        )
+        row_max, row_arg = _doc_max(
+            b_q, p_doc, stride_d_tok, stride_d_dim, p_dmask, stride_dm_tok, p_dinv, stride_dinv_tok,
+            Ld, o_k, m_k, HAS_D_MASK, NORMALIZE, SAVE_ARGMAX, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST,
+        )
+        contrib = tl.where(row_max == float("-inf"), 0.0, row_max)
+        if NORMALIZE:
+            q_inv = tl.load(QInv + o_query * stride_qinv_seq + o_s * stride_qinv_tok, mask=m_valid, other=0.0)
+            contrib = contrib * q_inv
+        contrib = tl.where(m_valid, contrib, 0.0)
+        acc += tl.sum(tl.reshape(contrib, (QUERIES_PER_BLOCK, LQ_TILE)), axis=1)
+        if SAVE_ARGMAX:
+            arg = tl.where(m_valid, row_arg, -1)
+            tl.store(Argmax + (o_query * Ncols + i_col) * Lq + o_s, arg, mask=m_row)
+
+    o_out = i_blk * QUERIES_PER_BLOCK + tl.arange(0, QUERIES_PER_BLOCK)
+    tl.store(Out + o_out * stride_out_seq + i_col * stride_out_col, acc, mask=o_out < Nq)
+
+
+@triton.jit(do_not_specialize=["Nq", "Ncols", "Lq", "Ld", "cols_per_split"])
+def _maxsim_bwd_gather_kernel(
+    Grad,
+    Q,
+    D,
+    QInv,
+    DInv,
+    Argmax,
+    GradQ,
+    GradD,
+    Nq,
+    Ncols,
+    Lq,
+    Ld,
+    dim,
+    cols_per_split,
+    stride_g_seq,
+    stride_g_col,
+    stride_q_seq,
+    stride_q_tok,
+    stride_q_dim,
+    stride_d_grp,
+    stride_d_col,
+    stride_d_tok,
+    stride_d_dim,
+    stride_qinv_seq,
+    stride_qinv_tok,
+    stride_dinv_grp,
+    stride_dinv_col,
+    stride_dinv_tok,
+    stride_gq_seq,
+    stride_gq_tok,
+    stride_gq_dim,
+    stride_gd_grp,
+    stride_gd_col,
+    stride_gd_tok,
+    stride_gd_dim,
+    PER_QUERY_DOCS: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    COMPUTE_GRAD_Q: tl.constexpr,
+    ATOMIC_GRAD_Q: tl.constexpr,
+    SCATTER_GRAD_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    n_sblocks = tl.cdiv(Lq, BLOCK_S)
+    pid = tl.program_id(0).to(tl.int64)
+    i_q = pid // n_sblocks
+    i_sb = pid % n_sblocks
+    i_split = tl.program_id(1).to(tl.int64)
+
+    o_s = i_sb * BLOCK_S + tl.arange(0, BLOCK_S)
+    m_s = o_s < Lq
+    o_k = tl.arange(0, BLOCK_K)
+    m_k = o_k < dim
+    i_grp = i_q if PER_QUERY_DOCS else 0
+
+    if SCATTER_GRAD_D:
+        b_q = tl.load(
+            Q + i_q * stride_q_seq + o_s[:, None] * stride_q_tok + o_k[None, :] * stride_q_dim,
+            mask=m_s[:, None] & m_k[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        if NORMALIZE:
+            q_inv = tl.load(QInv + i_q * stride_qinv_seq + o_s * stride_qinv_tok, mask=m_s, other=0.0)
+            b_q = b_q * q_inv[:, None]
+
+    acc = tl.zeros([BLOCK_S, BLOCK_K], tl.float32)
+    col_lo = i_split * cols_per_split
+    col_hi = tl.minimum(col_lo + cols_per_split, Ncols)
+    for col in range(col_lo, col_hi):
+        g = tl.load(Grad + i_q * stride_g_seq + col * stride_g_col).to(tl.float32)
+        idx = tl.load(Argmax + (i_q * Ncols + col) * Lq + o_s, mask=m_s, other=-1)
+        m_hit = idx >= 0
+        idx = tl.where(m_hit, idx, 0).to(tl.int64)
+        m_rows = m_hit[:, None] & m_k[None, :]
+        if COMPUTE_GRAD_Q:
+            b_d = tl.load(
+                D + i_grp * stride_d_grp + col * stride_d_col + idx[:, None] * stride_d_tok
+                + o_k[None, :] * stride_d_dim,
+                mask=m_rows,
+                other=0.0,
+            ).to(tl.float32)
+            if NORMALIZE:
+                d_inv = tl.load(
+                    DInv + i_grp * stride_dinv_grp + col * stride_dinv_col + idx * stride_dinv_tok,
+                    mask=m_hit,
+                    other=0.0,
+                )
+                b_d = b_d * d_inv[:, None]
+            acc += g * b_d
+        if SCATTER_GRAD_D:
+            tl.atomic_add(
+                GradD + i_grp * stride_gd_grp + col * stride_gd_col + idx[:, None] * stride_gd_tok
+                + o_k[None, :] * stride_gd_dim,
+                g * b_q,
+                mask=m_rows,
+                sem="relaxed",
+            )
+
+    if COMPUTE_GRAD_Q:
+        p_gq = GradQ + i_q * stride_gq_seq + o_s[:, None] * stride_gq_tok + o_k[None, :] * stride_gq_dim
+        m_gq = m_s[:, None] & m_k[None, :]
+        if ATOMIC_GRAD_Q:
+            tl.atomic_add(p_gq, acc, mask=m_gq, sem="relaxed")
+        else:
+            tl.store(p_gq, acc.to(GradQ.dtype.element_ty), mask=m_gq)
+
+
+@triton.jit(do_not_specialize=["Nq", "Ncols", "Lq", "Ld"])
+def _maxsim_bwd_dd_kernel(
+    Grad,
+    Q,
+    QInv,
+    Argmax,
+    GradD,
+    Nq,
+    Ncols,
+    Lq,
+    Ld,
+    dim,
+    stride_g_seq,
+    stride_g_col,
+    stride_q_seq,
+    stride_q_tok,
+    stride_q_dim,
+    stride_qinv_seq,
+    stride_qinv_tok,
+    stride_gd_grp,
+    stride_gd_col,
+    stride_gd_tok,
+    stride_gd_dim,
+    PER_QUERY_DOCS: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    i_grp = pid // Ncols
+    i_col = pid % Ncols
+    i_tb = tl.program_id(1).to(tl.int64)
+
+    o_t = i_tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    m_t = o_t < Ld
+    o_k = tl.arange(0, BLOCK_K)
+    m_k = o_k < dim
+    if PER_QUERY_DOCS:
+        q_lo = i_grp
+        q_hi = i_grp + 1
+    else:
+        q_lo = 0
+        q_hi = Nq
+
+    acc = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
+    for i_q in range(q_lo, q_hi):
+        g = tl.load(Grad + i_q * stride_g_seq + i_col * stride_g_col).to(tl.float32)
+        part = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
+        for s0 in range(0, Lq, BLOCK_S):
+            o_s = s0 + tl.arange(0, BLOCK_S)
+            m_s = o_s < Lq
+            idx = tl.load(Argmax + (i_q * Ncols + i_col) * Lq + o_s, mask=m_s, other=-1)
+            b_q = tl.load(
+                Q + i_q * stride_q_seq + o_s[:, None] * stride_q_tok + o_k[None, :] * stride_q_dim,
+                mask=m_s[:, None] & m_k[None, :],
+                other=0.0,
+            )
+            if NORMALIZE:
+                q_inv = tl.load(QInv + i_q * stride_qinv_seq + o_s * stride_qinv_tok, mask=m_s, other=0.0)
+                b_q = (b_q.to(tl.float32) * q_inv[:, None]).to(Q.dtype.element_ty)
+            onehot = tl.where(idx[:, None] == o_t[None, :], 1.0, 0.0).to(Q.dtype.element_ty)  # [BLOCK_S, BLOCK_T]
+            part += _dot(tl.trans(onehot), b_q, DOT_PRECISION, UPCAST)
+        acc += g * part
+
+    tl.store(
+        GradD + i_grp * stride_gd_grp + i_col * stride_gd_col + o_t[:, None] * stride_gd_tok
+        + o_k[None, :] * stride_gd_dim,
+        acc.to(GradD.dtype.element_ty),
+        mask=m_t[:, None] & m_k[None, :],
+    )

@@ -1,0 +1,243 @@
+"""Host launchers of the Triton kernels: the only place that computes strides and grids.
+
+Inputs arrive validated (see ``_validate``): ``Q [Nq, Lq, d]``; ``D [Nd, Ld, d]`` for the cross
+product or ``[Nq, K, Ld, d]`` for per-query candidates, in the same dtype as ``Q``; masks are bool
+with the token axes of their tensor; inverse norms are fp32 with the token axes. Any strides are
+accepted (no copies). Empty problems return without a launch.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from torch import Tensor
+
+from . import _configs
+from ._kernels import _maxsim_bwd_dd_kernel, _maxsim_bwd_gather_kernel, _maxsim_fwd_kernel
+
+__all__ = ["maxsim_fwd", "maxsim_bwd"]
+
+_MAX_GRID_Y = 65535
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _empty(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``torch.empty``, poisoned when ``FUSEDMAXSIM_POISON_OUTPUTS=1`` so tests catch unwritten outputs."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if os.environ.get("FUSEDMAXSIM_POISON_OUTPUTS") == "1":
+        out.fill_(float("nan") if dtype.is_floating_point else -7)
+    return out
+
+
+def _dot_precision(dtype: torch.dtype, fp32_precision: str) -> str:
+    return fp32_precision if dtype == torch.float32 else "tf32"
+
+
+def _upcast(dtype: torch.dtype) -> bool:
+    return _configs.is_interpreter() and dtype == torch.bfloat16
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _doc_strides(t: Tensor | None, per_query_docs: bool) -> tuple[int, ...]:
+    """Strides of a document-side tensor as (group, column, token[, dim]); group stride 0 = shared."""
+    if t is None:
+        return (0, 0, 0)
+    return tuple(t.stride()) if per_query_docs else (0, *t.stride())
+
+
+def _as_bytes(mask: Tensor | None) -> Tensor | None:
+    return None if mask is None else mask.view(torch.uint8)
+
+
+def maxsim_fwd(
+    Q: Tensor,
+    D: Tensor,
+    q_mask: Tensor | None,
+    d_mask: Tensor | None,
+    q_inv: Tensor | None,
+    d_inv: Tensor | None,
+    save_argmax: bool,
+    fp32_precision: str,
+) -> tuple[Tensor, Tensor]:
+    per_query_docs = D.dim() == 4
+    Nq, Lq, dim = Q.shape
+    Ncols, Ld = D.shape[-3], D.shape[-2]
+    scores = _empty((Nq, Ncols), torch.float32, Q.device)
+    argmax = _empty((Nq, Ncols, Lq) if save_argmax else (0,), torch.int32, Q.device)
+    if scores.numel() == 0:
+        return scores, argmax
+    if Lq == 0 or Ld == 0:
+        scores.zero_()
+        argmax.fill_(-1)
+        return scores, argmax
+
+    cfg = _configs.fwd_config(
+        Lq=Lq, dim=dim, Nq=Nq, per_query_docs=per_query_docs, elem_bytes=Q.element_size()
+    )
+    qm, dm = _as_bytes(q_mask), _as_bytes(d_mask)
+    qpb = cfg.queries_per_block
+    # grid axis 1 is capped at 65535 blocks: launch query slices of at most that many blocks.
+    queries_per_launch = _MAX_GRID_Y * qpb
+    for q0 in range(0, Nq, queries_per_launch):
+        q1 = min(Nq, q0 + queries_per_launch)
+        sl = slice(q0, q1)
+        Qs = Q[sl]
+        Ds = D[sl] if per_query_docs else D
+        qms = None if qm is None else qm[sl]
+        dms = dm[sl] if dm is not None and per_query_docs else dm
+        qis = None if q_inv is None else q_inv[sl]
+        dis = d_inv[sl] if d_inv is not None and per_query_docs else d_inv
+        out = scores[sl]
+        arg = argmax[sl] if save_argmax else argmax
+        grid = (Ncols, _cdiv(q1 - q0, qpb))
+        _maxsim_fwd_kernel[grid](
+            Qs, Ds, Qs if qms is None else qms, Ds if dms is None else dms,
+            Qs if qis is None else qis, Ds if dis is None else dis, out, arg,
+            q1 - q0, Ncols, Lq, Ld, dim,
+            *Qs.stride(),
+            *_doc_strides(Ds, per_query_docs),
+            *(qms.stride() if qms is not None else (0, 0)),
+            *_doc_strides(dms, per_query_docs),
+            *(qis.stride() if qis is not None else (0, 0)),
+            *_doc_strides(dis, per_query_docs),
+            *out.stride(),
+            HAS_Q_MASK=qms is not None,
+            HAS_D_MASK=dms is not None,
+            NORMALIZE=qis is not None,
+            SAVE_ARGMAX=save_argmax,
+            PER_QUERY_DOCS=per_query_docs,
+            LQ_TILE=cfg.lq_tile,
+            QUERIES_PER_BLOCK=qpb,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            DOT_PRECISION=_dot_precision(Q.dtype, fp32_precision),
+            UPCAST=_upcast(Q.dtype),
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+    return scores, argmax
+
+
+def maxsim_bwd(
+    grad_scores: Tensor,
+    Q: Tensor,
+    D: Tensor,
+    argmax: Tensor,
+    q_inv: Tensor | None,
+    d_inv: Tensor | None,
+    need_grad_q: bool,
+    need_grad_d: bool,
+    strategy: str,
+    fp32_out: bool,
+    fp32_precision: str,
+) -> tuple[Tensor, Tensor]:
+    """Gradients of the scores with respect to Q and D (the normalized ones when normalizing).
+
+    ``strategy`` is ``"unified"`` (one gather kernel; fp32 atomics scatter ``grad_D``) or
+    ``"lowmem"`` (row-owned ``grad_Q`` and document-owned ``grad_D``; no atomics, bitwise
+    reproducible, written directly in the output dtype). With ``fp32_out`` the gradients are fp32.
+    """
+    per_query_docs = D.dim() == 4
+    Nq, Lq, dim = Q.shape
+    Ncols, Ld = D.shape[-3], D.shape[-2]
+    normalize = q_inv is not None
+    q_dtype = torch.float32 if fp32_out else Q.dtype
+    d_dtype = torch.float32 if fp32_out else D.dtype
+    empty = Q.new_empty((0,))
+    if not (need_grad_q or need_grad_d):
+        return empty, empty
+    if Nq * Ncols * Lq * Ld * dim == 0:
+        gq = torch.zeros(Q.shape, dtype=q_dtype, device=Q.device) if need_grad_q else empty
+        gd = torch.zeros(D.shape, dtype=d_dtype, device=D.device) if need_grad_d else empty
+        return gq, gd
+
+    cfg = _configs.bwd_config(Lq=Lq, dim=dim, elem_bytes=Q.element_size())
+    n_sblocks = _cdiv(Lq, cfg.block_s)
+    unified = strategy == "unified"
+    splits = 1
+    if unified:
+        programs = Nq * n_sblocks
+        target = 4 * _sm_count(Q.device)
+        if programs < target:
+            splits = min(Ncols, _cdiv(target, programs), _MAX_GRID_Y)
+    cols_per_split = _cdiv(Ncols, splits)
+    splits = _cdiv(Ncols, cols_per_split)
+    atomic_q = splits > 1
+
+    grad_q = empty
+    if need_grad_q:
+        grad_q = (
+            torch.zeros(Q.shape, dtype=torch.float32, device=Q.device)
+            if atomic_q
+            else _empty(Q.shape, q_dtype, Q.device)
+        )
+    scatter_d = unified and need_grad_d
+    grad_d_acc = torch.zeros(D.shape, dtype=torch.float32, device=D.device) if scatter_d else None
+
+    if need_grad_q or scatter_d:
+        _maxsim_bwd_gather_kernel[(Nq * n_sblocks, splits)](
+            grad_scores, Q, D,
+            Q if q_inv is None else q_inv, D if d_inv is None else d_inv,
+            argmax,
+            Q if grad_q.numel() == 0 else grad_q,
+            D if grad_d_acc is None else grad_d_acc,
+            Nq, Ncols, Lq, Ld, dim, cols_per_split,
+            *grad_scores.stride(),
+            *Q.stride(),
+            *_doc_strides(D, per_query_docs),
+            *(q_inv.stride() if normalize else (0, 0)),
+            *(_doc_strides(d_inv, per_query_docs) if normalize else (0, 0, 0)),
+            *(grad_q.stride() if need_grad_q else (0, 0, 0)),
+            *(_doc_strides(grad_d_acc, per_query_docs) if scatter_d else (0, 0, 0, 0)),
+            PER_QUERY_DOCS=per_query_docs,
+            NORMALIZE=normalize,
+            COMPUTE_GRAD_Q=need_grad_q,
+            ATOMIC_GRAD_Q=atomic_q,
+            SCATTER_GRAD_D=scatter_d,
+            BLOCK_S=cfg.block_s,
+            BLOCK_K=cfg.block_k,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+    if atomic_q and need_grad_q and grad_q.dtype != q_dtype:
+        grad_q = grad_q.to(q_dtype)
+
+    grad_d = empty
+    if need_grad_d and scatter_d:
+        grad_d = grad_d_acc if grad_d_acc.dtype == d_dtype else grad_d_acc.to(d_dtype)
+    elif need_grad_d:
+        grad_d = _empty(D.shape, d_dtype, D.device)
+        groups = Nq if per_query_docs else 1
+        _maxsim_bwd_dd_kernel[(groups * Ncols, _cdiv(Ld, cfg.block_t))](
+            grad_scores, Q, Q if q_inv is None else q_inv, argmax, grad_d,
+            Nq, Ncols, Lq, Ld, dim,
+            *grad_scores.stride(),
+            *Q.stride(),
+            *(q_inv.stride() if normalize else (0, 0)),
+            *_doc_strides(grad_d, per_query_docs),
+            PER_QUERY_DOCS=per_query_docs,
+            NORMALIZE=normalize,
+            BLOCK_T=cfg.block_t,
+            BLOCK_S=cfg.block_s,
+            BLOCK_K=cfg.block_k,
+            DOT_PRECISION=_dot_precision(Q.dtype, fp32_precision),
+            UPCAST=_upcast(Q.dtype),
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+    return grad_q, grad_d

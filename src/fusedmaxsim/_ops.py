@@ -1,0 +1,171 @@
+"""MaxSim as two ``torch.library`` custom ops, with autograd and fake (meta) implementations.
+
+``fusedmaxsim::maxsim_fwd`` returns the scores and, when a gradient will be needed, the argmax;
+``fusedmaxsim::maxsim_bwd`` turns the argmax back into gradients. Being registered ops, they trace
+under ``torch.compile(fullgraph=True)`` without graph breaks and pass ``torch.library.opcheck``.
+Each op runs the Triton launchers or the blocked PyTorch path, as the ``backend`` argument says
+(decided once, in the public API, before anything runs).
+
+With ``normalize``, the inverse norms enter as inputs (detached); the kernels produce gradients
+with respect to the normalized tokens and this module applies the normalization's Jacobian, so the
+result equals ``F.normalize`` followed by MaxSim.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor
+
+from . import _blocked, settings
+
+NORM_EPS = 1e-12  # F.normalize's default
+
+
+def _launch():
+    from . import _launch as launch  # imports triton only when a Triton path runs
+
+    return launch
+
+
+@torch.library.custom_op("fusedmaxsim::maxsim_fwd", mutates_args=())
+def maxsim_fwd(
+    Q: Tensor,
+    D: Tensor,
+    q_mask: Tensor | None,
+    d_mask: Tensor | None,
+    q_inv: Tensor | None,
+    d_inv: Tensor | None,
+    save_argmax: bool,
+    backend: str,
+    fp32_precision: str,
+    strategy: str,
+) -> tuple[Tensor, Tensor]:
+    """Scores ``[Nq, Ncols]`` (fp32; fp64 for fp64 inputs) and argmax ``[Nq, Ncols, Lq]`` (or empty)."""
+    if backend == "triton":
+        return _launch().maxsim_fwd(Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, fp32_precision)
+    return _blocked.maxsim_fwd_blocked(
+        Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, settings.torch_block_bytes()
+    )
+
+
+@maxsim_fwd.register_fake
+def _(Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy):
+    Nq, Lq = Q.shape[0], Q.shape[1]
+    Ncols = D.shape[-3]
+    out_dtype = torch.float64 if Q.dtype == torch.float64 else torch.float32
+    scores = Q.new_empty((Nq, Ncols), dtype=out_dtype)
+    argmax = Q.new_empty((Nq, Ncols, Lq) if save_argmax else (0,), dtype=torch.int32)
+    return scores, argmax
+
+
+@torch.library.custom_op("fusedmaxsim::maxsim_bwd", mutates_args=())
+def maxsim_bwd(
+    grad_scores: Tensor,
+    Q: Tensor,
+    D: Tensor,
+    argmax: Tensor,
+    q_inv: Tensor | None,
+    d_inv: Tensor | None,
+    need_grad_q: bool,
+    need_grad_d: bool,
+    strategy: str,
+    fp32_out: bool,
+    backend: str,
+    fp32_precision: str,
+) -> tuple[Tensor, Tensor]:
+    """``(grad_Q, grad_D)``; an unneeded one is an empty tensor."""
+    if backend == "triton":
+        return _launch().maxsim_bwd(
+            grad_scores, Q, D, argmax, q_inv, d_inv, need_grad_q, need_grad_d, strategy, fp32_out,
+            fp32_precision,
+        )
+    return _blocked.maxsim_bwd_blocked(
+        grad_scores, Q, D, argmax, q_inv, d_inv, need_grad_q, need_grad_d, fp32_out,
+        settings.torch_block_bytes(),
+    )
+
+
+@maxsim_bwd.register_fake
+def _(grad_scores, Q, D, argmax, q_inv, d_inv, need_grad_q, need_grad_d, strategy, fp32_out,
+      backend, fp32_precision):
+    def grad_like(x: Tensor, needed: bool) -> Tensor:
+        if not needed:
+            return x.new_empty((0,))
+        keep = fp32_out and x.dtype != torch.float64
+        return x.new_empty(x.shape, dtype=torch.float32 if keep else x.dtype)
+
+    return grad_like(Q, need_grad_q), grad_like(D, need_grad_d)
+
+
+def resolve_strategy(strategy: str, *, per_query_docs: bool, Nq: int, Ncols: int, Lq: int) -> str:
+    """The backward strategy for ``auto``, and the determinism guard for ``unified``."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    if strategy == "auto":
+        if deterministic or per_query_docs or (Nq >= 256 and Ncols >= 256 and Lq <= 64):
+            return "lowmem"
+        return "unified"
+    if strategy == "unified" and deterministic:
+        message = (
+            "maxsim(backward='unified') uses fp32 atomics and is not deterministic, but "
+            "torch.use_deterministic_algorithms(True) is set; use backward='lowmem' or 'auto'"
+        )
+        if torch.is_deterministic_algorithms_warn_only_enabled():
+            warnings.warn(message, stacklevel=3)
+        else:
+            raise RuntimeError(message)
+    return strategy
+
+
+def _normalize_backward(x: Tensor, grad_hat: Tensor) -> Tensor:
+    """Vector-Jacobian product of ``F.normalize(x, dim=-1)`` (eps 1e-12), exact, fp32 or fp64."""
+    xf = x.to(grad_hat.dtype)
+    norm = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
+    inv = 1.0 / norm.clamp_min(NORM_EPS)
+    x_hat = xf * inv
+    radial = (grad_hat * x_hat).sum(dim=-1, keepdim=True)
+    radial = torch.where(norm > NORM_EPS, radial, torch.zeros_like(radial))  # clamped: no radial term
+    return ((grad_hat - radial * x_hat) * inv).to(x.dtype)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy = inputs
+    _, argmax = output
+    ctx.save_for_backward(Q, D, argmax, q_inv, d_inv)
+    ctx.backend = backend
+    ctx.fp32_precision = fp32_precision
+    ctx.strategy = strategy
+    ctx.saved_argmax = save_argmax
+
+
+def _backward(ctx, grad_scores: Tensor, _grad_argmax):
+    Q, D, argmax, q_inv, d_inv = ctx.saved_tensors
+    need_q, need_d = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if not (need_q or need_d):
+        return (None,) * 10
+    if not ctx.saved_argmax:
+        raise RuntimeError(
+            "maxsim was called while no input required grad, so no argmax was saved; "
+            "set requires_grad on Q or D before the call"
+        )
+    normalize = q_inv is not None
+    strategy = resolve_strategy(
+        ctx.strategy, per_query_docs=D.dim() == 4, Nq=Q.shape[0], Ncols=D.shape[-3], Lq=Q.shape[1]
+    )
+    grad_q, grad_d = maxsim_bwd(
+        grad_scores.to(torch.float64 if Q.dtype == torch.float64 else torch.float32),
+        Q, D, argmax, q_inv, d_inv, need_q, need_d, strategy, normalize, ctx.backend,
+        ctx.fp32_precision,
+    )
+    if normalize:
+        grad_q = _normalize_backward(Q, grad_q) if need_q else None
+        grad_d = _normalize_backward(D, grad_d) if need_d else None
+    return (
+        grad_q if need_q else None,
+        grad_d if need_d else None,
+        None, None, None, None, None, None, None, None,
+    )
+
+
+torch.library.register_autograd("fusedmaxsim::maxsim_fwd", _backward, setup_context=_setup_context)

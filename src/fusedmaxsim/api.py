@@ -1,0 +1,120 @@
+"""The public functions: argument checks, defaults, and the documented semantics.
+
+Semantics shared by every function here
+---------------------------------------
+* ``score[i, j] = Σ_s max_t ⟨Q[i, s], D[j, t]⟩`` over valid tokens. Scores are float32 (float64
+  when an input is float64), accumulated in fp32 whatever the input dtype.
+* Masks are bool or any real dtype, nonzero = valid, and receive no gradient. A masked document
+  token never wins the max; a masked query token adds 0; a query token whose document has no valid
+  token adds 0. A fully masked query or document scores exactly 0 and receives exactly 0 gradient.
+  Masked tokens are excluded, not zero-filled: their values (NaN included) never matter.
+* Ties in the max: the lowest document-token index wins and alone receives the gradient.
+* ``normalize=True`` L2-normalizes every token (``F.normalize``, eps 1e-12) inside the computation
+  and backpropagates through the normalization exactly.
+* fp16, bf16 and fp32 inputs; fp32 is never computed in half precision. On the GPU fp32 uses TF32
+  tensor cores by default and exact IEEE fp32 under ``FUSEDMAXSIM_FP32_PRECISION=ieee`` or
+  :func:`fusedmaxsim.settings.use_fp32_precision`. float64 runs on the PyTorch path (gradcheck).
+  Inputs of two different dtypes are promoted to a common one.
+* NaN in a valid token propagates to the scores it takes part in.
+* Any strides are accepted, no copies made. Empty batches return empty outputs without a launch;
+  ``Lq = 0`` or ``Ld = 0`` score 0.
+* Gradients come in the input dtype, and only those that are needed are computed. The argmax is
+  saved only when a gradient will be needed (nothing under ``no_grad`` / ``inference_mode``).
+* ``backward=``: ``"unified"`` (one pass, fp32 atomics for ``grad_D``), ``"lowmem"`` (every gradient
+  row owned by one program: no atomics, bitwise reproducible, no fp32 gradient buffer), ``"auto"``
+  or ``None``: lowmem for per-query candidates, for ``Nq >= 256 and Nd >= 256 and Lq <= 64`` and
+  under ``torch.use_deterministic_algorithms(True)``, else unified. The PyTorch path is always
+  deterministic.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import _ops, settings
+from ._validate import Problem, canonical, canonical_pairs, check_backward, select_backend
+
+__all__ = ["maxsim", "maxsim_pairs"]
+
+
+def _inverse_norms(x: Tensor) -> Tensor:
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    norm = torch.linalg.vector_norm(x.detach(), dim=-1, dtype=dtype)
+    return 1.0 / norm.clamp_min(_ops.NORM_EPS)
+
+
+def _run(p: Problem, normalize: bool, strategy: str) -> Tensor:
+    backend = select_backend(p.Q)
+    save_argmax = torch.is_grad_enabled() and (p.Q.requires_grad or p.D.requires_grad)
+    q_inv = _inverse_norms(p.Q) if normalize else None
+    d_inv = _inverse_norms(p.D) if normalize else None
+    scores, _ = _ops.maxsim_fwd(
+        p.Q, p.D, p.q_mask, p.d_mask, q_inv, d_inv, save_argmax, backend,
+        settings.fp32_precision(), strategy,
+    )
+    return scores
+
+
+def maxsim(
+    Q: Tensor,
+    D: Tensor,
+    q_mask: Tensor | None = None,
+    d_mask: Tensor | None = None,
+    *,
+    normalize: bool = False,
+    backward: str | None = None,
+) -> Tensor:
+    """Late-interaction (MaxSim) scores, fused: the similarity grid is never written to memory.
+
+    Args:
+        Q (torch.Tensor): query tokens, shape `[Nq, Lq, d]` or `[Lq, d]`.
+        D (torch.Tensor): document tokens: `[Nd, Ld, d]` scores every query against every
+            document (output `[Nq, Nd]`); `[Nq, K, Ld, d]` scores each query against its own K
+            candidates (distillation, hard negatives; output `[Nq, K]`); `[Ld, d]` is one document.
+        q_mask (torch.Tensor, optional): `[Nq, Lq]` (or `[Lq]`), nonzero = valid. Default: all valid.
+        d_mask (torch.Tensor, optional): D's token axes (`[Nd, Ld]`, `[Nq, K, Ld]` or `[Ld]`).
+        normalize (bool): L2-normalize every token first. Default: ``False``.
+        backward (str, optional): ``"auto"`` / ``None``, ``"unified"`` or ``"lowmem"``.
+
+    Returns:
+        torch.Tensor: float32 scores; a 2-D Q drops the query axis, a 2-D D the document axis.
+
+    Examples::
+
+        >>> Q = torch.randn(4, 32, 128)
+        >>> D = torch.randn(10, 300, 128)
+        >>> maxsim(Q, D).shape
+        torch.Size([4, 10])
+    """
+    p = canonical(Q, D, q_mask, d_mask)
+    scores = _run(p, normalize, check_backward(backward))
+    if p.squeeze_d:
+        scores = scores.squeeze(1)
+    if p.squeeze_q:
+        scores = scores.squeeze(0)
+    return scores
+
+
+def maxsim_pairs(
+    Q: Tensor,
+    D: Tensor,
+    q_mask: Tensor | None = None,
+    d_mask: Tensor | None = None,
+    *,
+    normalize: bool = False,
+    backward: str | None = None,
+) -> Tensor:
+    """Scores of the diagonal pairs ``(Q[b], D[b])`` only, without the cross product.
+
+    Args:
+        Q (torch.Tensor): `[B, Lq, d]`.
+        D (torch.Tensor): `[B, Ld, d]`.
+        q_mask (torch.Tensor, optional): `[B, Lq]`.
+        d_mask (torch.Tensor, optional): `[B, Ld]`.
+
+    Returns:
+        torch.Tensor: `[B]` float32 scores. Same semantics as :func:`maxsim`.
+    """
+    p = canonical_pairs(Q, D, q_mask, d_mask)
+    return _run(p, normalize, check_backward(backward)).squeeze(1)

@@ -1,0 +1,95 @@
+"""Pure-PyTorch oracles for MaxSim: the ground truth of every test and benchmark.
+
+They materialise the whole ``[Nq, Nd, Lq, Ld]`` similarity grid with ``einsum``, so they are
+only for checking. They run on any device, promote fp16 and bf16 to fp32, keep float64 as
+float64 (``torch.autograd.gradcheck`` works through them) and support autograd, double
+backward included.
+
+They share no code with the fused paths on purpose: a bug in the library's validation or
+layout handling cannot hide itself by also being in the oracle.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["maxsim_ref", "maxsim_pairs_ref"]
+
+
+def _upcast(x: Tensor) -> Tensor:
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def _valid(mask: Tensor | None, like_shape: torch.Size, device: torch.device) -> Tensor:
+    if mask is None:
+        return torch.ones(like_shape, dtype=torch.bool, device=device)
+    return mask != 0
+
+
+def maxsim_ref(
+    Q: Tensor,
+    D: Tensor,
+    q_mask: Tensor | None = None,
+    d_mask: Tensor | None = None,
+    *,
+    normalize: bool = False,
+) -> Tensor:
+    """MaxSim by the definition, ``score[i, j] = Σ_s max_t ⟨Q[i, s], D[j, t]⟩``.
+
+    Same shapes and semantics as :func:`fusedmaxsim.maxsim`: ``Q [Lq, d]`` or ``[Nq, Lq, d]``;
+    ``D [Ld, d]``, ``[Nd, Ld, d]`` (cross product) or ``[Nq, K, Ld, d]`` (per-query
+    candidates). Masked doc tokens never win the max, masked query tokens add 0, a query token
+    with no valid doc token adds 0. Ties go to the lowest doc-token index (``Tensor.max``).
+    Returns float32, or float64 when an input is float64.
+    """
+    if Q.shape[-1] != D.shape[-1]:
+        raise ValueError(f"Q and D must share the embedding dim, got {tuple(Q.shape)} and {tuple(D.shape)}")
+    q = _upcast(Q)
+    d = _upcast(D)
+    if q.dtype != d.dtype:
+        q, d = q.double(), d.double()
+    if normalize:
+        q = F.normalize(q, dim=-1)
+        d = F.normalize(d, dim=-1)
+    squeeze_q, squeeze_d = q.dim() == 2, d.dim() == 2
+    q3 = q.unsqueeze(0) if squeeze_q else q
+    q_valid = _valid(q_mask, q3.shape[:2], q.device).reshape(q3.shape[:2])
+    if d.dim() == 4:  # per-query candidates [Nq, K, Ld, d]
+        d_valid = _valid(d_mask, d.shape[:3], d.device)
+        sim = torch.einsum("qsh,qkth->qkst", q3, d)
+    else:
+        d3 = d.unsqueeze(0) if squeeze_d else d
+        d_valid = _valid(d_mask, d3.shape[:2], d.device).reshape(d3.shape[:2])
+        sim = torch.einsum("qsh,kth->qkst", q3, d3)
+        d_valid = d_valid.unsqueeze(0)
+    neg_inf = torch.tensor(float("-inf"), dtype=sim.dtype, device=sim.device)
+    sim = torch.where(d_valid.unsqueeze(2), sim, neg_inf)  # [Nq, Nd, Lq, Ld]
+    best = sim.max(dim=-1).values if sim.shape[-1] > 0 else sim.new_full(sim.shape[:-1], float("-inf"))
+    best = torch.where(best == float("-inf"), torch.zeros_like(best), best)
+    best = torch.where(q_valid.unsqueeze(1), best, torch.zeros_like(best))
+    scores = best.sum(dim=-1)
+    if squeeze_d:
+        scores = scores.squeeze(1)
+    if squeeze_q:
+        scores = scores.squeeze(0)
+    return scores
+
+
+def maxsim_pairs_ref(
+    Q: Tensor,
+    D: Tensor,
+    q_mask: Tensor | None = None,
+    d_mask: Tensor | None = None,
+    *,
+    normalize: bool = False,
+) -> Tensor:
+    """Diagonal pairs ``score[b] = maxsim(Q[b], D[b])`` for ``Q [B, Lq, d]``, ``D [B, Ld, d]``."""
+    return maxsim_ref(
+        Q,
+        D.unsqueeze(1),
+        q_mask,
+        None if d_mask is None else d_mask.unsqueeze(1),
+        normalize=normalize,
+    ).squeeze(1)

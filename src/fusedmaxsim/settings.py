@@ -1,0 +1,117 @@
+"""Global settings, each with an environment variable, a setter and a scoped context manager.
+
+| variable | values | effect |
+|---|---|---|
+| ``FUSEDMAXSIM_BACKEND`` | ``auto`` (default), ``triton``, ``torch`` | which implementation runs |
+| ``FUSEDMAXSIM_FP32_PRECISION`` | ``tf32`` (default), ``ieee`` | fp32 inputs on the GPU: TF32 tensor cores or exact fp32 |
+| ``FUSEDMAXSIM_TORCH_BLOCK_MB`` | integer, default 256 | the PyTorch path's bound on similarities held at a time |
+| ``FUSEDMAXSIM_DISABLE`` | ``1`` | patched PyLate / colpali-engine entry points fall through to the host's code |
+| ``TRITON_INTERPRET`` | ``1`` | Triton kernels run on CPU tensors (slow; for tests) |
+
+Environment variables are read at every call, so they can be flipped at run time; a value set
+through a setter or context manager takes precedence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+__all__ = [
+    "backend",
+    "fp32_precision",
+    "torch_block_bytes",
+    "set_backend",
+    "set_fp32_precision",
+    "set_torch_block_bytes",
+    "use_backend",
+    "use_fp32_precision",
+]
+
+BACKENDS = ("auto", "triton", "torch")
+FP32_PRECISIONS = ("tf32", "ieee")
+
+_overrides: dict[str, object] = {}
+
+
+def _choice(name: str, env: str, default: str, allowed: tuple[str, ...]) -> str:
+    value = _overrides.get(name)
+    if value is None:
+        value = os.environ.get(env, default).strip().lower() or default
+    if value not in allowed:
+        raise ValueError(f"{env} (or {name}) must be one of {allowed}, got {value!r}")
+    return value
+
+
+def backend() -> str:
+    """``auto``, ``triton`` or ``torch``; ``auto`` runs Triton on CUDA tensors, PyTorch elsewhere."""
+    return _choice("backend", "FUSEDMAXSIM_BACKEND", "auto", BACKENDS)
+
+
+def fp32_precision() -> str:
+    """``tf32`` (default) or ``ieee``: how fp32 inputs are multiplied on the GPU."""
+    return _choice("fp32_precision", "FUSEDMAXSIM_FP32_PRECISION", "tf32", FP32_PRECISIONS)
+
+
+def torch_block_bytes() -> int:
+    """Bound on the similarity block of the PyTorch path, in bytes (default 256 MiB)."""
+    value = _overrides.get("torch_block_bytes")
+    if value is None:
+        mb = os.environ.get("FUSEDMAXSIM_TORCH_BLOCK_MB", "256")
+        try:
+            value = int(float(mb) * 2**20)
+        except ValueError:
+            raise ValueError(f"FUSEDMAXSIM_TORCH_BLOCK_MB must be a number, got {mb!r}") from None
+    if value <= 0:
+        raise ValueError(f"the PyTorch path's block budget must be positive, got {value} bytes")
+    return int(value)
+
+
+def _set(name: str, value: object, check) -> None:
+    if value is None:
+        _overrides.pop(name, None)
+        return
+    _overrides[name] = value
+    try:
+        check()
+    except ValueError:
+        _overrides.pop(name, None)
+        raise
+
+
+def set_backend(value: str | None) -> None:
+    """Force ``auto``, ``triton`` or ``torch``; ``None`` returns to ``FUSEDMAXSIM_BACKEND``."""
+    _set("backend", None if value is None else str(value).lower(), backend)
+
+
+def set_fp32_precision(value: str | None) -> None:
+    """``tf32`` or ``ieee`` for fp32 inputs; ``None`` returns to ``FUSEDMAXSIM_FP32_PRECISION``."""
+    _set("fp32_precision", None if value is None else str(value).lower(), fp32_precision)
+
+
+def set_torch_block_bytes(value: int | None) -> None:
+    """Bound (bytes) on the PyTorch path's similarity block; ``None`` returns to the default."""
+    _set("torch_block_bytes", value, torch_block_bytes)
+
+
+@contextlib.contextmanager
+def _scoped(name: str, setter, value) -> Iterator[None]:
+    saved = _overrides.get(name)
+    setter(value)
+    try:
+        yield
+    finally:
+        _overrides.pop(name, None)
+        if saved is not None:
+            _overrides[name] = saved
+
+
+def use_backend(value: str) -> contextlib.AbstractContextManager[None]:
+    """``with use_backend("torch"): ...``"""
+    return _scoped("backend", set_backend, value)
+
+
+def use_fp32_precision(value: str) -> contextlib.AbstractContextManager[None]:
+    """``with use_fp32_precision("ieee"): ...`` computes fp32 inputs in exact fp32."""
+    return _scoped("fp32_precision", set_fp32_precision, value)
