@@ -43,6 +43,10 @@ def maxsim_fwd(
     strategy: str,
 ) -> tuple[Tensor, Tensor]:
     """Scores ``[Nq, Ncols]`` (fp32; fp64 for fp64 inputs) and argmax ``[Nq, Ncols, Lq]`` (or empty)."""
+    return maxsim_fwd_impl(Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy)
+
+
+def maxsim_fwd_impl(Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy):
     if backend == "triton":
         return _launch().maxsim_fwd(Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, fp32_precision)
     return _blocked.maxsim_fwd_blocked(
@@ -76,6 +80,16 @@ def maxsim_bwd(
     fp32_precision: str,
 ) -> tuple[Tensor, Tensor]:
     """``(grad_Q, grad_D)``; an unneeded one is an empty tensor."""
+    return maxsim_bwd_impl(
+        grad_scores, Q, D, argmax, q_inv, d_inv, need_grad_q, need_grad_d, strategy, fp32_out,
+        backend, fp32_precision,
+    )
+
+
+def maxsim_bwd_impl(
+    grad_scores, Q, D, argmax, q_inv, d_inv, need_grad_q, need_grad_d, strategy, fp32_out,
+    backend, fp32_precision,
+):
     if backend == "triton":
         return _launch().maxsim_bwd(
             grad_scores, Q, D, argmax, q_inv, d_inv, need_grad_q, need_grad_d, strategy, fp32_out,
@@ -129,9 +143,7 @@ def _normalize_backward(x: Tensor, grad_hat: Tensor) -> Tensor:
     return ((grad_hat - radial * x_hat) * inv).to(x.dtype)
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy = inputs
-    _, argmax = output
+def _save(ctx, Q, D, argmax, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy) -> None:
     ctx.save_for_backward(Q, D, argmax, q_inv, d_inv)
     ctx.backend = backend
     ctx.fp32_precision = fp32_precision
@@ -139,11 +151,12 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.saved_argmax = save_argmax
 
 
-def _backward(ctx, grad_scores: Tensor, _grad_argmax):
+def _grads(ctx, grad_scores: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    """``(grad_Q, grad_D)`` from what ``_save`` kept; None for an input that needs no gradient."""
     Q, D, argmax, q_inv, d_inv = ctx.saved_tensors
     need_q, need_d = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if not (need_q or need_d):
-        return (None,) * 10
+        return None, None
     if not ctx.saved_argmax:
         raise RuntimeError(
             "maxsim was called while no input required grad, so no argmax was saved; "
@@ -153,7 +166,8 @@ def _backward(ctx, grad_scores: Tensor, _grad_argmax):
     strategy = resolve_strategy(
         ctx.strategy, per_query_docs=D.dim() == 4, Nq=Q.shape[0], Ncols=D.shape[-3], Lq=Q.shape[1]
     )
-    grad_q, grad_d = maxsim_bwd(
+    bwd = maxsim_bwd if torch.compiler.is_compiling() else maxsim_bwd_impl
+    grad_q, grad_d = bwd(
         grad_scores.to(torch.float64 if Q.dtype == torch.float64 else torch.float32),
         Q, D, argmax, q_inv, d_inv, need_q, need_d, strategy, normalize, ctx.backend,
         ctx.fp32_precision,
@@ -161,11 +175,45 @@ def _backward(ctx, grad_scores: Tensor, _grad_argmax):
     if normalize:
         grad_q = _normalize_backward(Q, grad_q) if need_q else None
         grad_d = _normalize_backward(D, grad_d) if need_d else None
-    return (
-        grad_q if need_q else None,
-        grad_d if need_d else None,
-        None, None, None, None, None, None, None, None,
-    )
+    return (grad_q if need_q else None), (grad_d if need_d else None)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    Q, D, _q_mask, _d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy = inputs
+    _save(ctx, Q, D, output[1], q_inv, d_inv, save_argmax, backend, fp32_precision, strategy)
+
+
+def _backward(ctx, grad_scores: Tensor, _grad_argmax):
+    return (*_grads(ctx, grad_scores), None, None, None, None, None, None, None, None)
 
 
 torch.library.register_autograd("fusedmaxsim::maxsim_fwd", _backward, setup_context=_setup_context)
+
+
+class MaxSimFunction(torch.autograd.Function):
+    """The same forward and backward as the registered op, without the dispatcher's per-call cost.
+
+    Eager calls take this path; under ``torch.compile`` the API calls the registered op instead,
+    which the compiler can trace.
+    """
+
+    @staticmethod
+    def forward(ctx, Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy):
+        scores, argmax = maxsim_fwd_impl(
+            Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy
+        )
+        _save(ctx, Q, D, argmax, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy)
+        return scores
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_scores):
+        return (*_grads(ctx, grad_scores), None, None, None, None, None, None, None, None)
+
+
+def maxsim_scores(Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy):
+    """Scores with autograd: the registered op when compiling, the plain Function otherwise."""
+    args = (Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy)
+    if torch.compiler.is_compiling():
+        return maxsim_fwd(*args)[0]
+    return MaxSimFunction.apply(*args)

@@ -49,11 +49,10 @@ def _run(p: Problem, normalize: bool, strategy: str) -> Tensor:
     save_argmax = torch.is_grad_enabled() and (p.Q.requires_grad or p.D.requires_grad)
     q_inv = _inverse_norms(p.Q) if normalize else None
     d_inv = _inverse_norms(p.D) if normalize else None
-    scores, _ = _ops.maxsim_fwd(
+    return _ops.maxsim_scores(
         p.Q, p.D, p.q_mask, p.d_mask, q_inv, d_inv, save_argmax, backend,
         settings.fp32_precision(), strategy,
     )
-    return scores
 
 
 def maxsim(
