@@ -1,0 +1,51 @@
+"""Shared test helpers: random problems and the float64 comparison of scores and gradients."""
+
+from __future__ import annotations
+
+import torch
+
+from fusedmaxsim import maxsim, maxsim_pairs
+from fusedmaxsim.reference import maxsim_pairs_ref, maxsim_ref
+from fusedmaxsim.testing import TOLERANCES, assert_close_to_reference
+
+
+def masks_with_holes(shape, device, *, fully_masked_first: bool = True) -> torch.Tensor:
+    """A random bool mask (holes anywhere, as PyLate's skiplist makes) whose first row is all False."""
+    mask = torch.rand(shape, device=device) > 0.3
+    if fully_masked_first and mask.dim() >= 2 and mask.shape[0] > 1:
+        mask[0] = False
+    return mask
+
+
+def leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone().requires_grad_(True)
+
+
+def check_against_reference(
+    Q, D, q_mask=None, d_mask=None, *, normalize=False, backward=None, pairs=False, tol=None
+):
+    """Forward and both gradients (a random grad_output, then a stride-0 one) against float64."""
+    fn, ref_fn = (maxsim_pairs, maxsim_pairs_ref) if pairs else (maxsim, maxsim_ref)
+    score_tol, grad_tol = tol or TOLERANCES[Q.dtype]
+    Q, D = leaf(Q), leaf(D)
+    Q64, D64 = leaf(Q.double()), leaf(D.double())
+
+    out = fn(Q, D, q_mask, d_mask, normalize=normalize, backward=backward)
+    ref = ref_fn(Q64, D64, q_mask, d_mask, normalize=normalize)
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    assert_close_to_reference(out, ref, score_tol, "scores")
+
+    grad_out = torch.randn_like(out)
+    gq, gd = torch.autograd.grad(out, (Q, D), grad_out)
+    rq, rd = torch.autograd.grad(ref, (Q64, D64), grad_out.double())
+    assert gq.dtype == Q.dtype and gd.dtype == D.dtype
+    assert_close_to_reference(gq, rq, grad_tol, "grad_Q")
+    assert_close_to_reference(gd, rd, grad_tol, "grad_D")
+
+    # loss.sum().backward() hands the backward a stride-0 grad_output.
+    out = fn(Q, D, q_mask, d_mask, normalize=normalize, backward=backward)
+    out.sum().backward()
+    ref_fn(Q64, D64, q_mask, d_mask, normalize=normalize).sum().backward()
+    assert_close_to_reference(Q.grad, Q64.grad, grad_tol, "grad_Q (sum)")
+    assert_close_to_reference(D.grad, D64.grad, grad_tol, "grad_D (sum)")
+    return out

@@ -1,0 +1,322 @@
+"""Forward and gradients of maxsim / maxsim_pairs against the float64 reference, on both paths.
+
+Shapes are odd on purpose (Lq=7, Ld=13, d=96): nothing is a multiple of a tile, so every tail
+mask in the kernels is exercised.
+"""
+
+import pytest
+import torch
+from helpers import check_against_reference, leaf, masks_with_holes
+
+from fusedmaxsim import maxsim, maxsim_pairs
+from fusedmaxsim._configs import BwdConfig, FwdConfig, forced_configs
+from fusedmaxsim.reference import maxsim_ref
+
+LAYOUTS = {
+    # name: (Q shape, D shape)
+    "cross": ((3, 7, 96), (5, 13, 96)),
+    "candidates": ((3, 7, 96), (3, 4, 13, 96)),
+    "pairs": ((4, 7, 96), (4, 13, 96)),
+}
+
+
+def _problem(layout, dtype, device, masks=True):
+    q_shape, d_shape = LAYOUTS[layout]
+    Q = torch.randn(q_shape, device=device, dtype=dtype)
+    D = torch.randn(d_shape, device=device, dtype=dtype)
+    q_mask = masks_with_holes(q_shape[:-1], device) if masks else None
+    d_mask = masks_with_holes(d_shape[:-1], device) if masks else None
+    return Q, D, q_mask, d_mask
+
+
+@pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalize"])
+@pytest.mark.parametrize("strategy", ["unified", "lowmem"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_parity_with_masks(backend, device, layout, dtype, strategy, normalize):
+    Q, D, q_mask, d_mask = _problem(layout, dtype, device)
+    out = check_against_reference(
+        Q, D, q_mask, d_mask, normalize=normalize, backward=strategy, pairs=layout == "pairs"
+    )
+    # The fully masked first query (and first document) scores exactly 0.
+    assert torch.all(out[0] == 0)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_parity_without_masks(backend, device, layout):
+    Q, D, _, _ = _problem(layout, torch.float32, device, masks=False)
+    check_against_reference(Q, D, pairs=layout == "pairs")
+
+
+def test_bf16_parity(backend, device):
+    """bf16 in the interpreter runs with fp32 dots (its bf16 dot is wrong); the GPU suite covers real bf16."""
+    Q, D, q_mask, d_mask = _problem("cross", torch.bfloat16, device)
+    check_against_reference(Q, D, q_mask, d_mask, backward="lowmem")
+    check_against_reference(Q, D, q_mask, d_mask, backward="unified")
+
+
+@pytest.mark.parametrize(
+    "q_shape,d_shape,out_shape",
+    [
+        ((7, 32), (13, 32), ()),
+        ((7, 32), (5, 13, 32), (5,)),
+        ((3, 7, 32), (13, 32), (3,)),
+    ],
+)
+def test_two_dimensional_inputs_drop_their_axis(backend, device, q_shape, d_shape, out_shape):
+    Q = torch.randn(q_shape, device=device)
+    D = torch.randn(d_shape, device=device)
+    q_mask = torch.rand(q_shape[:-1], device=device) > 0.2
+    d_mask = torch.rand(d_shape[:-1], device=device) > 0.2
+    out = check_against_reference(Q, D, q_mask, d_mask)
+    assert out.shape == out_shape
+
+
+@pytest.mark.parametrize("Lq,Ld", [(1, 1), (1, 13), (7, 1), (16, 32), (17, 33)])
+def test_small_and_boundary_lengths(backend, device, Lq, Ld):
+    Q = torch.randn(2, Lq, 48, device=device)
+    D = torch.randn(3, Ld, 48, device=device)
+    check_against_reference(Q, D)
+
+
+def test_non_contiguous_inputs(backend, device):
+    """PyLate passes D[:, j] slices of a [B, N, Ld, d] stack; masks sliced the same way."""
+    stack = torch.randn(4, 3, 13, 64, device=device)
+    stack_mask = torch.rand(4, 3, 13, device=device) > 0.3
+    D, d_mask = stack[:, 1], stack_mask[:, 1]
+    Q = torch.randn(3, 64, 7, device=device).transpose(1, 2)  # d is not the fastest axis
+    q_mask = (torch.rand(7, 3, device=device) > 0.2).T
+    assert not D.is_contiguous() and Q.stride(-1) != 1 and not q_mask.is_contiguous()
+    check_against_reference(Q, D, q_mask, d_mask, backward="lowmem")
+    check_against_reference(Q, D, q_mask, d_mask, backward="unified")
+    Dc = torch.randn(3, 2, 13, 64, device=device)[:, :, :, :].transpose(1, 0).contiguous().transpose(1, 0)
+    check_against_reference(Q, Dc)
+
+
+@pytest.mark.parametrize(
+    "q_shape,d_shape,out_shape",
+    [
+        ((0, 7, 32), (5, 13, 32), (0, 5)),
+        ((3, 7, 32), (0, 13, 32), (3, 0)),
+        ((3, 7, 32), (3, 0, 13, 32), (3, 0)),
+        ((0, 7, 32), (0, 4, 13, 32), (0, 4)),
+    ],
+)
+def test_empty_batches(backend, device, q_shape, d_shape, out_shape):
+    Q = leaf(torch.randn(q_shape, device=device))
+    D = leaf(torch.randn(d_shape, device=device))
+    out = maxsim(Q, D)
+    assert out.shape == out_shape and out.dtype == torch.float32
+    out.sum().backward()
+    assert Q.grad.shape == Q.shape and D.grad.shape == D.shape
+
+
+@pytest.mark.parametrize("q_len,d_len", [(0, 13), (7, 0), (0, 0)])
+def test_zero_lengths_score_zero(backend, device, q_len, d_len):
+    Q = leaf(torch.randn(3, q_len, 32, device=device))
+    D = leaf(torch.randn(4, d_len, 32, device=device))
+    out = maxsim(Q, D)
+    assert out.shape == (3, 4) and torch.all(out == 0)
+    out.sum().backward()
+    assert torch.all(Q.grad == 0) and torch.all(D.grad == 0)
+
+
+@pytest.mark.parametrize("strategy", ["unified", "lowmem"])
+def test_fully_masked_rows_and_docs_get_exact_zero_gradient(backend, device, strategy):
+    Q = leaf(torch.randn(3, 7, 32, device=device))
+    D = leaf(torch.randn(4, 13, 32, device=device))
+    q_mask = torch.ones(3, 7, dtype=torch.bool, device=device)
+    d_mask = torch.ones(4, 13, dtype=torch.bool, device=device)
+    q_mask[1] = False
+    q_mask[2, 3] = False
+    d_mask[2] = False
+    d_mask[0, 5:] = False
+    out = maxsim(Q, D, q_mask, d_mask, backward=strategy)
+    assert torch.all(out[1] == 0) and torch.all(out[:, 2] == 0)
+    out.backward(torch.randn_like(out))
+    assert torch.all(Q.grad[1] == 0) and torch.all(Q.grad[2, 3] == 0)
+    assert torch.all(D.grad[2] == 0) and torch.all(D.grad[0, 5:] == 0)
+
+
+def test_mask_dtypes_nonzero_means_valid(backend, device):
+    Q = torch.randn(2, 7, 32, device=device)
+    D = torch.randn(3, 13, 32, device=device)
+    bool_mask = torch.rand(3, 13, device=device) > 0.4
+    expected = maxsim(Q, D, d_mask=bool_mask)
+    for mask in (bool_mask.float(), bool_mask.int(), bool_mask.to(torch.uint8), bool_mask * 0.5):
+        torch.testing.assert_close(maxsim(Q, D, d_mask=mask), expected, rtol=0, atol=0)
+
+
+def test_ties_go_to_the_lowest_index(backend, device):
+    """Three identical copies of the winning doc token: only the first one receives gradient."""
+    Q = leaf(torch.randn(1, 5, 32, device=device))
+    D = torch.randn(1, 9, 32, device=device)
+    D[0, 2] = D[0, 6] = D[0, 7] = Q[0].sum(0).detach() * 10  # wins for every query token
+    D = leaf(D)
+    out = maxsim(Q, D)
+    out.sum().backward()
+    assert D.grad[0, 2].abs().sum() > 0
+    assert torch.all(D.grad[0, 6] == 0) and torch.all(D.grad[0, 7] == 0)
+    torch.testing.assert_close(out, maxsim_ref(Q.double(), D.double()).float())
+
+
+def test_nan_propagates_only_from_valid_tokens(backend, device):
+    Q = torch.randn(2, 7, 32, device=device)
+    D = torch.randn(3, 13, 32, device=device)
+    D[1, 4, 0] = float("nan")
+    out = maxsim(Q, D)
+    assert torch.isnan(out[:, 1]).all() and not torch.isnan(out[:, [0, 2]]).any()
+    d_mask = torch.ones(3, 13, dtype=torch.bool, device=device)
+    d_mask[1, 4] = False
+    assert not torch.isnan(maxsim(Q, D, d_mask=d_mask)).any()
+    Q[1, 2, 5] = float("nan")
+    out = maxsim(Q, D, d_mask=d_mask)
+    assert torch.isnan(out[1]).all() and not torch.isnan(out[0]).any()
+
+
+def test_fp32_is_never_computed_in_half_precision(backend, device):
+    """Products far above fp16's 65504 must come out right."""
+    Q = torch.randn(2, 7, 32, device=device) * 300
+    D = torch.randn(3, 13, 32, device=device) * 300
+    check_against_reference(Q, D, tol=(1e-3, 1e-3))
+
+
+def test_mixed_dtypes_are_promoted_and_grads_keep_each_dtype(backend, device):
+    Q = torch.randn(2, 7, 32, device=device, dtype=torch.float16)
+    D = torch.randn(3, 13, 32, device=device, dtype=torch.float32)
+    Q, D = leaf(Q), leaf(D)
+    out = maxsim(Q, D)
+    torch.testing.assert_close(out, maxsim_ref(Q.double(), D.double()).float(), rtol=1e-3, atol=1e-3)
+    out.sum().backward()
+    assert Q.grad.dtype == torch.float16 and D.grad.dtype == torch.float32
+
+
+def test_candidates_equal_a_loop_over_cross_products(backend, device):
+    Q = torch.randn(3, 7, 32, device=device)
+    D = torch.randn(3, 4, 13, 32, device=device)
+    d_mask = masks_with_holes((3, 4, 13), device, fully_masked_first=False)
+    out = maxsim(Q, D, d_mask=d_mask)
+    for i in range(3):
+        torch.testing.assert_close(out[i], maxsim(Q[i : i + 1], D[i], d_mask=d_mask[i])[0])
+
+
+def test_pairs_equal_the_diagonal_of_the_cross_product(backend, device):
+    Q = torch.randn(4, 7, 32, device=device)
+    D = torch.randn(4, 13, 32, device=device)
+    d_mask = masks_with_holes((4, 13), device, fully_masked_first=False)
+    torch.testing.assert_close(maxsim_pairs(Q, D, d_mask=d_mask), maxsim(Q, D, d_mask=d_mask).diagonal())
+
+
+def test_lowmem_backward_is_bitwise_reproducible(backend, device):
+    Q, D, q_mask, d_mask = _problem("cross", torch.float32, device)
+    grads = []
+    for _ in range(2):
+        q, d = leaf(Q), leaf(D)
+        maxsim(q, d, q_mask, d_mask, backward="lowmem").sum().backward()
+        grads.append((q.grad, d.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+def test_deterministic_mode_picks_lowmem_and_refuses_unified(device):
+    from fusedmaxsim import settings
+
+    Q, D = leaf(torch.randn(2, 7, 32, device=device)), leaf(torch.randn(3, 13, 32, device=device))
+    torch.use_deterministic_algorithms(True)
+    try:
+        with settings.use_backend("triton"):
+            maxsim(Q, D).sum().backward()  # auto -> lowmem
+            with pytest.raises(RuntimeError, match="not deterministic"):
+                maxsim(Q, D, backward="unified").sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_no_argmax_is_saved_without_grad(backend, device, monkeypatch):
+    from fusedmaxsim import _ops
+
+    seen = []
+    real = _ops.maxsim_fwd_impl
+
+    def spy(*args):
+        seen.append(args[6])  # save_argmax
+        return real(*args)
+
+    monkeypatch.setattr(_ops, "maxsim_fwd_impl", spy)
+    Q = leaf(torch.randn(2, 7, 32, device=device))
+    D = leaf(torch.randn(3, 13, 32, device=device))
+    with torch.no_grad():
+        maxsim(Q, D)
+    with torch.inference_mode():
+        maxsim(Q, D)
+    maxsim(Q.detach(), D.detach())
+    maxsim(Q, D)
+    assert seen == [False, False, False, True]
+
+
+def test_only_the_needed_gradient_is_computed(backend, device, monkeypatch):
+    from fusedmaxsim import _ops
+
+    seen = []
+    real = _ops.maxsim_bwd_impl
+
+    def spy(*args):
+        seen.append((args[6], args[7]))  # need_grad_q, need_grad_d
+        return real(*args)
+
+    monkeypatch.setattr(_ops, "maxsim_bwd_impl", spy)
+    Q = leaf(torch.randn(2, 7, 32, device=device))
+    D = torch.randn(3, 13, 32, device=device)
+    maxsim(Q, D).sum().backward()
+    assert seen == [(True, False)] and Q.grad is not None
+
+
+def test_double_backward_is_refused_clearly(backend, device):
+    Q = leaf(torch.randn(2, 7, 32, device=device))
+    D = leaf(torch.randn(3, 13, 32, device=device))
+    (gq,) = torch.autograd.grad(maxsim(Q, D).sum(), Q, create_graph=True)
+    with pytest.raises(RuntimeError, match="twice|does not require grad"):
+        gq.sum().backward()
+
+
+def test_float64_runs_on_the_pytorch_path_and_passes_gradcheck(device):
+    from fusedmaxsim import settings
+
+    Q = torch.randn(2, 5, 8, device=device, dtype=torch.float64, requires_grad=True)
+    D = torch.randn(3, 6, 8, device=device, dtype=torch.float64, requires_grad=True)
+    q_mask = torch.rand(2, 5, device=device) > 0.2
+    with settings.use_backend("triton"):  # float64 still takes the exact PyTorch path
+        out = maxsim(Q, D, q_mask)
+    assert out.dtype == torch.float64
+    torch.autograd.gradcheck(lambda q, d: maxsim(q, d, q_mask), (Q, D))
+    torch.autograd.gradcheck(lambda q, d: maxsim(q, d, normalize=True), (Q, D))
+    Dc = torch.randn(2, 3, 6, 8, device=device, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(lambda q, d: maxsim(q, d), (Q, Dc))
+
+
+# Tile paths that the default configuration does not take on these shapes: queries longer than
+# one tile (the run-time chunk loop), several short queries packed into one tile, and a backward
+# whose query tokens span several blocks.
+FORCED = [
+    pytest.param(FwdConfig(16, 1, 16, 64, 4, 1), BwdConfig(16, 16, 64, 4, 1), 40, id="chunked-Lq40"),
+    pytest.param(FwdConfig(16, 2, 16, 64, 4, 1), BwdConfig(16, 16, 64, 4, 1), 7, id="packed-2-queries"),
+    pytest.param(FwdConfig(16, 4, 32, 64, 4, 1), BwdConfig(32, 32, 64, 4, 1), 13, id="packed-4-queries"),
+]
+
+
+@pytest.mark.parametrize("fwd,bwd,Lq", FORCED)
+@pytest.mark.parametrize("layout", ["cross", "candidates"])
+def test_forced_tile_paths(device, fwd, bwd, Lq, layout):
+    from fusedmaxsim import settings
+
+    Q = torch.randn(5, Lq, 64, device=device)
+    D = torch.randn(*((5, 3) if layout == "candidates" else (6,)), 29, 64, device=device)
+    q_mask = masks_with_holes(Q.shape[:-1], device)
+    d_mask = masks_with_holes(D.shape[:-1], device)
+    if layout == "candidates":
+        fwd = FwdConfig(fwd.lq_tile, 1, fwd.block_n, fwd.block_k, fwd.num_warps, fwd.num_stages)
+    with settings.use_backend("triton"), forced_configs(fwd, bwd):
+        chunked = check_against_reference(Q, D, q_mask, d_mask, backward="lowmem")
+        check_against_reference(Q, D, q_mask, d_mask, backward="unified")
+    with settings.use_backend("triton"):
+        unchunked = maxsim(Q, D, q_mask, d_mask)
+    torch.testing.assert_close(chunked, unchunked, rtol=1e-5, atol=1e-5)
