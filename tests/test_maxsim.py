@@ -297,9 +297,9 @@ def test_float64_runs_on_the_pytorch_path_and_passes_gradcheck(device):
 # one tile (the run-time chunk loop), several short queries packed into one tile, and a backward
 # whose query tokens span several blocks.
 FORCED = [
-    pytest.param(FwdConfig(16, 1, 16, 64, 4, 1), BwdConfig(16, 16, 64, 4, 1), 40, id="chunked-Lq40"),
-    pytest.param(FwdConfig(16, 2, 16, 64, 4, 1), BwdConfig(16, 16, 64, 4, 1), 7, id="packed-2-queries"),
-    pytest.param(FwdConfig(16, 4, 32, 64, 4, 1), BwdConfig(32, 32, 64, 4, 1), 13, id="packed-4-queries"),
+    pytest.param(FwdConfig(16, 1, 16, 64, 4, 1), BwdConfig(16, 16, 16, 64, 4, 1), 40, id="chunked-Lq40"),
+    pytest.param(FwdConfig(16, 2, 16, 64, 4, 1), BwdConfig(16, 16, 16, 64, 4, 1), 7, id="packed-2-queries"),
+    pytest.param(FwdConfig(16, 4, 32, 64, 4, 1), BwdConfig(32, 32, 32, 64, 4, 1), 13, id="packed-4-queries"),
 ]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 from collections.abc import Iterator
 
@@ -20,6 +21,10 @@ __all__ = ["FwdConfig", "BwdConfig", "fwd_config", "bwd_config", "forced_configs
 
 def is_interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. at import: so do we.
+INTERPRETER = is_interpreter()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +41,7 @@ class FwdConfig:
 class BwdConfig:
     block_s: int  # query tokens per program (gather) or per step (owned grad_D)
     block_t: int  # document tokens per program (owned grad_D)
+    block_r: int  # (query, token) rows per one-hot product (owned grad_D)
     block_k: int
     num_warps: int
     num_stages: int
@@ -64,8 +70,17 @@ def block_k_for(dim: int) -> int:
 def fwd_config(*, Lq: int, dim: int, Nq: int, per_query_docs: bool, elem_bytes: int) -> FwdConfig:
     if _forced_fwd is not None:
         return _forced_fwd
+    return _fwd_heuristic(
+        triton.next_power_of_2(max(Lq, 1)), dim, triton.next_power_of_2(max(Nq, 1)), per_query_docs,
+        elem_bytes, INTERPRETER,
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def _fwd_heuristic(
+    Lq: int, dim: int, Nq: int, per_query_docs: bool, elem_bytes: int, interp: bool
+) -> FwdConfig:
     block_k = block_k_for(dim)
-    interp = is_interpreter()
     # Rows of the Q tile kept on chip: 128 fills a Hopper tensor-core tile at d <= 128;
     # larger d keeps the Q tile near 32 KiB of shared memory.
     max_rows = 32 if interp else max(16, min(128, (32768 // elem_bytes) // block_k))
@@ -73,11 +88,10 @@ def fwd_config(*, Lq: int, dim: int, Nq: int, per_query_docs: bool, elem_bytes: 
     queries_per_block = 1
     if not per_query_docs and lq_tile < max_rows:
         queries_per_block = min(max_rows // lq_tile, triton.next_power_of_2(max(Nq, 1)))
-    block_m = lq_tile * queries_per_block
     if interp:
         return FwdConfig(lq_tile, queries_per_block, 32, block_k, 4, 1)
     block_n = 64 if block_k <= 128 else (32 if block_k <= 256 else 16)
-    num_warps = 8 if block_m >= 128 else 4
+    num_warps = 4  # measured on the H200: 8 warps were 10-25% slower at every shape (NOTES.md)
     num_stages = 3 if block_k <= 128 else 2
     return FwdConfig(lq_tile, queries_per_block, block_n, block_k, num_warps, num_stages)
 
@@ -86,8 +100,9 @@ def bwd_config(*, Lq: int, dim: int, elem_bytes: int) -> BwdConfig:
     if _forced_bwd is not None:
         return _forced_bwd
     block_k = block_k_for(dim)
-    if is_interpreter():
-        return BwdConfig(16, 32, block_k, 4, 1)
+    if INTERPRETER:
+        return BwdConfig(16, 32, 16, block_k, 4, 1)
     block_s = min(64, max(16, triton.next_power_of_2(max(Lq, 1))))
     block_t = 64 if block_k <= 128 else (32 if block_k <= 256 else 16)
-    return BwdConfig(block_s, block_t, block_k, 4, 2)
+    block_s = min(block_s, 32)
+    return BwdConfig(block_s, block_t, 128 if block_k <= 128 else 64, block_k, 4, 2)

@@ -31,9 +31,10 @@ Grid mapping
 * ``_maxsim_bwd_gather_kernel``: program ``(i, s-block, column split)`` gathers the winning document
   rows for ``grad_Q`` (row-owned) and, in the "unified" strategy, scatters ``g · Q`` rows into an
   fp32 ``grad_D`` buffer with atomics.
-* ``_maxsim_bwd_dd_kernel``: program ``(g, j, t-block)`` owns a tile of ``grad_D`` and adds, for each
-  query of the group, ``onehot(A == t)ᵀ @ Q`` (a 0/1 matrix, so the product is exact), scaled by
-  ``g[i, j]`` in fp32. No atomics: bitwise reproducible.
+* ``_maxsim_bwd_dd_kernel``: program ``(g, j, t-block)`` owns a tile of ``grad_D`` and adds
+  ``onehot(A == t)ᵀ @ (g · Q)`` over blocks of the group's (query, token) rows. No atomics:
+  bitwise reproducible. ``g · Q`` is rounded to the input dtype before the product, an error of
+  the same size as writing the gradient in that dtype.
 
 Caveats
 -------
@@ -63,6 +64,65 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _doc_tile(
+    b_q,
+    acc_max,
+    acc_arg,
+    start,
+    t_hi,
+    p_doc,
+    stride_doc_tok,
+    stride_doc_dim,
+    p_dmask,
+    stride_dmask_tok,
+    p_dinv,
+    stride_dinv_tok,
+    o_k,
+    m_k,
+    MASK_TAIL: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    HAS_D_MASK: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    TRACK_ARGMAX: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One document tile folded into the element-wise running max ``acc_max [BLOCK_M, BLOCK_N]``.
+
+    Keeping the max per (row, slot) and reducing over slots once per document costs one
+    max instruction per similarity, against a reduction with shuffles per tile.
+    """
+    o_t = start + tl.arange(0, BLOCK_N)
+    m_t = o_t < t_hi
+    p = p_doc + o_t[:, None] * stride_doc_tok + o_k[None, :] * stride_doc_dim
+    if MASK_TAIL:
+        b_d = tl.load(p, mask=m_t[:, None] & m_k[None, :], other=0.0)
+    elif EVEN_K:
+        b_d = tl.load(p)
+    else:
+        b_d = tl.load(p, mask=m_k[None, :], other=0.0)
+    b_s = _dot(b_q, tl.trans(b_d), DOT_PRECISION, UPCAST)  # [BLOCK_M, BLOCK_N] fp32
+    if NORMALIZE:
+        if MASK_TAIL:
+            b_s = b_s * tl.load(p_dinv + o_t * stride_dinv_tok, mask=m_t, other=0.0)[None, :]
+        else:
+            b_s = b_s * tl.load(p_dinv + o_t * stride_dinv_tok)[None, :]
+    if HAS_D_MASK:
+        if MASK_TAIL:
+            m_t = m_t & (tl.load(p_dmask + o_t * stride_dmask_tok, mask=m_t, other=0) != 0)
+        else:
+            m_t = tl.load(p_dmask + o_t * stride_dmask_tok) != 0
+    if HAS_D_MASK or MASK_TAIL:
+        b_s = tl.where(m_t[None, :], b_s, float("-inf"))
+    if TRACK_ARGMAX:
+        # Strict '>' keeps the earliest tile per slot: the lowest index among ties.
+        acc_arg = tl.where(b_s > acc_max, o_t[None, :], acc_arg)
+    acc_max = tl.maximum(acc_max, b_s, propagate_nan=tl.PropagateNan.ALL)
+    return acc_max, acc_arg
+
+
+@triton.jit
 def _doc_max(
     b_q,
     p_doc,
@@ -72,9 +132,11 @@ def _doc_max(
     stride_dmask_tok,
     p_dinv,
     stride_dinv_tok,
-    Ld,
+    t_lo,
+    t_hi,
     o_k,
     m_k,
+    EVEN_K: tl.constexpr,
     HAS_D_MASK: tl.constexpr,
     NORMALIZE: tl.constexpr,
     TRACK_ARGMAX: tl.constexpr,
@@ -83,34 +145,35 @@ def _doc_max(
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """The MaxSim inner loop: max (and lowest argmax) over one document of ``b_q``'s rows.
+    """The MaxSim inner loop: max (and lowest argmax) of ``b_q``'s rows over document tokens
+    ``[t_lo, t_hi)``. Every layout calls this one loop.
 
-    ``b_q [BLOCK_M, BLOCK_K]`` stays on chip; the document streams through in ``BLOCK_N`` tiles.
+    ``b_q [BLOCK_M, BLOCK_K]`` stays on chip; the document streams through in ``BLOCK_N`` tiles,
+    full tiles without bounds checks and the tail tile with them.
     Returns ``row_max [BLOCK_M]`` (``-inf`` where no valid token) and ``row_arg [BLOCK_M]``
     (int32, ``-1`` where no valid token; only meaningful when ``TRACK_ARGMAX``).
     """
-    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    row_arg = tl.full([BLOCK_M], -1, tl.int32)
-    for start in range(0, Ld, BLOCK_N):
-        o_t = start + tl.arange(0, BLOCK_N)
-        m_t = o_t < Ld
-        b_d = tl.load(
-            p_doc + o_t[:, None] * stride_doc_tok + o_k[None, :] * stride_doc_dim,
-            mask=m_t[:, None] & m_k[None, :],
-            other=0.0,
+    acc_max = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
+    acc_arg = tl.full([BLOCK_M, BLOCK_N], -1, tl.int32)
+    t_full = t_lo + (t_hi - t_lo) // BLOCK_N * BLOCK_N
+    for start in range(t_lo, t_full, BLOCK_N):
+        acc_max, acc_arg = _doc_tile(
+            b_q, acc_max, acc_arg, start, t_hi, p_doc, stride_doc_tok, stride_doc_dim, p_dmask,
+            stride_dmask_tok, p_dinv, stride_dinv_tok, o_k, m_k, False, EVEN_K, HAS_D_MASK,
+            NORMALIZE, TRACK_ARGMAX, BLOCK_N, DOT_PRECISION, UPCAST,
         )
-        b_s = _dot(b_q, tl.trans(b_d), DOT_PRECISION, UPCAST)  # [BLOCK_M, BLOCK_N] fp32
-        if NORMALIZE:
-            b_s = b_s * tl.load(p_dinv + o_t * stride_dinv_tok, mask=m_t, other=0.0)[None, :]
-        if HAS_D_MASK:
-            m_t = m_t & (tl.load(p_dmask + o_t * stride_dmask_tok, mask=m_t, other=0) != 0)
-        b_s = tl.where(m_t[None, :], b_s, float("-inf"))
-        tile_max = tl.reduce(b_s, 1, _max_propagate_nan)
-        if TRACK_ARGMAX:
-            # Lowest index reaching the tile max; strict '>' across tiles keeps the earliest tile.
-            tile_arg = tl.min(tl.where(b_s == tile_max[:, None], o_t[None, :], Ld), axis=1)
-            row_arg = tl.where(tile_max > row_max, tile_arg, row_arg)
-        row_max = tl.maximum(row_max, tile_max, propagate_nan=tl.PropagateNan.ALL)
+    if t_full < t_hi:
+        acc_max, acc_arg = _doc_tile(
+            b_q, acc_max, acc_arg, t_full, t_hi, p_doc, stride_doc_tok, stride_doc_dim, p_dmask,
+            stride_dmask_tok, p_dinv, stride_dinv_tok, o_k, m_k, True, EVEN_K, HAS_D_MASK,
+            NORMALIZE, TRACK_ARGMAX, BLOCK_N, DOT_PRECISION, UPCAST,
+        )
+    row_max = tl.reduce(acc_max, 1, _max_propagate_nan)
+    row_arg = tl.full([BLOCK_M], -1, tl.int32)
+    if TRACK_ARGMAX:
+        no_slot = 2147483647
+        row_arg = tl.min(tl.where(acc_max == row_max[:, None], acc_arg, no_slot), axis=1)
+        row_arg = tl.where((row_arg == no_slot) | (row_max == float("-inf")), -1, row_arg)
     return row_max, row_arg
 
 
@@ -157,6 +220,7 @@ def _maxsim_fwd_kernel(
     QUERIES_PER_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -192,7 +256,8 @@ def _maxsim_fwd_kernel(
         )
         row_max, row_arg = _doc_max(
             b_q, p_doc, stride_d_tok, stride_d_dim, p_dmask, stride_dm_tok, p_dinv, stride_dinv_tok,
-            Ld, o_k, m_k, HAS_D_MASK, NORMALIZE, SAVE_ARGMAX, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST,
+            0, Ld, o_k, m_k, EVEN_K, HAS_D_MASK, NORMALIZE, SAVE_ARGMAX, BLOCK_M, BLOCK_N,
+            DOT_PRECISION, UPCAST,
         )
         contrib = tl.where(row_max == float("-inf"), 0.0, row_max)
         if NORMALIZE:
@@ -343,11 +408,17 @@ def _maxsim_bwd_dd_kernel(
     PER_QUERY_DOCS: tl.constexpr,
     NORMALIZE: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
+    """Document-owned ``grad_D``: ``grad_D[g, j, t-tile] = onehot(A == t)ᵀ @ (g · Q)`` over rows.
+
+    The rows are the group's (query, query token) pairs, flattened so that one product covers
+    ``BLOCK_R`` of them whatever the query length. ``g · Q`` is rounded to the input dtype
+    before the product (the one-hot side is exact).
+    """
     pid = tl.program_id(0).to(tl.int64)
     i_grp = pid // Ncols
     i_col = pid % Ncols
@@ -358,31 +429,31 @@ def _maxsim_bwd_dd_kernel(
     o_k = tl.arange(0, BLOCK_K)
     m_k = o_k < dim
     if PER_QUERY_DOCS:
-        q_lo = i_grp
-        q_hi = i_grp + 1
+        r_lo = i_grp * Lq
+        r_hi = r_lo + Lq
     else:
-        q_lo = 0
-        q_hi = Nq
+        r_lo = 0
+        r_hi = Nq * Lq
 
     acc = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
-    for i_q in range(q_lo, q_hi):
-        g = tl.load(Grad + i_q * stride_g_seq + i_col * stride_g_col).to(tl.float32)
-        part = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
-        for s0 in range(0, Lq, BLOCK_S):
-            o_s = s0 + tl.arange(0, BLOCK_S)
-            m_s = o_s < Lq
-            idx = tl.load(Argmax + (i_q * Ncols + i_col) * Lq + o_s, mask=m_s, other=-1)
-            b_q = tl.load(
-                Q + i_q * stride_q_seq + o_s[:, None] * stride_q_tok + o_k[None, :] * stride_q_dim,
-                mask=m_s[:, None] & m_k[None, :],
-                other=0.0,
-            )
-            if NORMALIZE:
-                q_inv = tl.load(QInv + i_q * stride_qinv_seq + o_s * stride_qinv_tok, mask=m_s, other=0.0)
-                b_q = (b_q.to(tl.float32) * q_inv[:, None]).to(Q.dtype.element_ty)
-            onehot = tl.where(idx[:, None] == o_t[None, :], 1.0, 0.0).to(Q.dtype.element_ty)  # [BLOCK_S, BLOCK_T]
-            part += _dot(tl.trans(onehot), b_q, DOT_PRECISION, UPCAST)
-        acc += g * part
+    for r0 in range(r_lo, r_hi, BLOCK_R):
+        o_r = r0 + tl.arange(0, BLOCK_R)
+        m_r = o_r < r_hi
+        o_q = (o_r // Lq).to(tl.int64)
+        o_s = o_r % Lq
+        idx = tl.load(Argmax + (o_q * Ncols + i_col) * Lq + o_s, mask=m_r, other=-1)
+        g = tl.load(Grad + o_q * stride_g_seq + i_col * stride_g_col, mask=m_r, other=0.0).to(tl.float32)
+        if NORMALIZE:
+            g = g * tl.load(QInv + o_q * stride_qinv_seq + o_s * stride_qinv_tok, mask=m_r, other=0.0)
+        b_q = tl.load(
+            Q + o_q[:, None] * stride_q_seq + o_s[:, None] * stride_q_tok + o_k[None, :] * stride_q_dim,
+            mask=(m_r & (idx >= 0))[:, None] & m_k[None, :],
+            other=0.0,
+        )
+        b_w = (b_q.to(tl.float32) * g[:, None]).to(Q.dtype.element_ty)  # [BLOCK_R, BLOCK_K]
+        # Built transposed, [BLOCK_T, BLOCK_R], so the product needs no layout shuffle.
+        onehot_t = tl.where(o_t[:, None] == idx[None, :], 1.0, 0.0).to(Q.dtype.element_ty)
+        acc += _dot(onehot_t, b_w, DOT_PRECISION, UPCAST)
 
     tl.store(
         GradD + i_grp * stride_gd_grp + i_col * stride_gd_col + o_t[:, None] * stride_gd_tok

@@ -26,10 +26,14 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# Read once: the test suite sets it before importing the package.
+_POISON = os.environ.get("FUSEDMAXSIM_POISON_OUTPUTS") == "1"
+
+
 def _empty(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
     """``torch.empty``, poisoned when ``FUSEDMAXSIM_POISON_OUTPUTS=1`` so tests catch unwritten outputs."""
     out = torch.empty(shape, dtype=dtype, device=device)
-    if os.environ.get("FUSEDMAXSIM_POISON_OUTPUTS") == "1":
+    if _POISON:
         out.fill_(float("nan") if dtype.is_floating_point else -7)
     return out
 
@@ -39,7 +43,7 @@ def _dot_precision(dtype: torch.dtype, fp32_precision: str) -> str:
 
 
 def _upcast(dtype: torch.dtype) -> bool:
-    return _configs.is_interpreter() and dtype == torch.bfloat16
+    return _configs.INTERPRETER and dtype == torch.bfloat16
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,26 +93,42 @@ def maxsim_fwd(
     cfg = _configs.fwd_config(
         Lq=Lq, dim=dim, Nq=Nq, per_query_docs=per_query_docs, elem_bytes=Q.element_size()
     )
-    qm, dm = _as_bytes(q_mask), _as_bytes(d_mask)
     qpb = cfg.queries_per_block
-    # grid axis 1 is capped at 65535 blocks: launch query slices of at most that many blocks.
-    queries_per_launch = _MAX_GRID_Y * qpb
-    for q0 in range(0, Nq, queries_per_launch):
-        q1 = min(Nq, q0 + queries_per_launch)
-        sl = slice(q0, q1)
-        Qs = Q[sl]
-        Ds = D[sl] if per_query_docs else D
-        qms = None if qm is None else qm[sl]
-        dms = dm[sl] if dm is not None and per_query_docs else dm
-        qis = None if q_inv is None else q_inv[sl]
-        dis = d_inv[sl] if d_inv is not None and per_query_docs else d_inv
-        out = scores[sl]
-        arg = argmax[sl] if save_argmax else argmax
-        grid = (Ncols, _cdiv(q1 - q0, qpb))
-        _maxsim_fwd_kernel[grid](
+    constants = dict(
+        HAS_Q_MASK=q_mask is not None,
+        HAS_D_MASK=d_mask is not None,
+        NORMALIZE=q_inv is not None,
+        SAVE_ARGMAX=save_argmax,
+        PER_QUERY_DOCS=per_query_docs,
+        LQ_TILE=cfg.lq_tile,
+        QUERIES_PER_BLOCK=qpb,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        EVEN_K=dim == cfg.block_k,
+        DOT_PRECISION=_dot_precision(Q.dtype, fp32_precision),
+        UPCAST=_upcast(Q.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    qm, dm = _as_bytes(q_mask), _as_bytes(d_mask)
+    # Grid axis 1 holds at most 65535 blocks: larger query batches go in slices.
+    step = _MAX_GRID_Y * qpb
+    for q0 in range(0, Nq, step):
+        sl = slice(q0, min(Nq, q0 + step))
+        whole = q0 == 0 and Nq <= step
+        Qs = Q if whole else Q[sl]
+        Ds = D[sl] if per_query_docs and not whole else D
+        qms = qm if qm is None or whole else qm[sl]
+        dms = dm[sl] if dm is not None and per_query_docs and not whole else dm
+        qis = q_inv if q_inv is None or whole else q_inv[sl]
+        dis = d_inv[sl] if d_inv is not None and per_query_docs and not whole else d_inv
+        out = scores if whole else scores[sl]
+        arg = argmax[sl] if save_argmax and not whole else argmax
+        n = Qs.shape[0]
+        _maxsim_fwd_kernel[(Ncols, _cdiv(n, qpb))](
             Qs, Ds, Qs if qms is None else qms, Ds if dms is None else dms,
             Qs if qis is None else qis, Ds if dis is None else dis, out, arg,
-            q1 - q0, Ncols, Lq, Ld, dim,
+            n, Ncols, Lq, Ld, dim,
             *Qs.stride(),
             *_doc_strides(Ds, per_query_docs),
             *(qms.stride() if qms is not None else (0, 0)),
@@ -116,19 +136,7 @@ def maxsim_fwd(
             *(qis.stride() if qis is not None else (0, 0)),
             *_doc_strides(dis, per_query_docs),
             *out.stride(),
-            HAS_Q_MASK=qms is not None,
-            HAS_D_MASK=dms is not None,
-            NORMALIZE=qis is not None,
-            SAVE_ARGMAX=save_argmax,
-            PER_QUERY_DOCS=per_query_docs,
-            LQ_TILE=cfg.lq_tile,
-            QUERIES_PER_BLOCK=qpb,
-            BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k,
-            DOT_PRECISION=_dot_precision(Q.dtype, fp32_precision),
-            UPCAST=_upcast(Q.dtype),
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            **constants,
         )
     return scores, argmax
 
@@ -233,7 +241,7 @@ def maxsim_bwd(
             PER_QUERY_DOCS=per_query_docs,
             NORMALIZE=normalize,
             BLOCK_T=cfg.block_t,
-            BLOCK_S=cfg.block_s,
+            BLOCK_R=cfg.block_r,
             BLOCK_K=cfg.block_k,
             DOT_PRECISION=_dot_precision(Q.dtype, fp32_precision),
             UPCAST=_upcast(Q.dtype),

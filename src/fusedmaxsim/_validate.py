@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from . import settings
-from ._configs import is_interpreter
+from ._configs import INTERPRETER
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 BACKWARD_STRATEGIES = ("auto", "unified", "lowmem")
@@ -127,7 +127,7 @@ def select_backend(t: Tensor) -> str:
     wanted = settings.backend()
     if t.dtype == torch.float64:
         return "torch"  # exact float64 stays on the PyTorch path, on every device
-    runnable = triton_available() and (t.is_cuda or (t.device.type == "cpu" and is_interpreter()))
+    runnable = triton_available() and (t.is_cuda or (t.device.type == "cpu" and INTERPRETER))
     if wanted == "torch":
         return "torch"
     if wanted == "triton":

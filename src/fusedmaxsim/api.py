@@ -49,10 +49,11 @@ def _run(p: Problem, normalize: bool, strategy: str) -> Tensor:
     save_argmax = torch.is_grad_enabled() and (p.Q.requires_grad or p.D.requires_grad)
     q_inv = _inverse_norms(p.Q) if normalize else None
     d_inv = _inverse_norms(p.D) if normalize else None
-    return _ops.maxsim_scores(
-        p.Q, p.D, p.q_mask, p.d_mask, q_inv, d_inv, save_argmax, backend,
-        settings.fp32_precision(), strategy,
-    )
+    args = (p.Q, p.D, p.q_mask, p.d_mask, q_inv, d_inv, save_argmax, backend,
+            settings.fp32_precision(), strategy)
+    if not save_argmax and not torch.compiler.is_compiling():
+        return _ops.maxsim_fwd_impl(*args)[0]  # inference: no autograd node, no dispatcher
+    return _ops.maxsim_scores(*args)
 
 
 def maxsim(

@@ -1,0 +1,158 @@
+"""GPU suite (``pytest -m gpu``): real bf16/fp16/fp32 kernels, compile, opcheck and large shapes.
+
+Bounds are ``max|out − ref| / max|ref|`` against float64: 2e-2 for bf16 and 5e-3 for fp16, on
+scores and gradients alike, as the main peer's tests enforce.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import check_against_reference, leaf, masks_with_holes
+
+from fusedmaxsim import maxsim, maxsim_pairs, settings
+from fusedmaxsim.reference import maxsim_ref
+from fusedmaxsim.testing import assert_close_to_reference
+
+pytestmark = pytest.mark.gpu
+
+BOUNDS = {torch.bfloat16: (2e-2, 2e-2), torch.float16: (5e-3, 5e-3)}
+
+SHAPES = {
+    "cross-odd": ((3, 7, 96), (5, 13, 96)),
+    "cross-colbert": ((16, 32, 128), (24, 300, 128)),
+    "cross-packed-lq5": ((37, 5, 64), (9, 77, 64)),
+    "candidates": ((6, 33, 128), (6, 5, 200, 128)),
+    "cross-d320": ((4, 20, 320), (6, 50, 320)),
+}
+
+
+@pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalize"])
+@pytest.mark.parametrize("strategy", ["unified", "lowmem"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_half_precision_parity(shape, dtype, strategy, normalize):
+    q_shape, d_shape = SHAPES[shape]
+    Q = torch.randn(q_shape, device="cuda", dtype=dtype)
+    D = torch.randn(d_shape, device="cuda", dtype=dtype)
+    q_mask = masks_with_holes(q_shape[:-1], "cuda")
+    d_mask = masks_with_holes(d_shape[:-1], "cuda")
+    check_against_reference(Q, D, q_mask, d_mask, normalize=normalize, backward=strategy, tol=BOUNDS[dtype])
+
+
+@pytest.mark.parametrize("strategy", ["unified", "lowmem"])
+def test_pairs_parity(strategy):
+    Q = torch.randn(9, 31, 128, device="cuda", dtype=torch.bfloat16)
+    D = torch.randn(9, 250, 128, device="cuda", dtype=torch.bfloat16)
+    check_against_reference(Q, D, pairs=True, backward=strategy, tol=BOUNDS[torch.bfloat16])
+
+
+def test_fp32_ieee_is_exact_and_tf32_is_close():
+    Q = torch.randn(4, 37, 128, device="cuda")
+    D = torch.randn(6, 123, 128, device="cuda")
+    with settings.use_fp32_precision("ieee"):
+        check_against_reference(Q, D, tol=(1e-5, 1e-5))
+        check_against_reference(Q * 300, D * 300, tol=(1e-5, 1e-5))  # far above fp16's range
+    ref = maxsim_ref(Q.double(), D.double())
+    assert_close_to_reference(maxsim(Q, D), ref, 2e-3, "tf32 scores")
+
+
+def test_nan_and_fully_masked_on_gpu():
+    Q = leaf(torch.randn(3, 40, 128, device="cuda", dtype=torch.bfloat16))
+    D = torch.randn(4, 300, 128, device="cuda", dtype=torch.bfloat16)
+    D[1, 200, 3] = float("nan")
+    D = leaf(D)
+    d_mask = torch.ones(4, 300, dtype=torch.bool, device="cuda")
+    d_mask[2] = False
+    q_mask = torch.ones(3, 40, dtype=torch.bool, device="cuda")
+    q_mask[0] = False
+    out = maxsim(Q, D, q_mask, d_mask)
+    assert torch.isnan(out[1:, 1]).all() and torch.all(out[0] == 0) and torch.all(out[:, 2] == 0)
+    assert not torch.isnan(out[1:, [0, 3]]).any()
+
+
+def test_lowmem_is_bitwise_reproducible_on_gpu():
+    Q = torch.randn(64, 32, 128, device="cuda", dtype=torch.bfloat16)
+    D = torch.randn(64, 300, 128, device="cuda", dtype=torch.bfloat16)
+    grads = []
+    for _ in range(3):
+        q, d = leaf(Q), leaf(D)
+        maxsim(q, d, backward="lowmem").backward(torch.ones(64, 64, device="cuda"))
+        grads.append((q.grad, d.grad))
+    for q_grad, d_grad in grads[1:]:
+        assert torch.equal(q_grad, grads[0][0]) and torch.equal(d_grad, grads[0][1])
+
+
+@pytest.mark.parametrize(
+    "q_shape,d_shape",
+    [
+        pytest.param((2, 1030, 128), (8, 1030, 128), id="Lq1030"),
+        pytest.param((4, 32, 128), (6, 8192, 128), id="Ld8192"),
+        pytest.param((128, 128, 128), (128, 1024, 128), id="colpali-128x128"),
+    ],
+)
+def test_large_shapes(q_shape, d_shape):
+    Q = F.normalize(torch.randn(q_shape, device="cuda"), dim=-1).bfloat16()
+    D = F.normalize(torch.randn(d_shape, device="cuda"), dim=-1).bfloat16()
+    check_against_reference(Q, D, tol=BOUNDS[torch.bfloat16])
+
+
+def test_torch_compile_fullgraph_training_step():
+    torch._dynamo.reset()
+    proj = torch.nn.Linear(64, 128, device="cuda", dtype=torch.bfloat16)
+
+    def step(q_in, d_in, d_mask):
+        Q = F.normalize(proj(q_in), dim=-1)
+        D = F.normalize(proj(d_in), dim=-1)
+        scores = maxsim(Q, D, d_mask=d_mask)
+        return F.cross_entropy(scores / 0.05, torch.arange(scores.shape[0], device="cuda"))
+
+    q_in = torch.randn(8, 32, 64, device="cuda", dtype=torch.bfloat16)
+    d_in = torch.randn(8, 180, 64, device="cuda", dtype=torch.bfloat16)
+    d_mask = torch.rand(8, 180, device="cuda") > 0.2
+    compiled = torch.compile(step, fullgraph=True)
+    loss = compiled(q_in, d_in, d_mask)
+    loss.backward()
+    compiled_grad = proj.weight.grad.clone()
+    proj.weight.grad = None
+    step(q_in, d_in, d_mask).backward()
+    torch.testing.assert_close(compiled_grad.float(), proj.weight.grad.float(), rtol=3e-2, atol=3e-2)
+
+
+def test_opcheck_triton_ops():
+    from fusedmaxsim import _ops
+
+    Q = torch.randn(3, 20, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    D = torch.randn(4, 50, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    d_mask = torch.rand(4, 50, device="cuda") > 0.2
+    args = (Q, D, None, d_mask, None, None, True, "triton", "tf32", "lowmem")
+    torch.library.opcheck(_ops.maxsim_fwd, args)
+    scores, argmax = _ops.maxsim_fwd(*args)
+    grad = torch.randn_like(scores)
+    torch.library.opcheck(
+        _ops.maxsim_bwd,
+        (grad, Q.detach(), D.detach(), argmax, None, None, True, True, "lowmem", False, "triton", "tf32"),
+    )
+
+
+def test_training_memory_stays_near_the_floor():
+    """lowmem: gradients in bf16 plus the argmax, and little else (the peers: 108-116 MiB)."""
+    Q = leaf(F.normalize(torch.randn(128, 128, 128, device="cuda"), dim=-1).bfloat16())
+    D = leaf(F.normalize(torch.randn(128, 1024, 128, device="cuda"), dim=-1).bfloat16())
+    grad = torch.randn(128, 128, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    maxsim(Q, D, backward="lowmem").backward(grad)
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - before) / 2**20
+    floor = (Q.numel() + D.numel()) * 2 / 2**20 + 128 * 128 * 128 * 4 / 2**20
+    assert peak <= 1.25 * floor + 1, f"peak {peak:.1f} MiB above the inputs, floor {floor:.1f} MiB"
+
+
+def test_pairs_and_candidates_agree_with_cross_on_gpu():
+    Q = torch.randn(5, 32, 128, device="cuda", dtype=torch.bfloat16)
+    D = torch.randn(5, 100, 128, device="cuda", dtype=torch.bfloat16)
+    cross = maxsim(Q, D)
+    torch.testing.assert_close(maxsim_pairs(Q, D), cross.diagonal())
+    cand = maxsim(Q, D.unsqueeze(0).expand(5, 5, 100, 128))
+    torch.testing.assert_close(cand, cross)
