@@ -50,15 +50,21 @@ def test_forcing_triton_where_it_cannot_run():
 def test_unknown_settings_are_refused(monkeypatch):
     with pytest.raises(ValueError, match="must be one of"):
         settings.set_backend("cuda")
-    monkeypatch.setenv("FUSEDMAXSIM_BACKEND", "gpu")
-    with pytest.raises(ValueError, match="FUSEDMAXSIM_BACKEND"):
-        maxsim(Q, D)
-    monkeypatch.delenv("FUSEDMAXSIM_BACKEND")
     with pytest.raises(ValueError, match="tf32"):
         settings.set_fp32_precision("fp16")
-    monkeypatch.setenv("FUSEDMAXSIM_TORCH_BLOCK_MB", "lots")
-    with pytest.raises(ValueError, match="FUSEDMAXSIM_TORCH_BLOCK_MB"):
-        settings.torch_block_bytes()
+    try:
+        monkeypatch.setenv("FUSEDMAXSIM_BACKEND", "gpu")
+        settings.reload()
+        with pytest.raises(ValueError, match="FUSEDMAXSIM_BACKEND"):
+            maxsim(Q, D)
+        monkeypatch.delenv("FUSEDMAXSIM_BACKEND")
+        monkeypatch.setenv("FUSEDMAXSIM_TORCH_BLOCK_MB", "lots")
+        settings.reload()
+        with pytest.raises(ValueError, match="FUSEDMAXSIM_TORCH_BLOCK_MB"):
+            settings.torch_block_bytes()
+    finally:
+        monkeypatch.undo()
+        settings.reload()
 
 
 def test_settings_scopes_restore_the_previous_value():

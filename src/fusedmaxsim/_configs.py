@@ -92,17 +92,22 @@ def _fwd_heuristic(
         return FwdConfig(lq_tile, queries_per_block, 32, block_k, 4, 1)
     block_n = 64 if block_k <= 128 else (32 if block_k <= 256 else 16)
     num_warps = 4  # measured on the H200: 8 warps were 10-25% slower at every shape (NOTES.md)
-    num_stages = 3 if block_k <= 128 else 2
+    # Packed short queries: 2 stages measured 5-20% faster (NOTES.md).
+    num_stages = 2 if queries_per_block > 1 or block_k > 128 else 3
     return FwdConfig(lq_tile, queries_per_block, block_n, block_k, num_warps, num_stages)
 
 
-def bwd_config(*, Lq: int, dim: int, elem_bytes: int) -> BwdConfig:
+def bwd_config(*, Lq: int, dim: int, elem_bytes: int, per_query_docs: bool = False) -> BwdConfig:
     if _forced_bwd is not None:
         return _forced_bwd
     block_k = block_k_for(dim)
     if INTERPRETER:
         return BwdConfig(16, 32, 16, block_k, 4, 1)
-    block_s = min(64, max(16, triton.next_power_of_2(max(Lq, 1))))
+    # Measured on the H200 (benchmarks/NOTES.md): 32-token gather blocks; one-hot products over
+    # 128 flattened rows when many queries share a document, over the query itself otherwise.
+    block_s = min(32, max(16, triton.next_power_of_2(max(Lq, 1))))
     block_t = 64 if block_k <= 128 else (32 if block_k <= 256 else 16)
-    block_s = min(block_s, 32)
-    return BwdConfig(block_s, block_t, 128 if block_k <= 128 else 64, block_k, 4, 2)
+    block_r = 128 if block_k <= 128 else 64
+    if per_query_docs:
+        block_r = min(64, max(16, triton.next_power_of_2(max(Lq, 1))))
+    return BwdConfig(block_s, block_t, block_r, block_k, 4, 2)

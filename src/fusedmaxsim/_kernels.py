@@ -199,18 +199,6 @@ def _maxsim_fwd_kernel(
     stride_d_col,
     stride_d_tok,
     stride_d_dim,
-    stride_qm_seq,
-    stride_qm_tok,
-    stride_dm_grp,
-    stride_dm_col,
-    stride_dm_tok,
-    stride_qinv_seq,
-    stride_qinv_tok,
-    stride_dinv_grp,
-    stride_dinv_col,
-    stride_dinv_tok,
-    stride_out_seq,
-    stride_out_col,
     HAS_Q_MASK: tl.constexpr,
     HAS_D_MASK: tl.constexpr,
     NORMALIZE: tl.constexpr,
@@ -236,10 +224,13 @@ def _maxsim_fwd_kernel(
     m_k = o_k < dim
 
     # Per-query candidates have one query per block, and that query owns the document group.
+    # Masks, inverse norms and outputs are contiguous (the launcher makes them so): their
+    # strides follow from the shapes, which keeps the launch short.
     i_grp = i_blk if PER_QUERY_DOCS else 0
     p_doc = D + i_grp * stride_d_grp + i_col * stride_d_col
-    p_dmask = DMask + i_grp * stride_dm_grp + i_col * stride_dm_col
-    p_dinv = DInv + i_grp * stride_dinv_grp + i_col * stride_dinv_col
+    doc_row = (i_grp * Ncols + i_col) * Ld if PER_QUERY_DOCS else i_col * Ld
+    p_dmask = DMask + doc_row
+    p_dinv = DInv + doc_row
 
     acc = tl.zeros([QUERIES_PER_BLOCK], tl.float32)
     for chunk in range(0, Lq, LQ_TILE):
@@ -247,7 +238,7 @@ def _maxsim_fwd_kernel(
         m_row = m_query & (o_s < Lq)
         m_valid = m_row
         if HAS_Q_MASK:
-            qm = tl.load(QMask + o_query * stride_qm_seq + o_s * stride_qm_tok, mask=m_row, other=0)
+            qm = tl.load(QMask + o_query * Lq + o_s, mask=m_row, other=0)
             m_valid = m_valid & (qm != 0)
         b_q = tl.load(
             Q + o_query[:, None] * stride_q_seq + o_s[:, None] * stride_q_tok + o_k[None, :] * stride_q_dim,
@@ -255,13 +246,13 @@ def _maxsim_fwd_kernel(
             other=0.0,
         )
         row_max, row_arg = _doc_max(
-            b_q, p_doc, stride_d_tok, stride_d_dim, p_dmask, stride_dm_tok, p_dinv, stride_dinv_tok,
+            b_q, p_doc, stride_d_tok, stride_d_dim, p_dmask, 1, p_dinv, 1,
             0, Ld, o_k, m_k, EVEN_K, HAS_D_MASK, NORMALIZE, SAVE_ARGMAX, BLOCK_M, BLOCK_N,
             DOT_PRECISION, UPCAST,
         )
         contrib = tl.where(row_max == float("-inf"), 0.0, row_max)
         if NORMALIZE:
-            q_inv = tl.load(QInv + o_query * stride_qinv_seq + o_s * stride_qinv_tok, mask=m_valid, other=0.0)
+            q_inv = tl.load(QInv + o_query * Lq + o_s, mask=m_valid, other=0.0)
             contrib = contrib * q_inv
         contrib = tl.where(m_valid, contrib, 0.0)
         acc += tl.sum(tl.reshape(contrib, (QUERIES_PER_BLOCK, LQ_TILE)), axis=1)
@@ -270,7 +261,7 @@ def _maxsim_fwd_kernel(
             tl.store(Argmax + (o_query * Ncols + i_col) * Lq + o_s, arg, mask=m_row)
 
     o_out = i_blk * QUERIES_PER_BLOCK + tl.arange(0, QUERIES_PER_BLOCK)
-    tl.store(Out + o_out * stride_out_seq + i_col * stride_out_col, acc, mask=o_out < Nq)
+    tl.store(Out + o_out * Ncols + i_col, acc, mask=o_out < Nq)
 
 
 @triton.jit(do_not_specialize=["Nq", "Ncols", "Lq", "Ld", "cols_per_split"])

@@ -17,7 +17,7 @@ from torch import Tensor
 from . import _configs
 from ._kernels import _maxsim_bwd_dd_kernel, _maxsim_bwd_gather_kernel, _maxsim_fwd_kernel
 
-__all__ = ["maxsim_fwd", "maxsim_bwd"]
+__all__ = ["maxsim_fwd", "maxsim_bwd", "launcher"]
 
 _MAX_GRID_Y = 65535
 
@@ -36,6 +36,112 @@ def _empty(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
     if _POISON:
         out.fill_(float("nan") if dtype.is_floating_point else -7)
     return out
+
+
+class _CachedLauncher:
+    """Launch a ``@triton.jit`` kernel through Triton once per specialization, then directly.
+
+    Triton's own launch path re-derives the specialization of every argument on every call, about
+    25 µs for our 20-argument kernels: more than the GPU time of a small MaxSim. The first call of
+    each specialization goes through Triton (which compiles and returns the compiled kernel); later
+    calls with the same key call the compiled kernel's launcher exactly as Triton does. The key
+    holds what Triton specializes on: dtypes, 16-byte alignment of pointers, integers equal to 1,
+    divisible by 16 or beyond 32 bits, the constexprs and the launch options.
+    ``FUSEDMAXSIM_TRITON_FAST_LAUNCH=0`` turns the shortcut off.
+    """
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        params = getattr(kernel, "params", None)
+        self.enabled = (
+            params is not None
+            and not _configs.INTERPRETER
+            and os.environ.get("FUSEDMAXSIM_TRITON_FAST_LAUNCH", "1") != "0"
+        )
+        if self.enabled:
+            self.unspecialized = frozenset(i for i, p in enumerate(params) if p.do_not_specialize)
+            self.constexpr_names = tuple(p.name for p in params if p.is_constexpr)
+        self.compiled: dict = {}
+
+    def _key(self, args) -> tuple:
+        key = []
+        for i, a in enumerate(args):
+            if isinstance(a, Tensor):
+                key.append((a.dtype, a.data_ptr() % 16 == 0))
+            elif i in self.unspecialized:
+                key.append(-(2**31) <= a < 2**31)
+            else:
+                key.append((a == 1, a % 16 == 0, -(2**31) <= a < 2**31))
+        return tuple(key)
+
+    def __call__(self, grid, args: tuple, constants: "Constants") -> None:
+        if not self.enabled:
+            self.kernel[grid](*args, **constants.kwargs)
+            return
+        device = args[0].device.index
+        key = (device, constants.key, self._key(args))
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            compiled = self.kernel[grid](*args, **constants.kwargs)
+            if compiled is not None and hasattr(compiled, "run"):
+                self.compiled[key] = compiled
+            return
+        from triton import knobs
+
+        bound = (*args, *constants.values_for(self.constexpr_names))
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        grid = (*grid, 1, 1)
+        compiled.run(
+            grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
+            compiled.launch_metadata(grid, stream, *bound), knobs.runtime.launch_enter_hook,
+            knobs.runtime.launch_exit_hook, *bound,
+        )
+
+
+class Constants:
+    """A kernel's constexprs and launch options, hashed once (built through :func:`constants`)."""
+
+    def __init__(self, items: tuple):
+        self.key = items
+        self.kwargs = dict(items)
+        self._values: dict = {}
+
+    def values_for(self, names: tuple) -> tuple:
+        found = self._values.get(names)
+        if found is None:
+            found = self._values[names] = tuple(self.kwargs[name] for name in names)
+        return found
+
+
+@functools.lru_cache(maxsize=4096)
+def _constants(items: tuple) -> Constants:
+    return Constants(items)
+
+
+def constants(**kwargs) -> Constants:
+    return _constants(tuple(kwargs.items()))
+
+
+_launchers: dict = {}
+
+
+def launcher(kernel) -> _CachedLauncher:
+    """The cached launcher of ``kernel`` (one per kernel)."""
+    found = _launchers.get(kernel)
+    if found is None:
+        found = _launchers[kernel] = _CachedLauncher(kernel)
+    return found
+
+
+_NO_ARGMAX: dict = {}
+
+
+def _no_argmax(device: torch.device) -> Tensor:
+    """A shared empty int32 tensor: the argmax result when none is saved (no allocation per call)."""
+    found = _NO_ARGMAX.get(device)
+    if found is None:
+        found = _NO_ARGMAX[device] = torch.empty((0,), dtype=torch.int32, device=device)
+    return found
 
 
 def _dot_precision(dtype: torch.dtype, fp32_precision: str) -> str:
@@ -65,7 +171,8 @@ def _doc_strides(t: Tensor | None, per_query_docs: bool) -> tuple[int, ...]:
 
 
 def _as_bytes(mask: Tensor | None) -> Tensor | None:
-    return None if mask is None else mask.view(torch.uint8)
+    """A contiguous byte view of a bool mask (copied only when strided: 1 byte per token)."""
+    return None if mask is None else mask.contiguous().view(torch.uint8)
 
 
 def maxsim_fwd(
@@ -82,7 +189,7 @@ def maxsim_fwd(
     Nq, Lq, dim = Q.shape
     Ncols, Ld = D.shape[-3], D.shape[-2]
     scores = _empty((Nq, Ncols), torch.float32, Q.device)
-    argmax = _empty((Nq, Ncols, Lq) if save_argmax else (0,), torch.int32, Q.device)
+    argmax = _empty((Nq, Ncols, Lq), torch.int32, Q.device) if save_argmax else _no_argmax(Q.device)
     if scores.numel() == 0:
         return scores, argmax
     if Lq == 0 or Ld == 0:
@@ -94,7 +201,7 @@ def maxsim_fwd(
         Lq=Lq, dim=dim, Nq=Nq, per_query_docs=per_query_docs, elem_bytes=Q.element_size()
     )
     qpb = cfg.queries_per_block
-    constants = dict(
+    consts = constants(
         HAS_Q_MASK=q_mask is not None,
         HAS_D_MASK=d_mask is not None,
         NORMALIZE=q_inv is not None,
@@ -111,6 +218,8 @@ def maxsim_fwd(
         num_stages=cfg.num_stages,
     )
     qm, dm = _as_bytes(q_mask), _as_bytes(d_mask)
+    q_inv = None if q_inv is None else q_inv.contiguous()
+    d_inv = None if d_inv is None else d_inv.contiguous()
     # Grid axis 1 holds at most 65535 blocks: larger query batches go in slices.
     step = _MAX_GRID_Y * qpb
     for q0 in range(0, Nq, step):
@@ -125,18 +234,14 @@ def maxsim_fwd(
         out = scores if whole else scores[sl]
         arg = argmax[sl] if save_argmax and not whole else argmax
         n = Qs.shape[0]
-        _maxsim_fwd_kernel[(Ncols, _cdiv(n, qpb))](
-            Qs, Ds, Qs if qms is None else qms, Ds if dms is None else dms,
-            Qs if qis is None else qis, Ds if dis is None else dis, out, arg,
-            n, Ncols, Lq, Ld, dim,
-            *Qs.stride(),
-            *_doc_strides(Ds, per_query_docs),
-            *(qms.stride() if qms is not None else (0, 0)),
-            *_doc_strides(dms, per_query_docs),
-            *(qis.stride() if qis is not None else (0, 0)),
-            *_doc_strides(dis, per_query_docs),
-            *out.stride(),
-            **constants,
+        launcher(_maxsim_fwd_kernel)(
+            (Ncols, _cdiv(n, qpb)),
+            (
+                Qs, Ds, Qs if qms is None else qms, Ds if dms is None else dms,
+                Qs if qis is None else qis, Ds if dis is None else dis, out, arg,
+                n, Ncols, Lq, Ld, dim, *Qs.stride(), *_doc_strides(Ds, per_query_docs),
+            ),
+            consts,
         )
     return scores, argmax
 
@@ -174,7 +279,9 @@ def maxsim_bwd(
         gd = torch.zeros(D.shape, dtype=d_dtype, device=D.device) if need_grad_d else empty
         return gq, gd
 
-    cfg = _configs.bwd_config(Lq=Lq, dim=dim, elem_bytes=Q.element_size())
+    cfg = _configs.bwd_config(
+        Lq=Lq, dim=dim, elem_bytes=Q.element_size(), per_query_docs=per_query_docs
+    )
     n_sblocks = _cdiv(Lq, cfg.block_s)
     unified = strategy == "unified"
     splits = 1
@@ -198,29 +305,34 @@ def maxsim_bwd(
     grad_d_acc = torch.zeros(D.shape, dtype=torch.float32, device=D.device) if scatter_d else None
 
     if need_grad_q or scatter_d:
-        _maxsim_bwd_gather_kernel[(Nq * n_sblocks, splits)](
-            grad_scores, Q, D,
-            Q if q_inv is None else q_inv, D if d_inv is None else d_inv,
-            argmax,
-            Q if grad_q.numel() == 0 else grad_q,
-            D if grad_d_acc is None else grad_d_acc,
-            Nq, Ncols, Lq, Ld, dim, cols_per_split,
-            *grad_scores.stride(),
-            *Q.stride(),
-            *_doc_strides(D, per_query_docs),
-            *(q_inv.stride() if normalize else (0, 0)),
-            *(_doc_strides(d_inv, per_query_docs) if normalize else (0, 0, 0)),
-            *(grad_q.stride() if need_grad_q else (0, 0, 0)),
-            *(_doc_strides(grad_d_acc, per_query_docs) if scatter_d else (0, 0, 0, 0)),
-            PER_QUERY_DOCS=per_query_docs,
-            NORMALIZE=normalize,
-            COMPUTE_GRAD_Q=need_grad_q,
-            ATOMIC_GRAD_Q=atomic_q,
-            SCATTER_GRAD_D=scatter_d,
-            BLOCK_S=cfg.block_s,
-            BLOCK_K=cfg.block_k,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+        launcher(_maxsim_bwd_gather_kernel)(
+            (Nq * n_sblocks, splits),
+            (
+                grad_scores, Q, D,
+                Q if q_inv is None else q_inv, D if d_inv is None else d_inv,
+                argmax,
+                Q if grad_q.numel() == 0 else grad_q,
+                D if grad_d_acc is None else grad_d_acc,
+                Nq, Ncols, Lq, Ld, dim, cols_per_split,
+                *grad_scores.stride(),
+                *Q.stride(),
+                *_doc_strides(D, per_query_docs),
+                *(q_inv.stride() if normalize else (0, 0)),
+                *(_doc_strides(d_inv, per_query_docs) if normalize else (0, 0, 0)),
+                *(grad_q.stride() if need_grad_q else (0, 0, 0)),
+                *(_doc_strides(grad_d_acc, per_query_docs) if scatter_d else (0, 0, 0, 0)),
+            ),
+            constants(
+                PER_QUERY_DOCS=per_query_docs,
+                NORMALIZE=normalize,
+                COMPUTE_GRAD_Q=need_grad_q,
+                ATOMIC_GRAD_Q=atomic_q,
+                SCATTER_GRAD_D=scatter_d,
+                BLOCK_S=cfg.block_s,
+                BLOCK_K=cfg.block_k,
+                num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages,
+            ),
         )
     if atomic_q and need_grad_q and grad_q.dtype != q_dtype:
         grad_q = grad_q.to(q_dtype)
@@ -231,21 +343,26 @@ def maxsim_bwd(
     elif need_grad_d:
         grad_d = _empty(D.shape, d_dtype, D.device)
         groups = Nq if per_query_docs else 1
-        _maxsim_bwd_dd_kernel[(groups * Ncols, _cdiv(Ld, cfg.block_t))](
-            grad_scores, Q, Q if q_inv is None else q_inv, argmax, grad_d,
-            Nq, Ncols, Lq, Ld, dim,
-            *grad_scores.stride(),
-            *Q.stride(),
-            *(q_inv.stride() if normalize else (0, 0)),
-            *_doc_strides(grad_d, per_query_docs),
-            PER_QUERY_DOCS=per_query_docs,
-            NORMALIZE=normalize,
-            BLOCK_T=cfg.block_t,
-            BLOCK_R=cfg.block_r,
-            BLOCK_K=cfg.block_k,
-            DOT_PRECISION=_dot_precision(Q.dtype, fp32_precision),
-            UPCAST=_upcast(Q.dtype),
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+        launcher(_maxsim_bwd_dd_kernel)(
+            (groups * Ncols, _cdiv(Ld, cfg.block_t)),
+            (
+                grad_scores, Q, Q if q_inv is None else q_inv, argmax, grad_d,
+                Nq, Ncols, Lq, Ld, dim,
+                *grad_scores.stride(),
+                *Q.stride(),
+                *(q_inv.stride() if normalize else (0, 0)),
+                *_doc_strides(grad_d, per_query_docs),
+            ),
+            constants(
+                PER_QUERY_DOCS=per_query_docs,
+                NORMALIZE=normalize,
+                BLOCK_T=cfg.block_t,
+                BLOCK_R=cfg.block_r,
+                BLOCK_K=cfg.block_k,
+                DOT_PRECISION=_dot_precision(Q.dtype, fp32_precision),
+                UPCAST=_upcast(Q.dtype),
+                num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages,
+            ),
         )
     return grad_q, grad_d

@@ -20,11 +20,12 @@ Semantics shared by every function here
   ``Lq = 0`` or ``Ld = 0`` score 0.
 * Gradients come in the input dtype, and only those that are needed are computed. The argmax is
   saved only when a gradient will be needed (nothing under ``no_grad`` / ``inference_mode``).
-* ``backward=``: ``"unified"`` (one pass, fp32 atomics for ``grad_D``), ``"lowmem"`` (every gradient
-  row owned by one program: no atomics, bitwise reproducible, no fp32 gradient buffer), ``"auto"``
-  or ``None``: lowmem for per-query candidates, for ``Nq >= 256 and Nd >= 256 and Lq <= 64`` and
-  under ``torch.use_deterministic_algorithms(True)``, else unified. The PyTorch path is always
-  deterministic.
+* ``backward=``: ``"unified"`` (one pass, fp32 atomics for ``grad_D``: the fastest when many queries
+  share each document, but it holds an fp32 copy of ``grad_D``), ``"lowmem"`` (every gradient row
+  owned by one program: no atomics, bitwise reproducible, gradients written directly in the input
+  dtype), ``"auto"`` or ``None``: lowmem for per-query candidates and under
+  ``torch.use_deterministic_algorithms(True)``, else unified (the rule comes from measurements,
+  ``benchmarks/NOTES.md``). The PyTorch path is always deterministic.
 """
 
 from __future__ import annotations
