@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# The whole GPU session in one go, run from anywhere inside the repository:
+#   peer wheels from .whl/, the GPU test suite, `fusedmaxsim check`, the benchmark suite,
+#   cold-start latencies, the op-level memory table, then every record and log copied to $OUT.
+#
+#   OUT=/some/dir bash benchmarks/run_h200.sh
+#
+# Each stage has a time cap, writes its own log, and cannot stop the stages after it; the caps
+# also respect a budget for the whole session (SESSION_S, default 510 s). The records are
+# written incrementally, so a stage cut short still leaves what it measured. Pass
+# FUSEDMAXSIM_GIT_SHA=<sha> when the copy being benchmarked has no .git. For a dry run elsewhere:
+# BENCH_SHAPES=quick RESULTS=/tmp/results SESSION_S=120 bash benchmarks/run_h200.sh
+#
+# $OUT receives at most seven files: run.log (stage summary), gpu_tests.log, check.log,
+# bench.log, and maxsim_bench.{json,md,png}.
+
+set -u -o pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD/src || export PYTHONPATH=$PWD/src
+
+export PYTHONUNBUFFERED=1
+export LIK_SUPPRESS_NORM_WARN=1
+OUT="${OUT:-$(mktemp -d -t fusedmaxsim-gpu.XXXXXX)}"
+RESULTS="${RESULTS:-benchmarks/results/h200}"
+SHAPES="${BENCH_SHAPES:-all}"
+SESSION_S="${SESSION_S:-510}"
+START=$SECONDS
+mkdir -p "$OUT" "$RESULTS"
+RUN_LOG="$OUT/run.log"
+BENCH_LOG="$OUT/bench.log"
+: > "$RUN_LOG"
+
+note() {
+    printf '[%4ds] %s\n' "$((SECONDS - START))" "$*" | tee -a "$RUN_LOG"
+}
+
+# stage NAME CAP_S LOG CMD...: runs CMD with output appended to LOG, for at most CAP_S seconds
+# and never past the session budget; records how it ended in run.log.
+stage() {
+    local name=$1 cap=$2 log=$3
+    shift 3
+    local left=$((SESSION_S - (SECONDS - START)))
+    if ((left < 20)); then
+        note "$name: skipped, the session budget is spent"
+        return 0
+    fi
+    ((cap > left)) && cap=$left
+    note "$name: start (cap ${cap}s)"
+    printf '\n===== %s: %s\n' "$name" "$*" >>"$log"
+    local began=$SECONDS rc=0
+    timeout -k 15 "$cap" "$@" >>"$log" 2>&1 || rc=$?
+    local how="ok"
+    if ((rc == 124 || rc == 137)); then
+        how="TIMED OUT"
+    elif ((rc != 0)); then
+        how="exit $rc"
+    fi
+    note "$name: $how after $((SECONDS - began))s"
+    return 0
+}
+
+note "output: $OUT; PYTHONPATH=$PYTHONPATH"
+python3 - >>"$RUN_LOG" 2>&1 <<'EOF' || note "environment probe failed"
+import importlib, platform, torch
+print("python", platform.python_version(), "| torch", torch.__version__, "| cuda", torch.version.cuda)
+print("gpu", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
+for name in ("triton", "late_interaction_kernels", "flash_maxsim", "matplotlib", "pytest"):
+    try:
+        module = importlib.import_module(name)
+        print(name, getattr(module, "__version__", "?"))
+    except Exception as exc:
+        print(name, "unavailable:", type(exc).__name__, exc)
+EOF
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv >>"$RUN_LOG" 2>&1 || true
+
+# pytest is not guaranteed on the GPU machine: fall back to the wheels carried in .whl/pytest/.
+if ! python3 -c "import pytest" 2>/dev/null; then
+    if python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-test .whl/pytest/*.whl >>"$RUN_LOG" 2>&1; then
+        export PYTHONPATH="$PYTHONPATH:/tmp/site-test"
+        note "pytest installed from .whl/pytest/"
+    else
+        note "pytest is missing and no wheels were carried in .whl/pytest/"
+    fi
+fi
+
+BENCH=(python3 benchmarks/bench_maxsim.py --out "$RESULTS" --peers --warmup-ms 25 --rep-ms 100)
+
+stage "gpu tests" 150 "$OUT/gpu_tests.log" python3 -m pytest -m gpu -q -p no:cacheprovider
+stage "check" 30 "$OUT/check.log" python3 -m fusedmaxsim check
+
+# The suite gets whatever the later stages (cold start 90 s, memory table 45 s, report 15 s)
+# leave, up to 300 s; it stops starting new items 40 s before its cap, so it ends cleanly.
+SUITE_CAP=$((SESSION_S - (SECONDS - START) - 150))
+((SUITE_CAP > 300)) && SUITE_CAP=300
+((SUITE_CAP < 60)) && SUITE_CAP=60
+stage "benchmark suite" "$SUITE_CAP" "$BENCH_LOG" "${BENCH[@]}" --shapes "$SHAPES" \
+    --budget-s $((SUITE_CAP - 40)) --compile-budget-s 45
+stage "cold start" 90 "$BENCH_LOG" "${BENCH[@]}" --shapes none --append --cold-start --cold-timeout-s 40
+stage "memory table" 45 "$BENCH_LOG" "${BENCH[@]}" --shapes none --append --memory-table
+stage "report" 15 "$BENCH_LOG" "${BENCH[@]}" --shapes none --append --plot
+
+for f in "$RESULTS"/maxsim_bench.json "$RESULTS"/maxsim_bench.md "$RESULTS"/maxsim_bench.png; do
+    if [[ -f $f ]]; then cp -f "$f" "$OUT/"; else note "missing: $f"; fi
+done
+tail -n 3 "$OUT/gpu_tests.log" 2>/dev/null | sed 's/^/gpu tests | /'
+[[ -f $OUT/maxsim_bench.md ]] && cat "$OUT/maxsim_bench.md"
+note "done; files in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
