@@ -100,6 +100,11 @@ def _fwd_heuristic(
 def bwd_config(*, Lq: int, dim: int, elem_bytes: int, per_query_docs: bool = False) -> BwdConfig:
     if _forced_bwd is not None:
         return _forced_bwd
+    return _bwd_heuristic(triton.next_power_of_2(max(Lq, 1)), dim, elem_bytes, per_query_docs)
+
+
+@functools.lru_cache(maxsize=1024)
+def _bwd_heuristic(Lq: int, dim: int, elem_bytes: int, per_query_docs: bool) -> BwdConfig:
     block_k = block_k_for(dim)
     if INTERPRETER:
         return BwdConfig(16, 32, 16, block_k, 4, 1)

@@ -452,3 +452,32 @@ def _maxsim_bwd_dd_kernel(
         acc.to(GradD.dtype.element_ty),
         mask=m_t[:, None] & m_k[None, :],
     )
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _inverse_norm_kernel(
+    X,
+    Out,
+    n_rows,
+    dim,
+    stride_x_row,
+    stride_x_dim,
+    EPS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``Out[r] = 1 / max(‖X[r]‖, EPS)`` in fp32, reading each token once in its own dtype.
+
+    (``torch.linalg.vector_norm(x, dtype=float32)`` first writes an fp32 copy of ``x``: three
+    times the bytes on a 16-bit input.)
+    """
+    o_r = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    m_r = o_r < n_rows
+    o_k = tl.arange(0, BLOCK_K)
+    x = tl.load(
+        X + o_r[:, None] * stride_x_row + o_k[None, :] * stride_x_dim,
+        mask=m_r[:, None] & (o_k < dim)[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    norm = tl.sqrt(tl.sum(x * x, axis=1))
+    tl.store(Out + o_r, 1.0 / tl.maximum(norm, EPS), mask=m_r)

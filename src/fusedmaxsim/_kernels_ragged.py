@@ -131,7 +131,7 @@ def _maxsim_ragged_fwd_kernel(
         i_doc = tl.load(PairD + pid).to(tl.int64)
         in_range = (i_query >= 0) & (i_query < n_queries) & (i_doc >= 0) & (i_doc < n_docs)
         o_query = tl.zeros([BLOCK_M], tl.int64) + i_query
-        m_query = (o_r >= 0) & in_range
+        m_query = o_r < tl.where(in_range, BLOCK_M, 0)  # (a vector & a scalar bool trips the interpreter)
         o_out = pid + tl.arange(0, QUERIES_PER_BLOCK)
         p_out = Out + o_out
         m_out = o_out == pid
@@ -184,8 +184,8 @@ def _maxsim_ragged_fwd_kernel(
 
     # A sequence longer than its promised bound poisons its scores; so does a bad pair index.
     q_len_out = tl.max(tl.reshape(q_len, (QUERIES_PER_BLOCK, LQ_TILE)), axis=1)
-    broken = (q_len_out > max_q) | (d_len > max_d) | (in_range == 0)
-    acc = tl.where(broken, float("nan"), acc)
+    acc = tl.where(q_len_out > max_q, float("nan"), acc)
+    acc = tl.where((d_len > max_d) | (in_range == 0), float("nan"), acc)
     tl.store(p_out, acc, mask=m_out)
 
 

@@ -15,9 +15,14 @@ import torch
 from torch import Tensor
 
 from . import _configs
-from ._kernels import _maxsim_bwd_dd_kernel, _maxsim_bwd_gather_kernel, _maxsim_fwd_kernel
+from ._kernels import (
+    _inverse_norm_kernel,
+    _maxsim_bwd_dd_kernel,
+    _maxsim_bwd_gather_kernel,
+    _maxsim_fwd_kernel,
+)
 
-__all__ = ["maxsim_fwd", "maxsim_bwd", "launcher"]
+__all__ = ["maxsim_fwd", "maxsim_bwd", "inverse_norms", "launcher"]
 
 _MAX_GRID_Y = 65535
 
@@ -366,3 +371,18 @@ def maxsim_bwd(
             ),
         )
     return grad_q, grad_d
+
+
+def inverse_norms(x: Tensor, eps: float) -> Tensor:
+    """``1 / max(‖x[..., :]‖, eps)`` in fp32, shape ``x.shape[:-1]``, one read of ``x``."""
+    rows = x.reshape(-1, x.shape[-1]) if x.numel() else x.new_empty((0, x.shape[-1]))
+    out = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
+    if rows.shape[0]:
+        block_k = _configs.block_k_for(rows.shape[1])
+        block_rows = max(1, min(64, 8192 // block_k))
+        launcher(_inverse_norm_kernel)(
+            (_cdiv(rows.shape[0], block_rows),),
+            (rows, out, rows.shape[0], rows.shape[1], *rows.stride()),
+            constants(EPS=eps, BLOCK_ROWS=block_rows, BLOCK_K=block_k, num_warps=4, num_stages=1),
+        )
+    return out.view(x.shape[:-1])

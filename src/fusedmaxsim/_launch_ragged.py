@@ -20,11 +20,17 @@ from ._kernels_ragged import (
     _maxsim_ragged_bwd_dq_kernel,
     _maxsim_ragged_fwd_kernel,
 )
-from ._launch import _as_bytes, _cdiv, _dot_precision, _empty, _sm_count, _upcast, launcher
+from ._launch import _as_bytes, _cdiv, _dot_precision, _empty, _sm_count, _upcast, constants, launcher
 
 __all__ = ["ragged_fwd", "ragged_bwd", "sorted_pairs"]
 
 _MAX_GRID_Y = 65535
+
+
+def _run(kernel, grid: tuple, args: tuple, **meta) -> None:
+    """Every launch goes through the dense path's cached launcher (much less host time per call
+    than Triton's own launch path, which re-derives every argument's specialization)."""
+    launcher(kernel)(grid, args, constants(**meta))
 
 
 def sorted_pairs(keys: Tensor, n: int) -> tuple[Tensor, Tensor]:
@@ -79,8 +85,7 @@ def ragged_fwd(
     grid = (layout.n_pairs,) if pairs else (layout.n_cols * n_qblocks,)
     qm, dm = _as_bytes(q_mask), _as_bytes(d_mask)
     placeholder = layout.cu_q
-    launcher(_maxsim_ragged_fwd_kernel)(
-        grid,
+    args = (
         Q, D, layout.cu_q, layout.cu_d,
         layout.pair_q if pairs else placeholder, layout.pair_d if pairs else placeholder,
         Q if qm is None else qm, D if dm is None else dm,
@@ -89,6 +94,11 @@ def ragged_fwd(
         layout.n_queries, layout.n_docs, 1 if pairs else layout.n_cols, n_qblocks, layout.col_lo,
         rows_q, D.shape[0], layout.max_q, layout.max_d, dim,
         *Q.stride(), *D.stride(),
+    )
+    _run(
+        _maxsim_ragged_fwd_kernel,
+        grid,
+        args,
         PAIRS=pairs,
         HAS_Q_MASK=q_mask is not None,
         HAS_D_MASK=d_mask is not None,
@@ -177,13 +187,12 @@ def ragged_bwd(
 
     if (need_grad_q or scatter_d) and n_queries > 0:
         by_query, starts_q = sorted_pairs(layout.pair_q, n_queries) if pairs else (None, None)
-        launcher(_maxsim_ragged_bwd_dq_kernel)(
-            (n_queries * n_sblocks, splits),
+        args = (
             grad_scores, Q, D, layout.cu_q, layout.cu_d,
             layout.pair_d if pairs else placeholder,
             by_query if pairs else placeholder, starts_q if pairs else placeholder,
             Q if q_inv is None else q_inv, D if d_inv is None else d_inv,
-            argmax,
+            argmax if argmax.numel() else placeholder,
             Q if grad_q.numel() == 0 else grad_q,
             D if grad_d_acc is None else grad_d_acc,
             n_queries, n_docs, 1 if pairs else n_docs, rows_q, rows_d, layout.max_q,
@@ -191,6 +200,11 @@ def ragged_bwd(
             *stride_g, *Q.stride(), *D.stride(),
             *(grad_q.stride() if need_grad_q else (0, 0)),
             *(grad_d_acc.stride() if scatter_d else (0, 0)),
+        )
+        _run(
+            _maxsim_ragged_bwd_dq_kernel,
+            (n_queries * n_sblocks, splits),
+            args,
             PAIRS=pairs,
             NORMALIZE=normalize,
             COMPUTE_GRAD_Q=need_grad_q,
@@ -221,13 +235,17 @@ def ragged_bwd(
             by_doc = starts_d = placeholder
             row_query = _row_query(layout.cu_q, rows_q)
             block_r = cfg.block_r
-        launcher(_maxsim_ragged_bwd_dd_kernel)(
-            (n_docs * n_tblocks,),
+        args = (
             grad_scores, Q, layout.cu_q, layout.cu_d,
             layout.pair_q if pairs else placeholder, by_doc, starts_d, row_query,
-            Q if q_inv is None else q_inv, argmax, grad_d,
+            Q if q_inv is None else q_inv, argmax if argmax.numel() else placeholder, grad_d,
             n_queries, n_docs, rows_q, rows_d, layout.max_q, n_tblocks, dim,
             *stride_g, *Q.stride(), *grad_d.stride(),
+        )
+        _run(
+            _maxsim_ragged_bwd_dd_kernel,
+            (n_docs * n_tblocks,),
+            args,
             PAIRS=pairs,
             NORMALIZE=normalize,
             BLOCK_T=cfg.block_t,

@@ -23,10 +23,17 @@ from . import _blocked, settings
 NORM_EPS = 1e-12  # F.normalize's default
 
 
-def _launch():
-    from . import _launch as launch  # imports triton only when a Triton path runs
+_launch_module = None
 
-    return launch
+
+def _launch():
+    """The Triton launchers, imported on first use: the PyTorch path never imports Triton."""
+    global _launch_module
+    if _launch_module is None:
+        from . import _launch as module
+
+        _launch_module = module
+    return _launch_module
 
 
 @torch.library.custom_op("fusedmaxsim::maxsim_fwd", mutates_args=())
