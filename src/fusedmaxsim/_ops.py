@@ -165,8 +165,12 @@ def _save(ctx, Q, D, argmax, q_inv, d_inv, save_argmax, backend, fp32_precision,
     ctx.saved_argmax = save_argmax
 
 
-def _grads(ctx, grad_scores: Tensor) -> tuple[Tensor | None, Tensor | None]:
-    """``(grad_Q, grad_D)`` from what ``_save`` kept; None for an input that needs no gradient."""
+def _grads(ctx, grad_scores: Tensor, traced: bool) -> tuple[Tensor | None, Tensor | None]:
+    """``(grad_Q, grad_D)`` from what ``_save`` kept; None for an input that needs no gradient.
+
+    ``traced``: the backward of the registered op, which the compiler traces with fake tensors,
+    so it must call the registered backward op rather than the launchers.
+    """
     Q, D, argmax, q_inv, d_inv = ctx.saved_tensors
     need_q, need_d = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if not (need_q or need_d):
@@ -180,7 +184,7 @@ def _grads(ctx, grad_scores: Tensor) -> tuple[Tensor | None, Tensor | None]:
     strategy = resolve_strategy(
         ctx.strategy, per_query_docs=D.dim() == 4, Nq=Q.shape[0], Ncols=D.shape[-3], Lq=Q.shape[1]
     )
-    bwd = maxsim_bwd if torch.compiler.is_compiling() else maxsim_bwd_impl
+    bwd = maxsim_bwd if traced or torch.compiler.is_compiling() else maxsim_bwd_impl
     grad_q, grad_d = bwd(
         grad_scores.to(torch.float64 if Q.dtype == torch.float64 else torch.float32),
         Q, D, argmax, q_inv, d_inv, need_q, need_d, strategy, normalize, ctx.backend,
@@ -198,7 +202,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, grad_scores: Tensor, _grad_argmax):
-    return (*_grads(ctx, grad_scores), None, None, None, None, None, None, None, None)
+    return (*_grads(ctx, grad_scores, traced=True), None, None, None, None, None, None, None, None)
 
 
 torch.library.register_autograd("fusedmaxsim::maxsim_fwd", _backward, setup_context=_setup_context)
@@ -222,7 +226,7 @@ class MaxSimFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_scores):
-        return (*_grads(ctx, grad_scores), None, None, None, None, None, None, None, None)
+        return (*_grads(ctx, grad_scores, traced=False), None, None, None, None, None, None, None, None)
 
 
 def maxsim_scores(Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy):
