@@ -6,7 +6,6 @@ Every error names the argument and the shapes, and is raised before anything is 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib.util
 
 import torch
@@ -117,9 +116,12 @@ def canonical_pairs(Q: object, D: object, q_mask: object, d_mask: object) -> Pro
     return canonical(Q, D.unsqueeze(1), q_mask, None if d_mask is None else d_mask.unsqueeze(1))
 
 
-@functools.lru_cache(maxsize=None)
+# Looked up once at import: the lookup cannot run inside a torch.compile trace.
+_TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+
+
 def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON_AVAILABLE
 
 
 def select_backend(t: Tensor) -> str:
