@@ -290,7 +290,9 @@ def maxsim_bwd(
     n_sblocks = _cdiv(Lq, cfg.block_s)
     unified = strategy == "unified"
     splits = 1
-    if unified:
+    # Splitting the documents over programs needs an fp32 grad_Q buffer (atomics, a zero fill and
+    # a cast): worth it only when the grid would otherwise leave the GPU idle on real work.
+    if unified and Nq * Ncols * Lq >= 1 << 20:
         programs = Nq * n_sblocks
         target = 4 * _sm_count(Q.device)
         if programs < target:
