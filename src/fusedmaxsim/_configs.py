@@ -63,6 +63,10 @@ def forced_configs(fwd: FwdConfig | None = None, bwd: BwdConfig | None = None) -
         _forced_fwd, _forced_bwd = saved
 
 
+def is_forced() -> bool:
+    return _forced_fwd is not None or _forced_bwd is not None
+
+
 def block_k_for(dim: int) -> int:
     return max(16, triton.next_power_of_2(dim))
 
@@ -116,3 +120,42 @@ def _bwd_heuristic(Lq: int, dim: int, elem_bytes: int, per_query_docs: bool) -> 
     if per_query_docs:
         block_r = min(64, max(16, triton.next_power_of_2(max(Lq, 1))))
     return BwdConfig(block_s, block_t, block_r, block_k, 4, 2)
+
+
+def fwd_candidates(base: FwdConfig) -> list[FwdConfig]:
+    """The forward tiles an autotuning run times: the analytical choice and its neighbours."""
+    variants = [base]
+    for block_n, warps, stages in ((64, 4, 2), (64, 4, 3), (64, 4, 4), (32, 4, 4), (64, 8, 3), (128, 8, 3)):
+        if base.block_k > 128 and block_n > 32:
+            continue
+        variants.append(dataclasses.replace(base, block_n=block_n, num_warps=warps, num_stages=stages))
+    if base.queries_per_block > 1:
+        variants.append(dataclasses.replace(base, queries_per_block=base.queries_per_block // 2))
+    unique: list[FwdConfig] = []
+    for cfg in variants:
+        if cfg not in unique:
+            unique.append(cfg)
+    return unique
+
+
+_tuned: dict = {}
+
+
+def tuned(key: tuple, candidates: list, time_ms) -> object:
+    """The fastest of ``candidates`` by ``time_ms(candidate)``, measured once per ``key``.
+
+    A candidate that fails (e.g. out of shared memory) is skipped; the first one is kept when all
+    fail, so the caller's default still runs.
+    """
+    found = _tuned.get(key)
+    if found is None:
+        best, best_ms = candidates[0], float("inf")
+        for cfg in candidates:
+            try:
+                ms = time_ms(cfg)
+            except Exception:  # a configuration this device cannot run is simply not chosen
+                continue
+            if ms < best_ms:
+                best, best_ms = cfg, ms
+        found = _tuned[key] = best
+    return found

@@ -14,7 +14,7 @@ import os
 import torch
 from torch import Tensor
 
-from . import _configs
+from . import _configs, settings
 from ._kernels import (
     _inverse_norm_kernel,
     _maxsim_bwd_dd_kernel,
@@ -180,6 +180,53 @@ def _as_bytes(mask: Tensor | None) -> Tensor | None:
     return None if mask is None else mask.contiguous().view(torch.uint8)
 
 
+def _launch_fwd(cfg, Q, D, qm, dm, q_inv, d_inv, scores, argmax, save_argmax, fp32_precision) -> None:
+    """One forward launch (several for huge query batches) with tiles ``cfg``."""
+    per_query_docs = D.dim() == 4
+    Nq, Lq, dim = Q.shape
+    Ncols, Ld = D.shape[-3], D.shape[-2]
+    qpb = cfg.queries_per_block
+    consts = constants(
+        HAS_Q_MASK=qm is not None,
+        HAS_D_MASK=dm is not None,
+        NORMALIZE=q_inv is not None,
+        SAVE_ARGMAX=save_argmax,
+        PER_QUERY_DOCS=per_query_docs,
+        LQ_TILE=cfg.lq_tile,
+        QUERIES_PER_BLOCK=qpb,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        EVEN_K=dim == cfg.block_k,
+        DOT_PRECISION=_dot_precision(Q.dtype, fp32_precision),
+        UPCAST=_upcast(Q.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    # Grid axis 1 holds at most 65535 blocks: larger query batches go in slices.
+    step = _MAX_GRID_Y * qpb
+    for q0 in range(0, Nq, step):
+        sl = slice(q0, min(Nq, q0 + step))
+        whole = q0 == 0 and Nq <= step
+        Qs = Q if whole else Q[sl]
+        Ds = D[sl] if per_query_docs and not whole else D
+        qms = qm if qm is None or whole else qm[sl]
+        dms = dm[sl] if dm is not None and per_query_docs and not whole else dm
+        qis = q_inv if q_inv is None or whole else q_inv[sl]
+        dis = d_inv[sl] if d_inv is not None and per_query_docs and not whole else d_inv
+        out = scores if whole else scores[sl]
+        arg = argmax[sl] if save_argmax and not whole else argmax
+        n = Qs.shape[0]
+        launcher(_maxsim_fwd_kernel)(
+            (Ncols, _cdiv(n, qpb)),
+            (
+                Qs, Ds, Qs if qms is None else qms, Ds if dms is None else dms,
+                Qs if qis is None else qis, Ds if dis is None else dis, out, arg,
+                n, Ncols, Lq, Ld, dim, *Qs.stride(), *_doc_strides(Ds, per_query_docs),
+            ),
+            consts,
+        )
+
+
 def maxsim_fwd(
     Q: Tensor,
     D: Tensor,
@@ -205,49 +252,23 @@ def maxsim_fwd(
     cfg = _configs.fwd_config(
         Lq=Lq, dim=dim, Nq=Nq, per_query_docs=per_query_docs, elem_bytes=Q.element_size()
     )
-    qpb = cfg.queries_per_block
-    consts = constants(
-        HAS_Q_MASK=q_mask is not None,
-        HAS_D_MASK=d_mask is not None,
-        NORMALIZE=q_inv is not None,
-        SAVE_ARGMAX=save_argmax,
-        PER_QUERY_DOCS=per_query_docs,
-        LQ_TILE=cfg.lq_tile,
-        QUERIES_PER_BLOCK=qpb,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        EVEN_K=dim == cfg.block_k,
-        DOT_PRECISION=_dot_precision(Q.dtype, fp32_precision),
-        UPCAST=_upcast(Q.dtype),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
     qm, dm = _as_bytes(q_mask), _as_bytes(d_mask)
     q_inv = None if q_inv is None else q_inv.contiguous()
     d_inv = None if d_inv is None else d_inv.contiguous()
-    # Grid axis 1 holds at most 65535 blocks: larger query batches go in slices.
-    step = _MAX_GRID_Y * qpb
-    for q0 in range(0, Nq, step):
-        sl = slice(q0, min(Nq, q0 + step))
-        whole = q0 == 0 and Nq <= step
-        Qs = Q if whole else Q[sl]
-        Ds = D[sl] if per_query_docs and not whole else D
-        qms = qm if qm is None or whole else qm[sl]
-        dms = dm[sl] if dm is not None and per_query_docs and not whole else dm
-        qis = q_inv if q_inv is None or whole else q_inv[sl]
-        dis = d_inv[sl] if d_inv is not None and per_query_docs and not whole else d_inv
-        out = scores if whole else scores[sl]
-        arg = argmax[sl] if save_argmax and not whole else argmax
-        n = Qs.shape[0]
-        launcher(_maxsim_fwd_kernel)(
-            (Ncols, _cdiv(n, qpb)),
-            (
-                Qs, Ds, Qs if qms is None else qms, Ds if dms is None else dms,
-                Qs if qis is None else qis, Ds if dis is None else dis, out, arg,
-                n, Ncols, Lq, Ld, dim, *Qs.stride(), *_doc_strides(Ds, per_query_docs),
-            ),
-            consts,
+    operands = (Q, D, qm, dm, q_inv, d_inv, scores, argmax, save_argmax, fp32_precision)
+    if Q.is_cuda and not _configs.is_forced() and settings.autotune():
+        from triton.testing import do_bench
+
+        key = (
+            "fwd", cfg, Q.dtype, Q.device, per_query_docs, qm is not None, dm is not None,
+            q_inv is not None, save_argmax, fp32_precision,
         )
+        cfg = _configs.tuned(
+            key,
+            _configs.fwd_candidates(cfg),
+            lambda c: do_bench(lambda: _launch_fwd(c, *operands), warmup=5, rep=20),
+        )
+    _launch_fwd(cfg, *operands)
     return scores, argmax
 
 

@@ -5,6 +5,7 @@
 | ``FUSEDMAXSIM_BACKEND`` | ``auto`` (default), ``triton``, ``torch`` | which implementation runs |
 | ``FUSEDMAXSIM_FP32_PRECISION`` | ``tf32`` (default), ``ieee`` | fp32 inputs on the GPU: TF32 tensor cores or exact fp32 |
 | ``FUSEDMAXSIM_TORCH_BLOCK_MB`` | integer, default 256 | the PyTorch path's bound on similarities held at a time |
+| ``FUSEDMAXSIM_AUTOTUNE`` | ``1`` | time a few tile configurations on the first call of each forward shape class (CUDA) |
 | ``FUSEDMAXSIM_DISABLE`` | ``1`` | patched PyLate / colpali-engine entry points fall through to the host's code |
 | ``TRITON_INTERPRET`` | ``1`` | Triton kernels run on CPU tensors (slow; for tests) |
 
@@ -22,6 +23,8 @@ from collections.abc import Iterator
 
 __all__ = [
     "reload",
+    "autotune",
+    "set_autotune",
     "backend",
     "fp32_precision",
     "torch_block_bytes",
@@ -79,6 +82,23 @@ def torch_block_bytes() -> int:
     if value <= 0:
         raise ValueError(f"the PyTorch path's block budget must be positive, got {value} bytes")
     return int(value)
+
+
+def autotune() -> bool:
+    """Whether the forward times candidate tiles on its first call per shape class (off by default:
+    the analytical choice compiles one kernel; a sweep compiles several and costs seconds)."""
+    value = _overrides.get("autotune")
+    if value is None:
+        value = _environment.get("FUSEDMAXSIM_AUTOTUNE", "0").strip().lower() in ("1", "true", "yes")
+    return bool(value)
+
+
+def set_autotune(value: bool | None) -> None:
+    """Turn the autotuning on or off; ``None`` returns to ``FUSEDMAXSIM_AUTOTUNE``."""
+    if value is None:
+        _overrides.pop("autotune", None)
+    else:
+        _overrides["autotune"] = bool(value)
 
 
 def _set(name: str, value: object, check) -> None:
