@@ -77,7 +77,7 @@ _REF_BLOCK_ELEMS = 1 << 26
 class Anchor:
     """Peer numbers recorded on one H200 (torch 2.11, triton 3.6, 2026-11-30), in ms and MiB.
 
-    They come from an earlier session, not from this run; records show them as the numbers to
+    They come from an earlier measurement, not from this run; records show them as the numbers to
     beat and never mix them into measured columns.
     """
 
