@@ -63,6 +63,11 @@ def forced_configs(fwd: FwdConfig | None = None, bwd: BwdConfig | None = None) -
         _forced_fwd, _forced_bwd = saved
 
 
+def _pow2(n: int) -> int:
+    """The next power of two >= max(n, 1), without triton.next_power_of_2's per-call cost."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def is_forced() -> bool:
     return _forced_fwd is not None or _forced_bwd is not None
 
@@ -74,10 +79,7 @@ def block_k_for(dim: int) -> int:
 def fwd_config(*, Lq: int, dim: int, Nq: int, per_query_docs: bool, elem_bytes: int) -> FwdConfig:
     if _forced_fwd is not None:
         return _forced_fwd
-    return _fwd_heuristic(
-        triton.next_power_of_2(max(Lq, 1)), dim, triton.next_power_of_2(max(Nq, 1)), per_query_docs,
-        elem_bytes, INTERPRETER,
-    )
+    return _fwd_heuristic(_pow2(Lq), dim, _pow2(Nq), per_query_docs, elem_bytes, INTERPRETER)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -104,7 +106,7 @@ def _fwd_heuristic(
 def bwd_config(*, Lq: int, dim: int, elem_bytes: int, per_query_docs: bool = False) -> BwdConfig:
     if _forced_bwd is not None:
         return _forced_bwd
-    return _bwd_heuristic(triton.next_power_of_2(max(Lq, 1)), dim, elem_bytes, per_query_docs)
+    return _bwd_heuristic(_pow2(Lq), dim, elem_bytes, per_query_docs)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -75,7 +75,8 @@ def _segment(Cu, idx, mask, n_rows):
 
 @triton.jit(
     do_not_specialize=[
-        "n_queries", "n_docs", "n_cols", "n_qblocks", "col_lo", "rows_q", "rows_d", "max_q", "max_d",
+        "n_queries", "n_docs", "n_cols", "n_qblocks", "col_lo", "rows_q", "rows_d", "max_q",
+        "max_d",
     ]
 )
 def _maxsim_ragged_fwd_kernel(
@@ -131,7 +132,8 @@ def _maxsim_ragged_fwd_kernel(
         i_doc = tl.load(PairD + pid).to(tl.int64)
         in_range = (i_query >= 0) & (i_query < n_queries) & (i_doc >= 0) & (i_doc < n_docs)
         o_query = tl.zeros([BLOCK_M], tl.int64) + i_query
-        m_query = o_r < tl.where(in_range, BLOCK_M, 0)  # (a vector & a scalar bool trips the interpreter)
+        # Not `(o_r >= 0) & in_range`: a vector & a scalar bool trips the interpreter.
+        m_query = o_r < tl.where(in_range, BLOCK_M, 0)
         o_out = pid + tl.arange(0, QUERIES_PER_BLOCK)
         p_out = Out + o_out
         m_out = o_out == pid
@@ -309,8 +311,8 @@ def _onehot_rows(
     acc, o_t, idx, g, o_row, m_r, Q, QInv, stride_q_tok, stride_q_dim, o_k, m_k,
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """``acc [BLOCK_T, BLOCK_K] += onehot(idx == t)ᵀ @ (g · Q rows)``; ``g · Q`` is rounded to the
-    input dtype before the product (the one-hot side is exact)."""
+    """``acc [BLOCK_T, BLOCK_K] += onehot(idx == t)ᵀ @ (g · Q rows)``; ``g · Q`` is rounded to
+    the input dtype before the product (the one-hot side is exact)."""
     if NORMALIZE:
         g = g * tl.load(QInv + o_row, mask=m_r, other=0.0)
     b_q = tl.load(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import triton
 from torch import Tensor
 
 from . import _configs
@@ -20,9 +21,18 @@ from ._kernels_ragged import (
     _maxsim_ragged_bwd_dq_kernel,
     _maxsim_ragged_fwd_kernel,
 )
-from ._launch import _as_bytes, _cdiv, _dot_precision, _empty, _sm_count, _upcast, constants, launcher
+from ._launch import (
+    _as_bytes,
+    _cdiv,
+    _dot_precision,
+    _empty,
+    _sm_count,
+    _upcast,
+    constants,
+    launcher,
+)
 
-__all__ = ["ragged_fwd", "ragged_bwd", "sorted_pairs"]
+__all__ = ["ragged_bwd", "ragged_fwd", "sorted_pairs"]
 
 _MAX_GRID_Y = 65535
 
@@ -42,6 +52,17 @@ def sorted_pairs(keys: Tensor, n: int) -> tuple[Tensor, Tensor]:
     bounds = torch.arange(n + 1, device=keys.device, dtype=torch.int64)
     starts = torch.searchsorted(keys[order], bounds)
     return order, starts
+
+
+_NO_ARGMAX: dict = {}
+
+
+def _no_argmax(device: torch.device) -> Tensor:
+    """A shared empty int32 tensor: the argmax when none is saved (no allocation per call)."""
+    found = _NO_ARGMAX.get(device)
+    if found is None:
+        found = _NO_ARGMAX[device] = torch.empty(0, dtype=torch.int32, device=device)
+    return found
 
 
 def _row_query(cu_q: Tensor, rows: int) -> Tensor:
@@ -70,7 +91,7 @@ def ragged_fwd(
     else:
         out_shape, argmax_shape = (layout.n_queries, layout.n_cols), (layout.n_cols, rows_q)
     scores = _empty(out_shape, torch.float32, device)
-    argmax = _empty(argmax_shape if save_argmax else (0,), torch.int32, device)
+    argmax = _empty(argmax_shape, torch.int32, device) if save_argmax else _no_argmax(device)
     if scores.numel() == 0:
         return scores, argmax
 
@@ -230,7 +251,7 @@ def ragged_bwd(
             by_doc, starts_d = sorted_pairs(layout.pair_d, n_docs)
             row_query = placeholder
             # The pair's own query is the whole reduction: no wider than it.
-            block_r = min(cfg.block_r, max(16, _next_pow2(layout.max_q)))
+            block_r = min(cfg.block_r, max(16, triton.next_power_of_2(max(layout.max_q, 1))))
         else:
             by_doc = starts_d = placeholder
             row_query = _row_query(layout.cu_q, rows_q)
@@ -257,7 +278,3 @@ def ragged_bwd(
             num_stages=cfg.num_stages,
         )
     return grad_q, grad_d
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()

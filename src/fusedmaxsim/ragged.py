@@ -39,12 +39,12 @@ from . import _blocked, _ops, settings
 from ._validate import _check_float, check_backward, select_backend
 
 __all__ = [
-    "maxsim_varlen",
-    "score_pairs_packed",
-    "maxsim_ragged",
-    "maxsim_padded",
-    "pack_padded",
     "PackedBatch",
+    "maxsim_padded",
+    "maxsim_ragged",
+    "maxsim_varlen",
+    "pack_padded",
+    "score_pairs_packed",
 ]
 
 
@@ -58,7 +58,7 @@ class RaggedLayout:
     """Which (query, document) pairs are scored, and where each sequence's tokens lie.
 
     ``pair_q`` / ``pair_d`` name the pairs of a pair list; without them every query meets the
-    documents ``col_lo + [0, n_cols)``. ``max_q`` / ``max_d`` are the promised maximum lengths.
+    documents ``[col_lo, col_hi)``. ``max_q`` / ``max_d`` are the promised maximum lengths.
     """
 
     cu_q: Tensor
@@ -70,7 +70,7 @@ class RaggedLayout:
     pair_q: Tensor | None = None
     pair_d: Tensor | None = None
     col_lo: int = 0
-    n_cols_override: int | None = None
+    col_hi: int | None = None  # None: the last document
 
     @property
     def n_queries(self) -> int:
@@ -82,7 +82,7 @@ class RaggedLayout:
 
     @property
     def n_cols(self) -> int:
-        return self.n_docs - self.col_lo if self.n_cols_override is None else self.n_cols_override
+        return (self.n_docs if self.col_hi is None else self.col_hi) - self.col_lo
 
     @property
     def n_pairs(self) -> int:
@@ -90,7 +90,7 @@ class RaggedLayout:
 
     def columns(self, lo: int, hi: int) -> RaggedLayout:
         """The cross product restricted to the documents ``[lo, hi)``."""
-        return dataclasses.replace(self, col_lo=lo, n_cols_override=hi - lo)
+        return dataclasses.replace(self, col_lo=lo, col_hi=hi)
 
 
 def _shape(t: Tensor) -> tuple[int, ...]:
@@ -106,16 +106,23 @@ def _to_device(t: Tensor, device: torch.device) -> Tensor:
     return t.to(device)
 
 
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
 def _check_index(name: str, t: object, device: torch.device, what: str) -> Tensor:
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor ({what}), got {type(t).__name__}")
-    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-        raise TypeError(f"{name} must be an integer tensor (int32 or int64), got {t.dtype}")
+    dtype = t.dtype
+    if dtype not in _INDEX_DTYPES:
+        if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor (int32 or int64), got {dtype}")
+        t = t.long()
     if t.dim() != 1:
         raise ValueError(f"{name} must be 1-D ({what}), got shape {_shape(t)}")
-    if t.device.type != "cpu" and t.device != device:
-        raise ValueError(f"{name} is on {t.device} but the tokens are on {device}")
-    return t if t.dtype in (torch.int32, torch.int64) else t.long()
+    where = t.device
+    if where != device and where.type != "cpu":
+        raise ValueError(f"{name} is on {where} but the tokens are on {device}")
+    return t
 
 
 def _check_offsets(name: str, cu: object, device: torch.device) -> Tensor:
@@ -155,9 +162,10 @@ def _offset_facts(cu: Tensor) -> Tensor:
 
 
 def _index_facts(idx: Tensor) -> Tensor:
+    """``[lowest, highest]`` of an index tensor (``[0, -1]`` when empty: nothing to refuse)."""
     idx = idx.long()
     if idx.numel() == 0:
-        return idx.new_zeros(2)
+        return torch.tensor([0, -1], device=idx.device)
     return torch.stack([idx.min(), idx.max()])
 
 
@@ -224,37 +232,37 @@ def build_layout(
                 f"and {_shape(pair_d)}"
             )
     rows_q, rows_d = Q.shape[0], D.shape[0]
-
-    # Each checked tensor: its summary (computed where it lives) and the check of the summary.
-    # An offsets tensor also yields its longest length, which a missing maximum needs.
-    checks = [
-        (cu_q, _offset_facts, lambda f: _check_offset_values(
-            "cu_seqlens_q", f, rows_q, q_name, max_q, "max_seqlen_q")),
-        (cu_d, _offset_facts, lambda f: _check_offset_values(
-            "cu_seqlens_d", f, rows_d, d_name, max_d, "max_seqlen_d")),
-    ]
-    if pairs:
-        n_q, n_d = cu_q.numel() - 1, cu_d.numel() - 1
-        checks.append((pair_q, _index_facts, lambda f: _check_pair_values(
-            "pair_q_idx", f, n_q, "cu_seqlens_q")))
-        checks.append((pair_d, _index_facts, lambda f: _check_pair_values(
-            "pair_d_idx", f, n_d, "cu_seqlens_d")))
+    tensors = [cu_q, cu_d, pair_q, pair_d] if pairs else [cu_q, cu_d]
     needs_max = [max_q is None, max_d is None, False, False]
-    remote = [n for n, (t, *_) in enumerate(checks) if t.device.type != "cpu"]
+    remote = [n for n, t in enumerate(tensors) if t.device.type != "cpu"]
     sync = validate is True or any(needs_max[n] for n in remote)
+    local = [
+        n for n, t in enumerate(tensors)
+        if t.device.type == "cpu" and (validate is not False or needs_max[n])
+    ]
     facts: dict[int, list[int]] = {}
-    if sync and remote:
-        summaries = [checks[n][1](checks[n][0]) for n in remote]
-        values = torch.cat(summaries).tolist()  # the one host synchronization
-        for n, summary in zip(remote, summaries):
-            facts[n], values = values[: summary.numel()], values[summary.numel() :]
-    for n, (t, summarize, _) in enumerate(checks):
-        if t.device.type == "cpu" and (validate is not False or needs_max[n]):
-            facts[n] = summarize(t).tolist()
-    if validate is not False:
-        for n, (_, _, check) in enumerate(checks):
-            if n in facts:
-                check(facts[n])
+    if (sync and remote) or local:  # the fast path (GPU offsets, maxima given) skips all this
+        summarize = [_offset_facts, _offset_facts, _index_facts, _index_facts]
+        if sync and remote:
+            summaries = [summarize[n](tensors[n]) for n in remote]
+            values = torch.cat(summaries).tolist()  # the one host synchronization
+            for n, summary in zip(remote, summaries):
+                facts[n], values = values[: summary.numel()], values[summary.numel() :]
+        for n in local:
+            facts[n] = summarize[n](tensors[n]).tolist()
+        if validate is not False:
+            checks = [
+                lambda f: _check_offset_values(
+                    "cu_seqlens_q", f, rows_q, q_name, max_q, "max_seqlen_q"),
+                lambda f: _check_offset_values(
+                    "cu_seqlens_d", f, rows_d, d_name, max_d, "max_seqlen_d"),
+                lambda f: _check_pair_values(
+                    "pair_q_idx", f, cu_q.numel() - 1, "cu_seqlens_q"),
+                lambda f: _check_pair_values(
+                    "pair_d_idx", f, cu_d.numel() - 1, "cu_seqlens_d"),
+            ]
+            for n in sorted(facts):
+                checks[n](facts[n])
     max_q = max(0, facts[0][3]) if max_q is None else max_q
     max_d = max(0, facts[1][3]) if max_d is None else max_d
     return RaggedLayout(
@@ -386,7 +394,8 @@ def _cross_fwd_torch(layout, Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, bl
     device, dim = Q.device, Q.shape[1]
     n_q, n_cols, rows_q = layout.n_queries, layout.n_cols, layout.rows_q
     scores = torch.zeros((n_q, n_cols), dtype=ct, device=device)
-    argmax = torch.full((n_cols, rows_q) if save_argmax else (0,), -1, dtype=torch.int32, device=device)
+    argmax_shape = (n_cols, rows_q) if save_argmax else (0,)
+    argmax = torch.full(argmax_shape, -1, dtype=torch.int32, device=device)
     if n_q == 0 or n_cols == 0:
         return scores, argmax
     len_q = _lengths(layout.cu_q, rows_q)
@@ -423,7 +432,8 @@ def _cross_bwd_torch(layout, grad, Q, D, argmax, q_inv, d_inv, need_q, need_d, b
     q_rows = qp.rows[qp.inside]
     grad_qp = torch.zeros((n_q, width_q, dim), dtype=ct, device=device) if need_q else None
     for c0, c1, width_d in _column_groups(len_d.tolist(), layout.max_d, dim, block_bytes // 4):
-        dp = _pad(layout.cu_d, torch.arange(c0, c1, device=device), width_d, layout.rows_d, D, None, d_inv)
+        docs = torch.arange(c0, c1, device=device)
+        dp = _pad(layout.cu_d, docs, width_d, layout.rows_d, D, None, d_inv)
         arg = torch.full((c1 - c0, n_q, width_q), -1, dtype=torch.int32, device=device)
         arg[:, qp.inside] = argmax[c0:c1, q_rows]
         gq, gd = _blocked.maxsim_bwd_blocked(
@@ -485,7 +495,8 @@ def _pairs_fwd_torch(layout, Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, bl
             qp.tokens, dp.tokens.unsqueeze(1), qp.valid, dp.valid.unsqueeze(1), qp.inv,
             None if dp.inv is None else dp.inv.unsqueeze(1), save_argmax, block_bytes,
         )
-        broken = ~ok | _too_long(blocks.len_q[pq], layout.max_q) | _too_long(blocks.len_d[pd], layout.max_d)
+        broken = ~ok | _too_long(blocks.len_q[pq], layout.max_q)
+        broken = broken | _too_long(blocks.len_d[pd], layout.max_d)
         scores[sl] = torch.where(broken, float("nan"), s[:, 0])
         if save_argmax:
             argmax[sl, : blocks.width_q] = a[:, 0]
@@ -527,10 +538,11 @@ def _launch():
 
 def forward_impl(layout, Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision):
     """Scores and (when ``save_argmax``) the argmax, on the path ``backend`` names."""
+    args = (layout, Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax)
     if backend == "triton":
-        return _launch().ragged_fwd(layout, Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, fp32_precision)
+        return _launch().ragged_fwd(*args, fp32_precision)
     fwd = _pairs_fwd_torch if layout.pair_q is not None else _cross_fwd_torch
-    return fwd(layout, Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, settings.torch_block_bytes())
+    return fwd(*args, settings.torch_block_bytes())
 
 
 def _backward_impl(layout, grad, Q, D, argmax, q_inv, d_inv, need_q, need_d, strategy, fp32_out,
@@ -549,7 +561,7 @@ def _backward_impl(layout, grad, Q, D, argmax, q_inv, d_inv, need_q, need_d, str
     return (grad_q.to(out_q) if need_q else None), (grad_d.to(out_d) if need_d else None)
 
 
-def resolve_strategy(strategy: str, layout: RaggedLayout) -> str:
+def resolve_strategy(strategy: str) -> str:
     """``auto``: "lowmem" under ``torch.use_deterministic_algorithms(True)``, else "unified" (its
     split gather keeps the GPU busy when few queries own many pairs); "unified" is refused
     (or warned about, in warn-only mode) under deterministic algorithms."""
@@ -591,7 +603,7 @@ class RaggedMaxSimFunction(torch.autograd.Function):
         normalize = q_inv is not None
         grad_q, grad_d = _backward_impl(
             ctx.layout, grad_scores.to(_compute_dtype(Q)), Q, D, argmax, q_inv, d_inv, need_q,
-            need_d, resolve_strategy(ctx.strategy, ctx.layout), normalize, ctx.backend,
+            need_d, resolve_strategy(ctx.strategy), normalize, ctx.backend,
             ctx.fp32_precision,
         )
         if normalize:
@@ -600,8 +612,13 @@ class RaggedMaxSimFunction(torch.autograd.Function):
         return (grad_q if need_q else None), (grad_d if need_d else None), *none
 
 
-def inverse_norms(x: Tensor) -> Tensor:
-    """``1 / max(‖x‖, eps)`` per token (fp32; float64 for float64), detached."""
+def inverse_norms(x: Tensor, backend: str) -> Tensor:
+    """``1 / max(‖x‖, eps)`` per token (fp32; float64 for float64), detached; on the Triton path
+    by the dense path's kernel, which reads each token once."""
+    if backend == "triton":
+        from ._launch import inverse_norms as triton_inverse_norms
+
+        return triton_inverse_norms(x.detach(), _ops.NORM_EPS)
     norm = torch.linalg.vector_norm(x.detach(), dim=-1, dtype=_compute_dtype(x))
     return 1.0 / norm.clamp_min(_ops.NORM_EPS)
 
@@ -609,8 +626,8 @@ def inverse_norms(x: Tensor) -> Tensor:
 def score_layout(layout, Q, D, q_mask, d_mask, normalize: bool, strategy: str) -> Tensor:
     """Scores of ``layout``'s pairs, with autograd when a gradient will be needed."""
     backend = select_backend(Q)
-    q_inv = inverse_norms(Q) if normalize else None
-    d_inv = inverse_norms(D) if normalize else None
+    q_inv = inverse_norms(Q, backend) if normalize else None
+    d_inv = inverse_norms(D, backend) if normalize else None
     fp32_precision = settings.fp32_precision()
     if torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad):
         return RaggedMaxSimFunction.apply(
@@ -748,17 +765,22 @@ def _sequence_list(name: str, seqs: object) -> list[Tensor]:
     return list(seqs)
 
 
-def _pack_list(name: str, seqs: list[Tensor], dim: int, dtype, device) -> tuple[Tensor, Tensor, int]:
+def _pack_list(name: str, seqs: list[Tensor], dim: int, dtype, device):
+    """The sequences back to back, their offsets (on the host: known without a sync) and the
+    longest length."""
     for n, t in enumerate(seqs):
         if t.shape[1] != dim:
-            raise ValueError(f"every sequence must have the embedding dim d = {dim}; {name}[{n}] has {_shape(t)}")
+            raise ValueError(
+                f"every sequence must have the embedding dim d = {dim}; {name}[{n}] has {_shape(t)}"
+            )
         if t.device != device:
             raise ValueError(f"every sequence must be on {device}; {name}[{n}] is on {t.device}")
     lengths = [t.shape[0] for t in seqs]
     offsets = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
-    packed = (
-        torch.cat([t.to(dtype) for t in seqs]) if seqs else torch.empty((0, dim), dtype=dtype, device=device)
-    )
+    if seqs:
+        packed = torch.cat([t.to(dtype) for t in seqs])
+    else:
+        packed = torch.empty((0, dim), dtype=dtype, device=device)
     return packed, offsets, max(lengths, default=0)
 
 
@@ -818,22 +840,32 @@ def _check_padded(queries: object, documents: object):
     if Q.dim() != 3:
         raise ValueError(f"queries must be [B, Lq, d], got shape {_shape(Q)}")
     if D.dim() != 4:
-        raise ValueError(f"documents must be [B, C, Ld, d] (C candidates per query), got shape {_shape(D)}")
+        raise ValueError(
+            f"documents must be [B, C, Ld, d] (C candidates per query), got shape {_shape(D)}"
+        )
     if D.shape[0] != Q.shape[0]:
-        raise ValueError(f"queries and documents must share the batch size B, got {_shape(Q)} and {_shape(D)}")
+        raise ValueError(
+            f"queries and documents must share the batch size B, got {_shape(Q)} and {_shape(D)}"
+        )
     if D.shape[-1] != Q.shape[-1]:
-        raise ValueError(f"queries and documents must share the embedding dim d, got {_shape(Q)} and {_shape(D)}")
+        raise ValueError(
+            f"queries and documents must share the embedding dim d, got {_shape(Q)} and {_shape(D)}"
+        )
     if Q.device != D.device:
         raise ValueError(f"queries is on {Q.device} but documents is on {D.device}")
     return Q, D
 
 
-def _length_range_errors(name: str, lengths: Tensor, extent: int) -> None:
-    if lengths.numel() == 0:
-        return
-    low, high = torch.stack([lengths.min(), lengths.max()]).tolist()
+def _check_length_range(name: str, low: int, high: int, extent: int) -> None:
     if low < 0 or high > extent:
-        raise ValueError(f"{name} must lie in [0, {extent}] (the padded extent), got values in [{low}, {high}]")
+        raise ValueError(
+            f"{name} must lie in [0, {extent}] (the padded extent), got values in [{low}, {high}]"
+        )
+
+
+def _length_range_errors(name: str, lengths: Tensor, extent: int) -> None:
+    if lengths.numel():
+        _check_length_range(name, *torch.stack([lengths.min(), lengths.max()]).tolist(), extent)
 
 
 def maxsim_padded(
@@ -943,14 +975,14 @@ def pack_padded(
     if B == 0:
         zero = torch.zeros(1, dtype=torch.int32, device=device)
         none = torch.zeros(0, dtype=torch.int32, device=device)
-        return PackedBatch(Q.new_empty((0, dim)), zero, D.new_empty((0, dim)), zero, none, none, 0, 0)
+        return PackedBatch(
+            Q.new_empty((0, dim)), zero, D.new_empty((0, dim)), zero, none, none, 0, 0
+        )
     stats = [qlen.min(), qlen.max(), qlen.sum()]
     stats += [dlen.min(), dlen.max(), dlen.sum()] if dlen.numel() else [qlen.new_zeros(())] * 3
     q_low, q_high, total_q, d_low, d_high, total_d = torch.stack(stats).tolist()
-    if q_low < 0 or q_high > Lq:
-        raise ValueError(f"query_lengths must lie in [0, {Lq}] (the padded extent), got values in [{q_low}, {q_high}]")
-    if d_low < 0 or d_high > Ld:
-        raise ValueError(f"doc_lengths must lie in [0, {Ld}] (the padded extent), got values in [{d_low}, {d_high}]")
+    _check_length_range("query_lengths", q_low, q_high, Lq)
+    _check_length_range("doc_lengths", d_low, d_high, Ld)
     cu_q, cu_d = _offsets_from(qlen), _offsets_from(dlen)
 
     def rows(lengths: Tensor, cu: Tensor, total: int) -> tuple[Tensor, Tensor]:

@@ -25,9 +25,10 @@ from . import _ops, settings
 from ._validate import _check_float, _check_mask, check_backward, select_backend
 from .ragged import RaggedLayout, build_layout, dense_as_packed, forward_impl, inverse_norms
 
-__all__ = ["retrieve", "MaxSimScorer"]
+__all__ = ["MaxSimScorer", "retrieve"]
 
-_SCORE_BLOCK_BYTES = 256 << 20  # default chunk: scores (fp32) and their sort keys (int64)
+_SCORE_BLOCK_BYTES = 256 << 20  # default chunk: its scores and their sort keys' temporaries
+_BYTES_PER_SCORE = 32  # fp32 score, int64 key and the int64 temporaries that build it
 _STREAM_BUFFER_BYTES = 256 << 20  # default chunk of a streamed corpus: each of two device buffers
 _LOW = 1 << 32
 
@@ -69,12 +70,10 @@ class _RunningTopK:
     def add(self, scores: Tensor, first: int) -> None:
         if self.exact_keys:
             keys = _order_keys(scores, first)
-            if keys.shape[1] > self.k:
-                keys = keys.topk(self.k, dim=1).values
             if self.keys is not None:
-                keys = torch.cat([self.keys, keys], dim=1)
-                keys = keys.topk(min(self.k, keys.shape[1]), dim=1).values
-            self.keys = keys
+                best = keys.topk(min(self.k, keys.shape[1]), dim=1).values
+                keys = torch.cat([self.keys, best], dim=1)
+            self.keys = keys.topk(min(self.k, keys.shape[1]), dim=1).values  # sorted
             return
         # float64: a stable sort of (winners so far, then this chunk) keeps lower indices first.
         index = torch.arange(first, first + scores.shape[1], device=scores.device)
@@ -153,7 +152,7 @@ class _Progress:
 
     def _draw(self) -> None:
         frac = self.done / self.total if self.total else 1.0
-        filled = int(round(frac * self.width))
+        filled = round(frac * self.width)
         elapsed = time.perf_counter() - self.start
         sys.stderr.write(
             f"\rretrieve {frac * 100:5.1f}% |{'#' * filled}{'.' * (self.width - filled)}| "
@@ -187,12 +186,14 @@ class _Prefetcher:
         rows = max(corpus.row_range(c0, c1)[1] - corpus.row_range(c0, c1)[0] for c0, c1 in ranges)
         docs = max(c1 - c0 for c0, c1 in ranges)
         tail = tuple(corpus.tokens.shape[1:])
-        self.tokens = [torch.empty((rows, *tail), dtype=corpus.tokens.dtype, device=device) for _ in range(2)]
-        mask_tail = tuple(corpus.mask.shape[1:]) if corpus.mask is not None else ()
-        self.masks = [
-            torch.empty((rows, *mask_tail), dtype=torch.bool, device=device) if corpus.mask is not None else None
-            for _ in range(2)
-        ]
+        dtype = corpus.tokens.dtype
+        self.tokens = [torch.empty((rows, *tail), dtype=dtype, device=device) for _ in range(2)]
+        self.masks = [None, None]
+        if corpus.mask is not None:
+            mask_tail = tuple(corpus.mask.shape[1:])
+            self.masks = [
+                torch.empty((rows, *mask_tail), dtype=torch.bool, device=device) for _ in range(2)
+            ]
         self.offsets = [
             torch.empty(docs + 1, dtype=torch.int64, device=device) if corpus.packed else None
             for _ in range(2)
@@ -281,7 +282,9 @@ def _check_chunk(chunk: object) -> int | None:
 def _corpus(D: object, d_mask, cu_seqlens_d, max_seqlen_d, dim: int, validate) -> _Corpus:
     D = _check_float("D", D)
     if D.shape[-1] != dim:
-        raise ValueError(f"Q and D must share the embedding dim d, got d = {dim} and D {tuple(D.shape)}")
+        raise ValueError(
+            f"Q and D must share the embedding dim d, got d = {dim} and D {tuple(D.shape)}"
+        )
     if cu_seqlens_d is None:
         if max_seqlen_d is not None:
             raise ValueError("max_seqlen_d goes with a packed corpus (cu_seqlens_d=...)")
@@ -296,7 +299,9 @@ def _corpus(D: object, d_mask, cu_seqlens_d, max_seqlen_d, dim: int, validate) -
             d_mask = None if d_mask is None else d_mask.unsqueeze(0)
         return _Corpus(D, d_mask)
     if D.dim() != 2:
-        raise ValueError(f"a packed corpus is [ΣLd, d] with cu_seqlens_d; got D of shape {tuple(D.shape)}")
+        raise ValueError(
+            f"a packed corpus is [ΣLd, d] with cu_seqlens_d; got D of shape {tuple(D.shape)}"
+        )
     d_mask = _check_mask("d_mask", d_mask, (D.shape[0],), "D", D.device)
     # The offsets are checked with the packing module's rules, against an empty query side.
     no_queries = D.new_empty((0, dim))
@@ -306,6 +311,23 @@ def _corpus(D: object, d_mask, cu_seqlens_d, max_seqlen_d, dim: int, validate) -
     )
     host = layout.cu_d.tolist() if layout.cu_d.device.type == "cpu" else None
     return _Corpus(D, d_mask, layout.cu_d, host, layout.max_d)
+
+
+def _as_packed(corpus: _Corpus) -> _Corpus:
+    """A dense corpus seen as a packed one of equal lengths, when that is a view.
+
+    The packed kernel orders its programs query block first, so the programs reading one
+    document run together and it comes from HBM about once; the dense kernel's grid walks the
+    whole corpus once per query block.
+    """
+    D = corpus.tokens
+    if corpus.packed or D.stride(0) != D.shape[1] * D.stride(1):
+        return corpus
+    n_docs, length = D.shape[0], D.shape[1]
+    offsets = torch.arange(n_docs + 1, dtype=torch.int64) * length
+    host = offsets.tolist() if D.device.type == "cpu" else None
+    mask = None if corpus.mask is None else corpus.mask.reshape(-1)
+    return _Corpus(D.view(n_docs * length, D.shape[2]), mask, offsets.to(D.device), host, length)
 
 
 def retrieve(
@@ -324,16 +346,19 @@ def retrieve(
 ) -> tuple[Tensor, Tensor]:
     """The ``top_k`` best documents of every query by MaxSim, in memory bounded by the chunk.
 
-    Inference only (no autograd). Scores are computed by the same kernels as
-    :func:`fusedmaxsim.maxsim` (dense corpora) and :func:`fusedmaxsim.ragged.maxsim_varlen`
-    (packed corpora).
+    Inference only (no autograd). On the GPU every corpus is scored by the kernel of
+    :func:`fusedmaxsim.ragged.maxsim_varlen`, a contiguous dense corpus as a packed one of equal
+    lengths (that kernel's grid reads each document from HBM about once); the PyTorch path
+    scores dense corpora as :func:`fusedmaxsim.maxsim` does.
 
     Args:
         Q (torch.Tensor): queries, `[Nq, Lq, d]` or `[Lq, d]`, on the device that scores.
         D (torch.Tensor): the corpus: `[Nd, Ld, d]` (or `[Ld, d]`, one document), or packed
             `[ΣLd, d]` with ``cu_seqlens_d``. On ``Q``'s device, or in CPU memory while ``Q`` is
             on a GPU: then it is streamed chunk by chunk (pin it with ``D.pin_memory()`` for full
-            copy bandwidth), and only two chunks ever live on the GPU.
+            copy bandwidth), and only two chunks ever live on the GPU. ``Q`` and ``D`` of two
+            dtypes are promoted to a common one, chunk by chunk (an in-memory packed corpus
+            once, as a copy).
         top_k (int): documents per query; more than the corpus holds returns the whole corpus,
             ranked.
         q_mask (torch.Tensor, optional): `[Nq, Lq]`, nonzero = valid.
@@ -380,67 +405,92 @@ def retrieve(
             f"Q is on {device} but D is on {corpus.tokens.device}: a corpus may be on Q's device, "
             "or in CPU memory while Q is on a GPU (it is then streamed)"
         )
-    if stream and corpus.packed and corpus.host_offsets is None:
-        raise ValueError("a streamed packed corpus needs cu_seqlens_d on the CPU")
+    if select_backend(Q) == "triton":
+        corpus = _as_packed(corpus)
     with torch.no_grad():
-        scores, indices = _retrieve(Q, q_mask, corpus, k, bool(normalize), chunk, bool(progress), stream)
+        scores, indices = _retrieve(
+            Q, q_mask, corpus, k, bool(normalize), chunk, bool(progress), stream
+        )
     if squeeze:
         scores, indices = scores.squeeze(0), indices.squeeze(0)
     return scores, indices
+
+
+def _chunk_ranges(corpus: _Corpus, chunk: int | None, n_queries: int, stream: bool):
+    """Document ranges scored at a time: ``chunk`` documents; by default, as many as 256 MiB
+    of scores allow, or (streamed) as many as fill a 256 MiB buffer, whole documents only."""
+    if chunk is None and stream:
+        # A buffer holds this many tokens (packed corpus) or documents (dense corpus).
+        unit_bytes = corpus.tokens[0].numel() * corpus.tokens.element_size()
+        units = _STREAM_BUFFER_BYTES // max(1, unit_bytes)
+        if corpus.packed:
+            return _ranges_by_rows(corpus.host_offsets, max(corpus.max_len, units))
+        return _ranges_by_count(corpus.n_docs, max(1, units))
+    if chunk is None:
+        chunk = max(1, _SCORE_BLOCK_BYTES // (_BYTES_PER_SCORE * max(n_queries, 1)))
+    return _ranges_by_count(corpus.n_docs, chunk)
+
+
+class _ChunkScorer:
+    """Scores of every query against the documents ``[c0, c1)``, whichever the corpus layout:
+    the dense kernel on a dense chunk, the packed kernel on a streamed packed chunk (its own
+    offsets) or on an in-memory packed corpus (its columns ``[c0, c1)``, no host slicing)."""
+
+    def __init__(self, Q: Tensor, q_mask, corpus: _Corpus, normalize: bool, stream: bool):
+        self.dtype = torch.promote_types(Q.dtype, corpus.tokens.dtype)
+        self.Q, self.q_mask = Q.to(self.dtype), q_mask
+        self.corpus, self.normalize, self.stream = corpus, normalize, stream
+        self.backend = select_backend(self.Q)
+        self.precision = settings.fp32_precision()
+        self.q_inv = inverse_norms(self.Q, self.backend) if normalize else None
+        if corpus.packed:
+            self.Qp, self.cu_q, self.qm = dense_as_packed(self.Q, q_mask)
+            self.qi = None if self.q_inv is None else self.q_inv.reshape(-1)
+        if corpus.packed and not stream:
+            # Every chunk reads the whole corpus through its offsets: prepare it once.
+            self.tokens, self.d_inv = self._prepare(corpus.tokens)
+            self.whole = RaggedLayout(
+                self.cu_q, corpus.offsets, self.Qp.shape[0], corpus.tokens.shape[0],
+                self.Q.shape[1], corpus.max_len,
+            )
+
+    def _prepare(self, tokens: Tensor) -> tuple[Tensor, Tensor | None]:
+        tokens = tokens.to(self.dtype)
+        return tokens, inverse_norms(tokens, self.backend) if self.normalize else None
+
+    def __call__(self, c0: int, c1: int, tokens: Tensor, mask, offsets) -> Tensor:
+        if self.corpus.packed and not self.stream:
+            layout, tokens, d_inv = self.whole.columns(c0, c1), self.tokens, self.d_inv
+        else:
+            tokens, d_inv = self._prepare(tokens)
+            if not self.corpus.packed:
+                return _ops.maxsim_fwd_impl(
+                    self.Q, tokens, self.q_mask, mask, self.q_inv, d_inv, False, self.backend,
+                    self.precision, "auto",
+                )[0]
+            layout = RaggedLayout(
+                self.cu_q, offsets, self.Qp.shape[0], tokens.shape[0], self.Q.shape[1],
+                self.corpus.max_len,
+            )
+        return forward_impl(
+            layout, self.Qp, tokens, self.qm, mask, self.qi, d_inv, False, self.backend,
+            self.precision,
+        )[0]
 
 
 def _retrieve(Q, q_mask, corpus: _Corpus, k: int, normalize: bool, chunk: int | None,
               progress: bool, stream: bool) -> tuple[Tensor, Tensor]:
     """The chunk loop shared by in-memory and streamed corpora."""
     device = Q.device
-    n_queries, n_docs = Q.shape[0], corpus.n_docs
-    dtype = torch.promote_types(Q.dtype, corpus.tokens.dtype)
-    Q = Q.to(dtype)
-    backend = select_backend(Q)
-    precision = settings.fp32_precision()
-    q_inv = inverse_norms(Q) if normalize else None
-    if chunk is None and stream:
-        row_bytes = corpus.tokens[0].numel() * corpus.tokens.element_size()
-        max_rows = max(corpus.max_len, _STREAM_BUFFER_BYTES // max(row_bytes, 1))
-        ranges = (
-            _ranges_by_rows(corpus.host_offsets, max_rows)
-            if corpus.packed
-            else _ranges_by_count(n_docs, max(1, _STREAM_BUFFER_BYTES // max(row_bytes, 1)))
-        )
-    else:
-        if chunk is None:
-            chunk = max(1, _SCORE_BLOCK_BYTES // (12 * max(n_queries, 1)))
-        ranges = _ranges_by_count(n_docs, chunk)
-    out_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    top = _RunningTopK(k, exact_keys=out_dtype == torch.float32 and n_docs < _LOW)
-
-    if corpus.packed:
-        Qp, cu_q, qm = dense_as_packed(Q, q_mask)
-        qi = None if q_inv is None else q_inv.reshape(-1)
-        if not stream:
-            whole = RaggedLayout(
-                _move(cu_q, device), corpus.offsets, Qp.shape[0], corpus.tokens.shape[0],
-                Q.shape[1], corpus.max_len,
-            )
-
-    def score(c0: int, c1: int, tokens: Tensor, mask: Tensor | None, offsets: Tensor | None) -> Tensor:
-        tokens = tokens.to(dtype)
-        d_inv = inverse_norms(tokens) if normalize else None
-        if not corpus.packed:
-            return _ops.maxsim_fwd_impl(
-                Q, tokens, q_mask, mask, q_inv, d_inv, False, backend, precision, "auto"
-            )[0]
-        if stream:
-            layout = RaggedLayout(cu_q, offsets, Qp.shape[0], tokens.shape[0], Q.shape[1], corpus.max_len)
-        else:
-            layout = whole.columns(c0, c1)
-        return forward_impl(layout, Qp, tokens, qm, mask, qi, d_inv, False, backend, precision)[0]
-
-    bar = _Progress(n_docs, progress)
+    ranges = _chunk_ranges(corpus, chunk, Q.shape[0], stream)
+    score = _ChunkScorer(Q, q_mask, corpus, normalize, stream)
+    out_dtype = torch.float64 if score.dtype == torch.float64 else torch.float32
+    top = _RunningTopK(k, exact_keys=out_dtype == torch.float32 and corpus.n_docs < _LOW)
+    bar = _Progress(corpus.n_docs, progress)
     prefetch = _Prefetcher(corpus, ranges, device) if stream and ranges else None
     if prefetch is not None:
         prefetch.load(0)
-    pending = None  # the previous chunk's completion, which the progress bar waits for
+    pending = None  # the previous chunk's completion, which the host waits for
     for n, (c0, c1) in enumerate(ranges):
         if prefetch is not None:
             tokens, mask, offsets = prefetch.get(n)
@@ -449,13 +499,13 @@ def _retrieve(Q, q_mask, corpus: _Corpus, k: int, normalize: bool, chunk: int | 
         top.add(score(c0, c1, tokens, mask, offsets), c0)
         done = prefetch.release(n) if prefetch is not None else _record(device, progress)
         if pending is not None:
-            pending.synchronize()  # keeps one chunk queued on the GPU while the host waits
+            pending.synchronize()  # one chunk stays queued on the GPU while the host waits
         if prefetch is not None and n + 1 < len(ranges):
             prefetch.load(n + 1)
-        pending = done if (progress or prefetch is not None) else None
+        pending = done
         bar.update(c1 - c0)
     bar.close()
-    return top.result(n_queries, device, out_dtype)
+    return top.result(Q.shape[0], device, out_dtype)
 
 
 def _chunk_view(corpus: _Corpus, c0: int, c1: int):
@@ -473,10 +523,6 @@ def _record(device: torch.device, wanted: bool):
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
     return event
-
-
-def _move(t: Tensor, device: torch.device) -> Tensor:
-    return t if t.device == device else t.to(device)
 
 
 # --------------------------------------------------------------------------------------------
@@ -539,11 +585,15 @@ class MaxSimScorer(torch.nn.Module):
             return maxsim_ragged(Q, D, normalize=self.normalize, backward=self.backward)
         if cu_seqlens_q is not None or cu_seqlens_d is not None:
             if cu_seqlens_d is None:
-                raise ValueError("cu_seqlens_q needs cu_seqlens_d: packed queries score packed documents")
+                raise ValueError(
+                    "cu_seqlens_q needs cu_seqlens_d: packed queries score packed documents"
+                )
             if cu_seqlens_q is None:
                 Q = _check_float("Q", Q)
                 if Q.dim() != 3:
-                    raise ValueError(f"without cu_seqlens_q, Q must be [Nq, Lq, d], got shape {tuple(Q.shape)}")
+                    raise ValueError(
+                        f"without cu_seqlens_q, Q must be [Nq, Lq, d], got shape {tuple(Q.shape)}"
+                    )
                 q_mask = _check_mask("q_mask", q_mask, tuple(Q.shape[:-1]), "Q", Q.device)
                 Q, cu_seqlens_q, q_mask = dense_as_packed(Q, q_mask)
                 max_seqlen_q = Q.shape[0] // max(cu_seqlens_q.numel() - 1, 1)

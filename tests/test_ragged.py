@@ -1,0 +1,477 @@
+"""Packed sequences, pair lists, padded candidates and lists, against a per-segment loop of the
+float64 reference, on both paths (Triton interpreted on CPU, and PyTorch).
+
+Lengths include 0 and 1 on purpose (an empty query or document scores 0 and gets 0 gradient), and
+d = 40 is not a power of two, so every tail mask runs.
+"""
+
+import pytest
+import torch
+from helpers import leaf
+
+from fusedmaxsim import maxsim, settings
+from fusedmaxsim._configs import BwdConfig, FwdConfig, forced_configs
+from fusedmaxsim.ragged import (
+    maxsim_padded,
+    maxsim_ragged,
+    maxsim_varlen,
+    pack_padded,
+    score_pairs_packed,
+)
+from fusedmaxsim.reference import maxsim_ref
+from fusedmaxsim.testing import TOLERANCES, assert_close_to_reference
+
+DIM = 40
+Q_LENGTHS = [3, 0, 1, 7]
+D_LENGTHS = [5, 1, 0, 13]
+PAIRS = ([0, 3, 2, 0, 1, 3], [3, 0, 2, 3, 2, 1])  # repeats a pair, shares queries and documents
+
+# A pairwise covering of dtype x strategy x normalize: every pair of values meets once, at half
+# the cost of the full product under the interpreter.
+COMBOS = [
+    pytest.param(torch.float32, "unified", False, id="fp32-unified-raw"),
+    pytest.param(torch.float32, "lowmem", True, id="fp32-lowmem-normalize"),
+    pytest.param(torch.float16, "unified", True, id="fp16-unified-normalize"),
+    pytest.param(torch.float16, "lowmem", False, id="fp16-lowmem-raw"),
+]
+
+
+def offsets(lengths, dtype=torch.int64):
+    return torch.tensor([0, *lengths]).cumsum(0).to(dtype)
+
+
+def packed(lengths, dtype=torch.float32, dim=DIM):
+    return torch.randn(sum(lengths), dim, dtype=dtype)
+
+
+def segment(x, cu, i):
+    return x[int(cu[i]) : int(cu[i + 1])]
+
+
+def loop_reference(Q, D, cu_q, cu_d, q_mask=None, d_mask=None, normalize=False, pairs=None):
+    """Scores by calling the float64 reference on every (query, document) segment pair."""
+    n_q, n_d = cu_q.numel() - 1, cu_d.numel() - 1
+    scored = list(zip(*pairs)) if pairs is not None else [(i, j) for i in range(n_q) for j in range(n_d)]
+    out = []
+    for i, j in scored:
+        qm = None if q_mask is None else segment(q_mask, cu_q, i)
+        dm = None if d_mask is None else segment(d_mask, cu_d, j)
+        out.append(maxsim_ref(segment(Q, cu_q, i), segment(D, cu_d, j), qm, dm, normalize=normalize))
+    scores = torch.stack(out) if out else Q.new_zeros(0)
+    return scores if pairs is not None else scores.reshape(n_q, n_d)
+
+
+def check_packed(fn, Q, D, cu_q, cu_d, *, pairs=None, q_mask=None, d_mask=None, normalize=False,
+                 backward=None, tol=None, **kwargs):
+    """Scores and both gradients (a random grad_output, then a stride-0 one) against float64."""
+    score_tol, grad_tol = tol or TOLERANCES[Q.dtype]
+    Q, D = leaf(Q), leaf(D)
+    Q64, D64 = leaf(Q.double()), leaf(D.double())
+    args = (Q, D, cu_q, cu_d) + ((torch.tensor(pairs[0]), torch.tensor(pairs[1])) if pairs else ())
+    call = lambda: fn(*args, q_mask=q_mask, d_mask=d_mask, normalize=normalize, backward=backward, **kwargs)
+    out = call()
+    ref = loop_reference(Q64, D64, cu_q, cu_d, q_mask, d_mask, normalize, pairs)
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    assert_close_to_reference(out, ref, score_tol, "scores")
+    grad_out = torch.randn_like(out)
+    gq, gd = torch.autograd.grad(out, (Q, D), grad_out)
+    rq, rd = torch.autograd.grad(ref, (Q64, D64), grad_out.double())
+    assert gq.dtype == Q.dtype and gd.dtype == D.dtype
+    assert_close_to_reference(gq, rq, grad_tol, "grad_Q")
+    assert_close_to_reference(gd, rd, grad_tol, "grad_D")
+    call().sum().backward()
+    loop_reference(Q64, D64, cu_q, cu_d, q_mask, d_mask, normalize, pairs).sum().backward()
+    assert_close_to_reference(Q.grad, Q64.grad, grad_tol, "grad_Q (sum)")
+    assert_close_to_reference(D.grad, D64.grad, grad_tol, "grad_D (sum)")
+    return out
+
+
+def masks():
+    q_mask = torch.rand(sum(Q_LENGTHS)) > 0.3
+    d_mask = torch.rand(sum(D_LENGTHS)) > 0.3
+    q_mask[:3] = False  # the first query is fully masked
+    return q_mask, d_mask
+
+
+@pytest.mark.parametrize("dtype,strategy,normalize", COMBOS)
+def test_varlen_matches_a_loop_over_segments(backend, dtype, strategy, normalize):
+    Q, D = packed(Q_LENGTHS, dtype), packed(D_LENGTHS, dtype)
+    q_mask, d_mask = masks()
+    out = check_packed(
+        maxsim_varlen, Q, D, offsets(Q_LENGTHS), offsets(D_LENGTHS), q_mask=q_mask, d_mask=d_mask,
+        normalize=normalize, backward=strategy,
+    )
+    # The fully masked first query, the empty second query and the empty third document score 0.
+    assert torch.all(out[0] == 0) and torch.all(out[1] == 0) and torch.all(out[:, 2] == 0)
+
+
+@pytest.mark.parametrize("dtype,strategy,normalize", COMBOS)
+def test_pairs_match_a_loop_over_segments(backend, dtype, strategy, normalize):
+    Q, D = packed(Q_LENGTHS, dtype), packed(D_LENGTHS, dtype)
+    q_mask, d_mask = masks()
+    check_packed(
+        score_pairs_packed, Q, D, offsets(Q_LENGTHS), offsets(D_LENGTHS), pairs=PAIRS,
+        q_mask=q_mask, d_mask=d_mask, normalize=normalize, backward=strategy,
+    )
+
+
+def test_without_masks_and_with_int32_offsets(backend):
+    Q, D = packed(Q_LENGTHS), packed(D_LENGTHS)
+    cu_q, cu_d = offsets(Q_LENGTHS, torch.int32), offsets(D_LENGTHS, torch.int32)
+    check_packed(maxsim_varlen, Q, D, cu_q, cu_d)
+    check_packed(score_pairs_packed, Q, D, cu_q, cu_d, pairs=PAIRS)
+
+
+def test_bf16_parity(backend):
+    """The interpreter computes bf16 dots in fp32 (its bf16 dot is wrong); the GPU suite covers real bf16."""
+    Q, D = packed(Q_LENGTHS, torch.bfloat16), packed(D_LENGTHS, torch.bfloat16)
+    check_packed(maxsim_varlen, Q, D, offsets(Q_LENGTHS), offsets(D_LENGTHS), backward="lowmem")
+    check_packed(score_pairs_packed, Q, D, offsets(Q_LENGTHS), offsets(D_LENGTHS), pairs=PAIRS)
+
+
+def test_given_maxima_are_exact_and_larger_ones_change_nothing(backend):
+    Q, D = packed(Q_LENGTHS), packed(D_LENGTHS)
+    cu_q, cu_d = offsets(Q_LENGTHS), offsets(D_LENGTHS)
+    exact = maxsim_varlen(Q, D, cu_q, cu_d, max(Q_LENGTHS), max(D_LENGTHS))
+    torch.testing.assert_close(exact, maxsim_varlen(Q, D, cu_q, cu_d))
+    torch.testing.assert_close(exact, maxsim_varlen(Q, D, cu_q, cu_d, 9, 100), rtol=1e-6, atol=1e-6)
+
+
+def test_packed_equals_padded_on_equal_lengths(backend):
+    Qd = torch.randn(3, 7, DIM)
+    Dd = torch.randn(4, 11, DIM)
+    dense = maxsim(Qd, Dd)
+    varlen = maxsim_varlen(Qd.reshape(-1, DIM), Dd.reshape(-1, DIM), offsets([7] * 3), offsets([11] * 4))
+    torch.testing.assert_close(varlen, dense, rtol=1e-5, atol=1e-5)
+    pairs = score_pairs_packed(
+        Qd.reshape(-1, DIM), Dd[:3].reshape(-1, DIM), offsets([7] * 3), offsets([11] * 3),
+        torch.arange(3), torch.arange(3),
+    )
+    torch.testing.assert_close(pairs, dense[:, :3].diagonal(), rtol=1e-5, atol=1e-5)
+
+
+def test_ragged_lists_match_a_loop_and_reach_every_tensor(backend):
+    qs = [leaf(torch.randn(n, DIM)) for n in Q_LENGTHS]
+    ds = [leaf(torch.randn(n, DIM)) for n in D_LENGTHS]
+    out = maxsim_ragged(qs, ds)
+    ref = loop_reference(torch.cat(qs).double(), torch.cat(ds).double(), offsets(Q_LENGTHS), offsets(D_LENGTHS))
+    assert_close_to_reference(out, ref, 2e-3, "scores")
+    out.sum().backward()
+    assert all(t.grad is not None and t.grad.shape == t.shape for t in qs + ds)
+    # A 3-D tensor counts as equal-length sequences.
+    dense_q = torch.randn(2, 5, DIM)
+    torch.testing.assert_close(maxsim_ragged(dense_q, ds), maxsim_ragged(list(dense_q), ds))
+
+
+def test_ragged_gradients_match_the_reference(backend):
+    qs = [leaf(torch.randn(n, DIM)) for n in Q_LENGTHS]
+    ds = [leaf(torch.randn(n, DIM)) for n in D_LENGTHS]
+    q64 = [leaf(q.double()) for q in qs]
+    d64 = [leaf(d.double()) for d in ds]
+    ref_fn = lambda: torch.stack([torch.stack([maxsim_ref(q, d, normalize=True) for d in d64]) for q in q64])
+    grad = torch.randn(len(qs), len(ds))
+    maxsim_ragged(qs, ds, normalize=True).backward(grad)
+    ref_fn().backward(grad.double())
+    maxsim_ragged(qs, ds, normalize=True).sum().backward()  # a stride-0 grad_output, accumulated
+    ref_fn().sum().backward()
+    for got, want in zip(qs + ds, q64 + d64):
+        expected = torch.zeros_like(want) if want.grad is None else want.grad  # empty: no graph
+        assert_close_to_reference(got.grad, expected, 2e-3, "grad")
+
+
+def test_maxsim_padded_matches_a_loop_and_pack_padded_agrees(backend):
+    B, C, Lq, Ld = 3, 4, 6, 9
+    queries, documents = leaf(torch.randn(B, Lq, DIM)), leaf(torch.randn(B, C, Ld, DIM))
+    qlen = torch.tensor([6, 0, 1])
+    dlen = torch.tensor([[9, 1, 0, 4], [3, 3, 3, 3], [0, 9, 2, 5]])
+    out = maxsim_padded(queries, documents, qlen, dlen)
+    ref = torch.stack([
+        torch.stack([
+            maxsim_ref(queries[b, : qlen[b]].double(), documents[b, c, : dlen[b, c]].double())
+            for c in range(C)
+        ])
+        for b in range(B)
+    ])
+    assert_close_to_reference(out, ref, 2e-3, "scores")
+    grad = torch.randn(B, C)
+    gq, gd = torch.autograd.grad(out, (queries, documents), grad)
+    rq, rd = torch.autograd.grad(ref, (queries, documents), grad.double(), retain_graph=True)
+    assert_close_to_reference(gq, rq, 2e-3, "grad queries")
+    assert_close_to_reference(gd, rd, 2e-3, "grad documents")
+    assert torch.all(gq[0, 6:] == 0) and torch.all(gd[0, 2] == 0)  # padding gets exactly 0
+    maxsim_padded(queries, documents, qlen, dlen).sum().backward()  # a stride-0 grad_output
+    rq, rd = torch.autograd.grad(ref.sum(), (queries, documents))
+    assert_close_to_reference(queries.grad, rq, 2e-3, "grad queries (sum)")
+    assert_close_to_reference(documents.grad, rd, 2e-3, "grad documents (sum)")
+
+    batch = pack_padded(queries, documents, qlen, dlen)
+    assert batch.max_seqlen_q == 6 and batch.max_seqlen_d == 9
+    assert batch.Q_packed.shape == (7, DIM) and batch.D_packed.shape == (int(dlen.sum()), DIM)
+    Q_packed, cu_q, D_packed, cu_d, pair_q, pair_d, max_q, max_d = batch
+    flat = score_pairs_packed(Q_packed, D_packed, cu_q, cu_d, pair_q, pair_d, max_seqlen_q=max_q, max_seqlen_d=max_d)
+    torch.testing.assert_close(flat.view(B, C), out, rtol=1e-5, atol=1e-5)
+    gq2, gd2 = torch.autograd.grad(flat.view(B, C), (queries, documents), grad)
+    torch.testing.assert_close(gq2, gq, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gd2, gd, rtol=1e-5, atol=1e-5)
+
+
+# Tile paths that tiny default configurations do not take: queries longer than the tile (the
+# chunk loop), two queries per tile, and backward blocks that a document or query spans.
+FORCED = [
+    pytest.param(FwdConfig(16, 1, 16, 64, 4, 1), BwdConfig(16, 16, 16, 64, 4, 1), "unified", id="chunked"),
+    pytest.param(FwdConfig(16, 2, 16, 64, 4, 1), BwdConfig(16, 16, 32, 64, 4, 1), "lowmem", id="two-queries"),
+]
+
+
+@pytest.mark.parametrize("fwd,bwd,strategy", FORCED)
+def test_forced_tile_paths(fwd, bwd, strategy):
+    lq, ld = [19, 0, 33], [33, 1, 17]
+    Q, D = packed(lq, dim=64), packed(ld, dim=64)
+    q_mask = torch.rand(sum(lq)) > 0.2
+    with settings.use_backend("triton"), forced_configs(fwd, bwd):
+        check_packed(maxsim_varlen, Q, D, offsets(lq), offsets(ld), q_mask=q_mask, backward=strategy)
+        check_packed(
+            score_pairs_packed, Q, D, offsets(lq), offsets(ld), pairs=([0, 2, 2, 1], [0, 0, 2, 1]),
+            q_mask=q_mask, backward=strategy,
+        )
+
+
+def test_a_too_small_unchecked_maximum_scores_nan_and_nothing_else(backend):
+    """Unchecked (``validate=False``), a broken promise is loud and local, never a bad read."""
+    Q, D = packed(Q_LENGTHS), packed(D_LENGTHS)
+    cu_q, cu_d = offsets(Q_LENGTHS), offsets(D_LENGTHS)
+    full = maxsim_varlen(Q, D, cu_q, cu_d)
+    out = maxsim_varlen(Q, D, cu_q, cu_d, 3, 5, validate=False)  # query 3 (7) and document 3 (13) exceed
+    assert torch.isnan(out[3]).all() and torch.isnan(out[:, 3]).all()
+    keep = torch.tensor([0, 1, 2])
+    torch.testing.assert_close(out[keep][:, [0, 1, 2]], full[keep][:, [0, 1, 2]])
+    pairs = score_pairs_packed(Q, D, cu_q, cu_d, torch.tensor([0, 3, 0]), torch.tensor([0, 0, 3]),
+                               max_seqlen_q=3, max_seqlen_d=5, validate=False)
+    assert not torch.isnan(pairs[0]) and torch.isnan(pairs[1:]).all()
+
+
+def test_unchecked_bad_offsets_and_pair_indices_stay_in_bounds(backend):
+    """Offsets beyond the packed rows are clamped (as documented); bad pair indices score NaN."""
+    Q, D = packed([2, 3]), packed([4, 4])
+    cu_q = torch.tensor([0, 2, 100])  # the last query claims rows it does not have
+    out = maxsim_varlen(Q, D, cu_q, offsets([4, 4]), 100, 4, validate=False)
+    torch.testing.assert_close(out, maxsim_varlen(Q, D, offsets([2, 3]), offsets([4, 4])))
+    pairs = score_pairs_packed(Q, D, offsets([2, 3]), offsets([4, 4]), torch.tensor([0, 5, -1]),
+                               torch.tensor([1, 0, 0]), max_seqlen_q=3, max_seqlen_d=4, validate=False)
+    assert not torch.isnan(pairs[0]) and torch.isnan(pairs[1:]).all()
+
+
+def test_empty_inputs(backend):
+    Q, D = leaf(packed([3, 2])), leaf(packed([4]))
+    none_q = maxsim_varlen(Q[:0], D, torch.zeros(1, dtype=torch.int64), offsets([4]))
+    assert none_q.shape == (0, 1)
+    none_d = maxsim_varlen(Q, D[:0], offsets([3, 2]), torch.zeros(1, dtype=torch.int64))
+    assert none_d.shape == (2, 0)
+    none_d.sum().backward()
+    assert torch.all(Q.grad == 0)
+    no_pairs = score_pairs_packed(Q, D, offsets([3, 2]), offsets([4]), torch.tensor([], dtype=torch.int64),
+                                  torch.tensor([], dtype=torch.int64))
+    assert no_pairs.shape == (0,) and no_pairs.dtype == torch.float32
+    no_pairs.sum().backward()
+    assert torch.all(D.grad == 0)
+    empty_seqs = maxsim_varlen(Q, D, torch.tensor([0, 0, 5]), torch.tensor([0, 0, 4]))
+    assert torch.all(empty_seqs[0] == 0) and torch.all(empty_seqs[:, 0] == 0)
+    no_batch = pack_padded(torch.randn(0, 3, 8), torch.randn(0, 2, 4, 8), torch.zeros(0, dtype=torch.int64),
+                           torch.zeros(0, 2, dtype=torch.int64))
+    assert no_batch.Q_packed.shape == (0, 8) and no_batch.pair_q_idx.numel() == 0 and no_batch.max_seqlen_q == 0
+    no_candidates = pack_padded(torch.randn(2, 3, 8), torch.randn(2, 0, 4, 8), torch.tensor([3, 1]),
+                                torch.zeros(2, 0, dtype=torch.int64))
+    assert no_candidates.D_packed.shape == (0, 8) and no_candidates.cu_seqlens_q.tolist() == [0, 3, 4]
+    assert maxsim_padded(torch.randn(2, 3, 8), torch.randn(2, 0, 4, 8), torch.tensor([3, 1]),
+                         torch.zeros(2, 0, dtype=torch.int64)).shape == (2, 0)
+
+
+def test_ties_go_to_the_lowest_index(backend):
+    Q = leaf(torch.randn(5, DIM))
+    D = torch.randn(9, DIM)
+    D[2] = D[6] = D[7] = Q.sum(0).detach() * 10  # wins for every query token
+    D = leaf(D)
+    maxsim_varlen(Q, D, offsets([5]), offsets([9])).sum().backward()
+    assert D.grad[2].abs().sum() > 0 and torch.all(D.grad[6] == 0) and torch.all(D.grad[7] == 0)
+
+
+def test_nan_propagates_only_from_valid_tokens(backend):
+    Q, D = packed([3, 4]), packed([5, 6])
+    D[7, 0] = float("nan")  # in the second document
+    out = maxsim_varlen(Q, D, offsets([3, 4]), offsets([5, 6]))
+    assert torch.isnan(out[:, 1]).all() and not torch.isnan(out[:, 0]).any()
+    d_mask = torch.ones(11, dtype=torch.bool)
+    d_mask[7] = False
+    assert not torch.isnan(maxsim_varlen(Q, D, offsets([3, 4]), offsets([5, 6]), d_mask=d_mask)).any()
+
+
+def test_fp32_is_never_computed_in_half_precision(backend):
+    Q, D = packed(Q_LENGTHS) * 300, packed(D_LENGTHS) * 300
+    check_packed(maxsim_varlen, Q, D, offsets(Q_LENGTHS), offsets(D_LENGTHS), tol=(1e-3, 1e-3))
+
+
+def test_mixed_dtypes_are_promoted_and_grads_keep_each_dtype(backend):
+    Q = leaf(packed(Q_LENGTHS, torch.float16))
+    D = leaf(packed(D_LENGTHS, torch.float32))
+    out = maxsim_varlen(Q, D, offsets(Q_LENGTHS), offsets(D_LENGTHS))
+    ref = loop_reference(Q.double(), D.double(), offsets(Q_LENGTHS), offsets(D_LENGTHS))
+    assert_close_to_reference(out, ref, 1e-3)
+    out.sum().backward()
+    assert Q.grad.dtype == torch.float16 and D.grad.dtype == torch.float32
+
+
+def test_non_contiguous_packed_tokens(backend):
+    Q = torch.randn(DIM, sum(Q_LENGTHS)).T  # d is not the fastest axis
+    D = torch.randn(sum(D_LENGTHS), 2 * DIM)[:, ::2]
+    assert Q.stride(-1) != 1 and D.stride(-1) != 1
+    check_packed(maxsim_varlen, Q, D, offsets(Q_LENGTHS), offsets(D_LENGTHS), backward="lowmem")
+    check_packed(score_pairs_packed, Q, D, offsets(Q_LENGTHS), offsets(D_LENGTHS), pairs=PAIRS)
+
+
+@pytest.mark.parametrize("fn", ["varlen", "pairs"])
+def test_lowmem_backward_is_bitwise_reproducible(backend, fn):
+    Q, D = packed(Q_LENGTHS), packed(D_LENGTHS)
+    grads = []
+    for _ in range(2):
+        q, d = leaf(Q), leaf(D)
+        if fn == "varlen":
+            out = maxsim_varlen(q, d, offsets(Q_LENGTHS), offsets(D_LENGTHS), backward="lowmem")
+        else:
+            out = score_pairs_packed(q, d, offsets(Q_LENGTHS), offsets(D_LENGTHS), torch.tensor(PAIRS[0]),
+                                     torch.tensor(PAIRS[1]), backward="lowmem")
+        out.backward(torch.linspace(-1, 1, out.numel()).reshape(out.shape))
+        grads.append((q.grad, d.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+def test_deterministic_mode_picks_lowmem_and_refuses_unified():
+    Q, D = leaf(packed(Q_LENGTHS)), leaf(packed(D_LENGTHS))
+    torch.use_deterministic_algorithms(True)
+    try:
+        with settings.use_backend("triton"):
+            maxsim_varlen(Q, D, offsets(Q_LENGTHS), offsets(D_LENGTHS)).sum().backward()
+            with pytest.raises(RuntimeError, match="not deterministic"):
+                maxsim_varlen(Q, D, offsets(Q_LENGTHS), offsets(D_LENGTHS), backward="unified").sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_no_argmax_without_grad_and_only_needed_gradients(backend, monkeypatch):
+    from fusedmaxsim import ragged
+
+    saved, needed = [], []
+    real_fwd, real_bwd = ragged.forward_impl, ragged._backward_impl
+    monkeypatch.setattr(ragged, "forward_impl", lambda *a: saved.append(a[7]) or real_fwd(*a))
+    monkeypatch.setattr(ragged, "_backward_impl", lambda *a: needed.append(a[7:9]) or real_bwd(*a))
+    Q, D = leaf(packed(Q_LENGTHS)), packed(D_LENGTHS)
+    args = (offsets(Q_LENGTHS), offsets(D_LENGTHS))
+    with torch.no_grad():
+        maxsim_varlen(Q, D, *args)
+    with torch.inference_mode():
+        maxsim_varlen(Q, D, *args)
+    maxsim_varlen(Q.detach(), D, *args)
+    maxsim_varlen(Q, D, *args).sum().backward()
+    assert saved == [False, False, False, True]
+    assert needed == [(True, False)] and Q.grad is not None
+
+
+def test_float64_runs_on_the_pytorch_path_and_passes_gradcheck():
+    lq, ld = [2, 0, 1], [3, 1, 0, 2]
+    Q = torch.randn(sum(lq), 4, dtype=torch.float64, requires_grad=True)
+    D = torch.randn(sum(ld), 4, dtype=torch.float64, requires_grad=True)
+    cu_q, cu_d = offsets(lq), offsets(ld)
+    pq, pd = torch.tensor([0, 2, 0]), torch.tensor([0, 3, 0])
+    with settings.use_backend("triton"):  # float64 still takes the exact PyTorch path
+        assert maxsim_varlen(Q, D, cu_q, cu_d).dtype == torch.float64
+    torch.autograd.gradcheck(lambda q, d: maxsim_varlen(q, d, cu_q, cu_d), (Q, D))
+    torch.autograd.gradcheck(lambda q, d: maxsim_varlen(q, d, cu_q, cu_d, normalize=True), (Q, D))
+    torch.autograd.gradcheck(lambda q, d: score_pairs_packed(q, d, cu_q, cu_d, pq, pd), (Q, D))
+
+
+# ---------------------------------------------------------------------------------------------
+# Every bad input gets a clear error naming the argument, before anything runs.
+# ---------------------------------------------------------------------------------------------
+
+QE, DE = torch.randn(5, 8), torch.randn(7, 8)
+CQ, CD = torch.tensor([0, 2, 5]), torch.tensor([0, 3, 7])
+PQ, PD = torch.tensor([0, 1]), torch.tensor([1, 0])
+
+
+def varlen(**kw):
+    args = {"Q_packed": QE, "D_packed": DE, "cu_seqlens_q": CQ, "cu_seqlens_d": CD, **kw}
+    return lambda: maxsim_varlen(**args)
+
+
+def pairs(**kw):
+    args = {"Q_packed": QE, "D_packed": DE, "cu_seqlens_q": CQ, "cu_seqlens_d": CD,
+            "pair_q_idx": PQ, "pair_d_idx": PD, **kw}
+    return lambda: score_pairs_packed(**args)
+
+
+@pytest.mark.parametrize(
+    "call,error,pattern",
+    [
+        (varlen(cu_seqlens_q=torch.tensor([[0, 2, 5]])), ValueError, r"cu_seqlens_q must be 1-D"),
+        (varlen(cu_seqlens_q=torch.tensor([], dtype=torch.int64)), ValueError, r"cu_seqlens_q must hold N \+ 1 offsets"),
+        (varlen(cu_seqlens_q=torch.tensor([0.0, 2.0, 5.0])), TypeError, r"cu_seqlens_q must be an integer tensor"),
+        (varlen(cu_seqlens_q=[0, 2, 5]), TypeError, r"cu_seqlens_q must be a torch.Tensor"),
+        (varlen(cu_seqlens_q=torch.tensor([1, 2, 5])), ValueError, r"cu_seqlens_q must start at 0, got cu_seqlens_q\[0\] = 1"),
+        (varlen(cu_seqlens_d=torch.tensor([0, 4, 3, 7])), ValueError, r"cu_seqlens_d must be non-decreasing.*-1"),
+        (varlen(cu_seqlens_q=torch.tensor([0, 2, 4])), ValueError, r"cu_seqlens_q must end at .* Q_packed.shape\[0\] = 5; got cu_seqlens_q\[-1\] = 4"),
+        (varlen(cu_seqlens_d=torch.tensor([0, 3, 9])), ValueError, r"cu_seqlens_d must end at .* D_packed.shape\[0\] = 7"),
+        (varlen(max_seqlen_q=2), ValueError, r"max_seqlen_q=2 is below the longest sequence in cu_seqlens_q \(3 tokens\)"),
+        (varlen(max_seqlen_d=3), ValueError, r"max_seqlen_d=3 is below the longest sequence in cu_seqlens_d \(4 tokens\)"),
+        (varlen(max_seqlen_q=-1), ValueError, r"max_seqlen_q must be >= 0"),
+        (varlen(max_seqlen_q=2.5), TypeError, r"max_seqlen_q must be an int or None"),
+        (varlen(cu_seqlens_q=CQ.to("meta")), ValueError, r"cu_seqlens_q is on meta but the tokens are on cpu"),
+        (varlen(D_packed=DE.to("meta")), ValueError, r"Q_packed is on cpu but D_packed is on meta"),
+        (varlen(D_packed=torch.randn(7, 9)), ValueError, r"share the embedding dim d.*\(5, 8\).*\(7, 9\)"),
+        (varlen(Q_packed=QE.reshape(1, 5, 8)), ValueError, r"Q_packed must be 2-D \[ΣLq, d\].*maxsim_padded"),
+        (varlen(Q_packed=QE.int()), TypeError, r"Q_packed must be float16, bfloat16, float32 or float64"),
+        (varlen(q_mask=torch.ones(4, dtype=torch.bool)), ValueError, r"q_mask must have shape \(5,\)"),
+        (varlen(d_mask=torch.ones(7, dtype=torch.bool).to("meta")), ValueError, r"d_mask is on meta"),
+        (varlen(backward="csr"), ValueError, r"backward= must be one of"),
+        (varlen(validate="yes"), TypeError, r"validate must be True, False or None"),
+        (pairs(pair_q_idx=torch.tensor([0, 2])), ValueError, r"pair_q_idx must index the 2 sequences of cu_seqlens_q .* got indices in \[0, 2\]"),
+        (pairs(pair_d_idx=torch.tensor([-1, 0])), ValueError, r"pair_d_idx must index the 2 sequences of cu_seqlens_d .* \[-1, 0\]"),
+        (pairs(pair_d_idx=torch.tensor([0, 1, 1])), ValueError, r"pair_q_idx and pair_d_idx must have the same length"),
+        (pairs(pair_q_idx=torch.tensor([[0, 1]])), ValueError, r"pair_q_idx must be 1-D"),
+        (pairs(pair_d_idx=torch.tensor([0.0, 1.0])), TypeError, r"pair_d_idx must be an integer tensor"),
+        (pairs(pair_q_idx=None), ValueError, r"pair_q_idx and pair_d_idx go together"),
+    ],
+)
+def test_bad_input_is_refused_with_a_clear_message(call, error, pattern):
+    with pytest.raises(error, match=pattern):
+        call()
+
+
+@pytest.mark.parametrize(
+    "call,error,pattern",
+    [
+        (lambda: maxsim_padded(torch.randn(2, 3, 8), torch.randn(2, 4, 8), torch.tensor([1, 2]), torch.ones(2, 4)),
+         ValueError, r"documents must be \[B, C, Ld, d\]"),
+        (lambda: maxsim_padded(torch.randn(2, 3, 8), torch.randn(3, 1, 4, 8), torch.tensor([1, 2]), torch.ones(3, 1)),
+         ValueError, r"share the batch size B"),
+        (lambda: maxsim_padded(torch.randn(2, 3, 8), torch.randn(2, 1, 4, 8), torch.tensor([1, 2, 3]), torch.ones(2, 1, dtype=torch.int64)),
+         ValueError, r"query_lengths must have shape \(2,\), got \(3,\)"),
+        (lambda: maxsim_padded(torch.randn(2, 3, 8), torch.randn(2, 1, 4, 8), torch.tensor([1, 4]), torch.ones(2, 1, dtype=torch.int64)),
+         ValueError, r"query_lengths must lie in \[0, 3\] .* \[1, 4\]"),
+        (lambda: maxsim_padded(torch.randn(2, 3, 8), torch.randn(2, 1, 4, 8), torch.tensor([1, 2]), torch.ones(2, 1)),
+         TypeError, r"doc_lengths must be an integer tensor"),
+        (lambda: pack_padded(torch.randn(2, 3, 8), torch.randn(2, 1, 4, 8), torch.tensor([1, 2]), torch.tensor([[5], [1]])),
+         ValueError, r"doc_lengths must lie in \[0, 4\]"),
+        (lambda: maxsim_ragged(torch.randn(3, 8), [torch.randn(2, 8)]), ValueError, r"queries must be a list of \[L, d\] tensors"),
+        (lambda: maxsim_ragged("abc", [torch.randn(2, 8)]), TypeError, r"queries must be a list or tuple"),
+        (lambda: maxsim_ragged([torch.randn(2, 8)], [torch.randn(2, 9)]), ValueError, r"embedding dim d = 8; documents\[0\]"),
+        (lambda: maxsim_ragged([torch.randn(2, 8, 1)], [torch.randn(2, 8)]), ValueError, r"queries\[0\] must be 2-D"),
+    ],
+)
+def test_bad_padded_and_list_input_is_refused(call, error, pattern):
+    with pytest.raises(error, match=pattern):
+        call()
+
+
+def test_unchecked_padded_lengths_out_of_range_score_nan(backend):
+    queries, documents = torch.randn(2, 3, 8), torch.randn(2, 2, 4, 8)
+    out = maxsim_padded(queries, documents, torch.tensor([3, 5]), torch.tensor([[4, -1], [2, 2]]), validate=False)
+    assert not torch.isnan(out[0, 0]) and torch.isnan(out[0, 1]) and torch.isnan(out[1]).all()

@@ -1,0 +1,244 @@
+"""retrieve and MaxSimScorer on both paths: exact top-k (ties to the lowest index) against a full
+stable sort, chunked and streamed equal to in-memory, dense and packed corpora, every error."""
+
+import pytest
+import torch
+from helpers import leaf, masks_with_holes
+
+from fusedmaxsim import maxsim, settings
+from fusedmaxsim.ragged import maxsim_varlen
+from fusedmaxsim.retrieval import MaxSimScorer, _as_packed, _corpus, _retrieve, retrieve
+
+DIM = 24
+
+
+def ranked(scores: torch.Tensor, k: int):
+    """The reference ranking: a stable descending sort keeps the lower index first among ties."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return order.values[..., :k], order.indices[..., :k]
+
+
+def packed_corpus(n_docs: int, max_len: int = 9, dtype=torch.float32):
+    lengths = torch.randint(0, max_len + 1, (n_docs,))
+    lengths[1] = 0
+    lengths[2] = 1
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    return torch.randn(int(cu[-1]), DIM, dtype=dtype), cu
+
+
+@pytest.mark.parametrize(
+    "chunk,normalize", [(None, False), (1, True), (4, False)], ids=["whole-raw", "1-normalize", "4-raw"]
+)
+def test_dense_corpus_top_k_is_the_full_ranking(backend, chunk, normalize):
+    Q = torch.randn(3, 5, DIM)
+    D = torch.randn(11, 9, DIM)
+    q_mask = masks_with_holes((3, 5), "cpu", fully_masked_first=False)
+    d_mask = masks_with_holes((11, 9), "cpu")  # the first document is empty: it scores 0
+    full = maxsim(Q, D, q_mask, d_mask, normalize=normalize)
+    scores, indices = retrieve(Q, D, 7, q_mask, d_mask, normalize=normalize, chunk=chunk)
+    ref_scores, ref_indices = ranked(full, 7)
+    assert scores.dtype == torch.float32 and indices.dtype == torch.int64
+    assert torch.equal(indices, ref_indices)
+    torch.testing.assert_close(scores, ref_scores, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_packed_corpus_top_k_is_the_full_ranking(backend, chunk):
+    Q = torch.randn(3, 5, DIM)
+    D, cu = packed_corpus(11)
+    d_mask = torch.rand(D.shape[0]) > 0.2
+    q_mask = masks_with_holes((3, 5), "cpu", fully_masked_first=False)
+    Qp, cu_q = Q.reshape(-1, DIM), torch.arange(4) * 5
+    full = maxsim_varlen(Qp, D, cu_q, cu, q_mask=q_mask.reshape(-1), d_mask=d_mask)
+    scores, indices = retrieve(Q, D, 6, q_mask, d_mask, cu_seqlens_d=cu, chunk=chunk)
+    ref_scores, ref_indices = ranked(full, 6)
+    assert torch.equal(indices, ref_indices)
+    torch.testing.assert_close(scores, ref_scores, rtol=1e-5, atol=1e-5)
+
+
+def test_top_k_beyond_the_corpus_returns_it_all_ranked(backend):
+    Q, D = torch.randn(2, 5, DIM), torch.randn(6, 9, DIM)
+    scores, indices = retrieve(Q, D, 100, chunk=4)
+    assert scores.shape == (2, 6) and torch.equal(indices, ranked(maxsim(Q, D), 6)[1])
+    empty_scores, empty_indices = retrieve(Q, D[:0], 5)
+    assert empty_scores.shape == (2, 0) and empty_indices.shape == (2, 0)
+
+
+def test_one_query_and_one_document_drop_their_axis(backend):
+    Q, D = torch.randn(5, DIM), torch.randn(9, DIM)
+    scores, indices = retrieve(Q, D, 3)
+    assert scores.shape == (1,) and indices.tolist() == [0]
+    torch.testing.assert_close(scores, maxsim(Q, D).reshape(1))
+
+
+@pytest.mark.parametrize("chunk", [2, 3, 100])
+def test_ties_go_to_the_lowest_document_index(backend, chunk):
+    """Copies of one document across chunk boundaries: the lower indices rank first, whatever
+    the chunking; documents with no valid token tie at 0."""
+    Q = torch.randn(2, 5, DIM)
+    D = torch.randn(10, 9, DIM)
+    D[[1, 4, 5, 8]] = D[7] = torch.randn(9, DIM) * 3
+    d_mask = torch.ones(10, 9, dtype=torch.bool)
+    d_mask[[0, 2, 9]] = False
+    full = maxsim(Q, D, d_mask=d_mask)
+    _, indices = retrieve(Q, D, 10, d_mask=d_mask, chunk=chunk)
+    assert torch.equal(indices, ranked(full, 10)[1])
+    for row in indices.tolist():
+        copies = [i for i in row if i in (1, 4, 5, 7, 8)]
+        empty = [i for i in row if i in (0, 2, 9)]
+        assert copies == sorted(copies) and empty == sorted(empty)
+
+
+def test_nan_ranks_first_as_in_torch_topk(backend):
+    Q, D = torch.randn(1, 5, DIM), torch.randn(6, 9, DIM)
+    D[3, 2, 0] = float("nan")
+    scores, indices = retrieve(Q, D, 3, chunk=2)
+    assert indices[0, 0] == 3 and torch.isnan(scores[0, 0]) and not torch.isnan(scores[0, 1:]).any()
+
+
+def test_float64_ranks_with_the_same_rule():
+    Q = torch.randn(2, 5, DIM, dtype=torch.float64)
+    D = torch.randn(12, 9, DIM, dtype=torch.float64)
+    D[[3, 6, 10]] = D[0].clone()
+    scores, indices = retrieve(Q, D, 8, chunk=5)
+    ref_scores, ref_indices = ranked(maxsim(Q, D), 8)
+    assert scores.dtype == torch.float64 and torch.equal(indices, ref_indices)
+    torch.testing.assert_close(scores, ref_scores)
+
+
+@pytest.mark.parametrize("layout", ["dense", "packed"])
+def test_streamed_chunks_equal_in_memory_chunks(backend, layout):
+    """The streaming path (two buffers, copies of chunk n + 1 while chunk n scores) run on the CPU."""
+    Q = torch.randn(3, 5, DIM)
+    if layout == "dense":
+        D, cu = torch.randn(9, 9, DIM), None
+        d_mask = masks_with_holes((9, 9), "cpu")
+    else:
+        D, cu = packed_corpus(9)
+        d_mask = torch.rand(D.shape[0]) > 0.2
+    corpus = _corpus(D, d_mask, cu, None, DIM, None)
+    for chunk in (2, 4):
+        streamed = _retrieve(Q, None, corpus, 7, True, chunk, False, True)
+        in_memory = _retrieve(Q, None, corpus, 7, True, chunk, False, False)
+        assert torch.equal(streamed[1], in_memory[1]) and torch.equal(streamed[0], in_memory[0])
+    public = retrieve(Q, D, 7, d_mask=d_mask, cu_seqlens_d=cu, normalize=True)
+    assert torch.equal(public[1], in_memory[1])
+    if layout == "dense":  # the Triton path's view of a dense corpus as a packed one
+        as_packed = _retrieve(Q, None, _as_packed(corpus), 7, True, 4, False, True)
+        assert torch.equal(as_packed[1], in_memory[1])
+        torch.testing.assert_close(as_packed[0], in_memory[0])
+
+
+def test_default_streamed_chunks_hold_whole_documents():
+    from fusedmaxsim.retrieval import _ranges_by_rows
+
+    ranges = _ranges_by_rows([0, 3, 3, 10, 11, 30], max_rows=8)
+    assert ranges == [(0, 2), (2, 4), (4, 5)]  # a document longer than the buffer stands alone
+
+
+def test_memory_is_bounded_by_the_chunk(backend, monkeypatch):
+    """Each scoring call sees at most ``chunk`` documents (the dense kernel on the PyTorch path,
+    the packed one, with the dense corpus as its view, on the Triton path)."""
+    from fusedmaxsim import _ops, retrieval
+
+    seen = []
+    dense, packed = _ops.maxsim_fwd_impl, retrieval.forward_impl
+    monkeypatch.setattr(_ops, "maxsim_fwd_impl", lambda *a: seen.append(a[1].shape[0]) or dense(*a))
+    monkeypatch.setattr(retrieval, "forward_impl", lambda *a: seen.append(a[0].n_cols) or packed(*a))
+    retrieve(torch.randn(2, 5, DIM), torch.randn(20, 9, DIM), 3, chunk=6)
+    assert seen == [6, 6, 6, 2]
+
+
+def test_progress_bar_goes_to_stderr(capsys):
+    retrieve(torch.randn(2, 5, DIM), torch.randn(9, 4, DIM), 3, chunk=4, progress=True)
+    captured = capsys.readouterr()
+    assert captured.out == "" and "9/9 docs" in captured.err and captured.err.endswith("\n")
+
+
+def test_retrieve_never_records_a_graph(backend):
+    Q, D = leaf(torch.randn(2, 5, DIM)), leaf(torch.randn(6, 9, DIM))
+    scores, _ = retrieve(Q, D, 3)
+    assert scores.grad_fn is None and not scores.requires_grad
+
+
+@pytest.mark.parametrize(
+    "call,error,pattern",
+    [
+        (lambda: retrieve(torch.randn(2, 5, 8), torch.randn(6, 9, 8), 0), ValueError, "top_k must be positive, got 0"),
+        (lambda: retrieve(torch.randn(2, 5, 8), torch.randn(6, 9, 8), -3), ValueError, "top_k must be positive"),
+        (lambda: retrieve(torch.randn(2, 5, 8), torch.randn(6, 9, 8), 2.0), TypeError, "top_k must be an int"),
+        (lambda: retrieve(torch.randn(2, 5, 8), torch.randn(6, 9, 8), True), TypeError, "top_k must be an int"),
+        (lambda: retrieve(torch.randn(2, 5, 8), torch.randn(6, 9, 8), 3, chunk=0), ValueError, "chunk must be positive"),
+        (lambda: retrieve(torch.randn(2, 5, 8), torch.randn(6, 9, 8), 3, chunk="big"), TypeError, "chunk must be an int"),
+        (lambda: retrieve(torch.randn(1, 2, 5, 8), torch.randn(6, 9, 8), 3), ValueError, r"Q must be \[Lq, d\] or \[Nq, Lq, d\]"),
+        (lambda: retrieve(torch.randn(2, 5, 8), torch.randn(1, 6, 9, 8), 3), ValueError, r"D must be \[Nd, Ld, d\]"),
+        (lambda: retrieve(torch.randn(2, 5, 8), torch.randn(6, 9, 7), 3), ValueError, "share the embedding dim d"),
+        (lambda: retrieve(torch.randn(2, 5, 8), torch.randn(6, 9, 8).to("meta"), 3), ValueError, "Q is on cpu but D is on meta"),
+        (lambda: retrieve(torch.randn(2, 5, 8), torch.randn(6, 9, 8), 3, q_mask=torch.ones(2, 4)), ValueError, r"q_mask must have shape \(2, 5\)"),
+        (lambda: retrieve(torch.randn(2, 5, 8), torch.randn(6, 9, 8), 3, d_mask=torch.ones(6, 8)), ValueError, r"d_mask must have shape \(6, 9\)"),
+        (lambda: retrieve(torch.randn(2, 5, 8), torch.randn(6, 9, 8), 3, max_seqlen_d=9), ValueError, "max_seqlen_d goes with a packed corpus"),
+        (lambda: retrieve(torch.randn(2, 5, 8), torch.randn(10, 8), 3, cu_seqlens_d=torch.tensor([0, 4, 9])), ValueError, r"cu_seqlens_d must end at .* D.shape\[0\] = 10"),
+        (lambda: retrieve(torch.randn(2, 5, 8), torch.randn(10, 8), 3, cu_seqlens_d=torch.tensor([0, 6, 10]), max_seqlen_d=5), ValueError, r"max_seqlen_d=5 is below"),
+        (lambda: retrieve(torch.randn(2, 5, 8), torch.randn(10, 8), 3, cu_seqlens_d=torch.tensor([0, 10]), d_mask=torch.ones(9)), ValueError, r"d_mask must have shape \(10,\)"),
+        (lambda: retrieve(torch.randn(2, 5, 8), torch.randn(2, 5, 8), 3, cu_seqlens_d=torch.tensor([0, 10])), ValueError, r"a packed corpus is \[ΣLd, d\]"),
+        (lambda: retrieve(torch.randn(2, 5, 8).int(), torch.randn(6, 9, 8), 3), TypeError, "Q must be float16"),
+    ],
+)
+def test_bad_input_is_refused_with_a_clear_message(call, error, pattern):
+    with pytest.raises(error, match=pattern):
+        call()
+
+
+# ---------------------------------------------------------------------------------------------
+# MaxSimScorer
+# ---------------------------------------------------------------------------------------------
+
+
+def test_scorer_follows_the_callers_grad_mode(backend):
+    scorer = MaxSimScorer(normalize=True)
+    assert list(scorer.parameters()) == [] and "normalize=True" in repr(scorer)
+    Q, D = leaf(torch.randn(2, 5, DIM)), leaf(torch.randn(3, 9, DIM))
+    out = scorer(Q, D)
+    torch.testing.assert_close(out, maxsim(Q, D, normalize=True))
+    out.sum().backward()
+    assert Q.grad is not None and D.grad is not None
+    with torch.no_grad():
+        assert scorer(Q, D).grad_fn is None
+    assert scorer.score(Q, D).grad_fn is None
+    assert torch.is_grad_enabled()  # score restores the caller's mode
+    with torch.enable_grad():
+        assert scorer(Q, D).grad_fn is not None
+
+
+def test_scorer_is_one_front_door_for_every_layout(backend):
+    scorer = MaxSimScorer()
+    Q = torch.randn(2, 5, DIM)
+    D, cu = packed_corpus(4)
+    q_mask = masks_with_holes((2, 5), "cpu", fully_masked_first=False)
+    varlen = maxsim_varlen(Q.reshape(-1, DIM), D, torch.arange(3) * 5, cu, q_mask=q_mask.reshape(-1))
+    torch.testing.assert_close(scorer(Q, D, q_mask, cu_seqlens_d=cu), varlen)
+    torch.testing.assert_close(
+        scorer(Q.reshape(-1, DIM), D, cu_seqlens_q=torch.arange(3) * 5, cu_seqlens_d=cu), maxsim_varlen(Q.reshape(-1, DIM), D, torch.arange(3) * 5, cu)
+    )
+    docs = [D[int(cu[j]) : int(cu[j + 1])] for j in range(4)]
+    torch.testing.assert_close(scorer(list(Q), docs), maxsim_varlen(Q.reshape(-1, DIM), D, torch.arange(3) * 5, cu))
+    scores, indices = scorer.retrieve(Q, D, 2, cu_seqlens_d=cu)
+    assert scores.shape == (2, 2) and indices.shape == (2, 2)
+    with pytest.raises(ValueError, match="cu_seqlens_q needs cu_seqlens_d"):
+        scorer(Q, D, cu_seqlens_q=cu)
+    with pytest.raises(ValueError, match="pass no masks"):
+        scorer(list(Q), docs, q_mask)
+    with pytest.raises(ValueError, match="backward= must be one of"):
+        MaxSimScorer(backward="fast")
+
+
+def test_scorer_retrieve_uses_its_normalize(backend):
+    Q, D = torch.randn(2, 5, DIM), torch.randn(7, 9, DIM) * torch.rand(7, 1, 1) * 5
+    on, off = MaxSimScorer(normalize=True), MaxSimScorer()
+    assert torch.equal(on.retrieve(Q, D, 7)[1], ranked(maxsim(Q, D, normalize=True), 7)[1])
+    assert torch.equal(off.retrieve(Q, D, 7)[1], ranked(maxsim(Q, D), 7)[1])
+
+
+def test_streaming_a_cpu_corpus_needs_a_gpu_or_the_same_device():
+    with settings.use_backend("torch"), pytest.raises(ValueError, match="in CPU memory while Q is on a GPU"):
+        retrieve(torch.randn(2, 5, 8).to("meta"), torch.randn(6, 9, 8), 3)
