@@ -180,6 +180,28 @@ def _as_bytes(mask: Tensor | None) -> Tensor | None:
     return None if mask is None else mask.contiguous().view(torch.uint8)
 
 
+def fwd_meta(
+    cfg, dtype: torch.dtype, dim: int, *, has_q_mask: bool, has_d_mask: bool, normalize: bool,
+    save_argmax: bool, fp32_precision: str,
+) -> dict:
+    """The constexprs and launch options every forward built on ``_doc_max`` shares."""
+    return dict(
+        HAS_Q_MASK=has_q_mask,
+        HAS_D_MASK=has_d_mask,
+        NORMALIZE=normalize,
+        SAVE_ARGMAX=save_argmax,
+        LQ_TILE=cfg.lq_tile,
+        QUERIES_PER_BLOCK=cfg.queries_per_block,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        EVEN_K=dim == cfg.block_k,
+        DOT_PRECISION=_dot_precision(dtype, fp32_precision),
+        UPCAST=_upcast(dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
 def _launch_fwd(cfg, Q, D, qm, dm, q_inv, d_inv, scores, argmax, save_argmax, fp32_precision) -> None:
     """One forward launch (several for huge query batches) with tiles ``cfg``."""
     per_query_docs = D.dim() == 4
@@ -187,20 +209,11 @@ def _launch_fwd(cfg, Q, D, qm, dm, q_inv, d_inv, scores, argmax, save_argmax, fp
     Ncols, Ld = D.shape[-3], D.shape[-2]
     qpb = cfg.queries_per_block
     consts = constants(
-        HAS_Q_MASK=qm is not None,
-        HAS_D_MASK=dm is not None,
-        NORMALIZE=q_inv is not None,
-        SAVE_ARGMAX=save_argmax,
         PER_QUERY_DOCS=per_query_docs,
-        LQ_TILE=cfg.lq_tile,
-        QUERIES_PER_BLOCK=qpb,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        EVEN_K=dim == cfg.block_k,
-        DOT_PRECISION=_dot_precision(Q.dtype, fp32_precision),
-        UPCAST=_upcast(Q.dtype),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        **fwd_meta(
+            cfg, Q.dtype, dim, has_q_mask=qm is not None, has_d_mask=dm is not None,
+            normalize=q_inv is not None, save_argmax=save_argmax, fp32_precision=fp32_precision,
+        ),
     )
     # Grid axis 1 holds at most 65535 blocks: larger query batches go in slices.
     step = _MAX_GRID_Y * qpb

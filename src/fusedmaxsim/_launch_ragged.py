@@ -29,6 +29,7 @@ from ._launch import (
     _sm_count,
     _upcast,
     constants,
+    fwd_meta,
     launcher,
 )
 
@@ -121,19 +122,10 @@ def ragged_fwd(
         grid,
         args,
         PAIRS=pairs,
-        HAS_Q_MASK=q_mask is not None,
-        HAS_D_MASK=d_mask is not None,
-        NORMALIZE=q_inv is not None,
-        SAVE_ARGMAX=save_argmax,
-        LQ_TILE=cfg.lq_tile,
-        QUERIES_PER_BLOCK=qpb,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        EVEN_K=dim == cfg.block_k,
-        DOT_PRECISION=_dot_precision(Q.dtype, fp32_precision),
-        UPCAST=_upcast(Q.dtype),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        **fwd_meta(
+            cfg, Q.dtype, dim, has_q_mask=q_mask is not None, has_d_mask=d_mask is not None,
+            normalize=q_inv is not None, save_argmax=save_argmax, fp32_precision=fp32_precision,
+        ),
     )
     return scores, argmax
 
