@@ -35,6 +35,8 @@ Grid mapping
   ``onehot(A == t)ᵀ @ (g · Q)`` over blocks of the group's (query, token) rows. No atomics:
   bitwise reproducible. ``g · Q`` is rounded to the input dtype before the product, an error of
   the same size as writing the gradient in that dtype.
+* ``_inverse_norm_kernel``: program = a block of token rows; ``1 / max(‖x‖, eps)`` in fp32, each
+  token read once (the norms are computed once per token, never per tile).
 
 Caveats
 -------
@@ -43,6 +45,8 @@ Caveats
 * The atomic paths (``SCATTER_GRAD_D``, ``ATOMIC_GRAD_Q``) are not bitwise reproducible: fp32
   additions land in varying order.
 * ``UPCAST`` computes dots in fp32: the Triton interpreter's bf16 ``tl.dot`` is wrong on CPU.
+* Q and D may have any strides; the forward's masks, inverse norms and outputs must be
+  contiguous (the launcher makes them so), which lets the kernel derive their strides.
 """
 
 from __future__ import annotations
