@@ -202,6 +202,20 @@ def fwd_meta(
     )
 
 
+def gather_meta(cfg, *, normalize: bool, grad_q: bool, atomic_q: bool, scatter_d: bool) -> dict:
+    """The constexprs and launch options of the gather backwards (dense and packed)."""
+    return dict(
+        NORMALIZE=normalize,
+        COMPUTE_GRAD_Q=grad_q,
+        ATOMIC_GRAD_Q=atomic_q,
+        SCATTER_GRAD_D=scatter_d,
+        BLOCK_S=cfg.block_s,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
 def _launch_fwd(cfg, Q, D, qm, dm, q_inv, d_inv, scores, argmax, save_argmax, fp32_precision) -> None:
     """One forward launch (several for huge query batches) with tiles ``cfg``."""
     per_query_docs = D.dim() == 4
@@ -365,14 +379,9 @@ def maxsim_bwd(
             ),
             constants(
                 PER_QUERY_DOCS=per_query_docs,
-                NORMALIZE=normalize,
-                COMPUTE_GRAD_Q=need_grad_q,
-                ATOMIC_GRAD_Q=atomic_q,
-                SCATTER_GRAD_D=scatter_d,
-                BLOCK_S=cfg.block_s,
-                BLOCK_K=cfg.block_k,
-                num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages,
+                **gather_meta(
+                    cfg, normalize=normalize, grad_q=need_grad_q, atomic_q=atomic_q, scatter_d=scatter_d
+                ),
             ),
         )
     if atomic_q and need_grad_q and grad_q.dtype != q_dtype:

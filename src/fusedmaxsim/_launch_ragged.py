@@ -30,6 +30,7 @@ from ._launch import (
     _upcast,
     constants,
     fwd_meta,
+    gather_meta,
     launcher,
 )
 
@@ -219,14 +220,9 @@ def ragged_bwd(
             (n_queries * n_sblocks, splits),
             args,
             PAIRS=pairs,
-            NORMALIZE=normalize,
-            COMPUTE_GRAD_Q=need_grad_q,
-            ATOMIC_GRAD_Q=atomic_q,
-            SCATTER_GRAD_D=scatter_d,
-            BLOCK_S=cfg.block_s,
-            BLOCK_K=cfg.block_k,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            **gather_meta(
+                cfg, normalize=normalize, grad_q=need_grad_q, atomic_q=atomic_q, scatter_d=scatter_d
+            ),
         )
     elif need_grad_q:
         grad_q.zero_()

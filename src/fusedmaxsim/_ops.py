@@ -124,6 +124,34 @@ def _(grad_scores, Q, D, argmax, q_inv, d_inv, need_grad_q, need_grad_d, strateg
     return grad_like(Q, need_grad_q), grad_like(D, need_grad_d)
 
 
+def inverse_norms(x: Tensor, backend: str) -> Tensor:
+    """``1 / max(‖token‖, 1e-12)`` (fp32; float64 for float64), detached, once per token.
+
+    On the Triton path a kernel reads each token once; ``vector_norm(dtype=float32)`` would first
+    write an fp32 copy of a 16-bit input.
+    """
+    if backend == "triton":
+        return _launch().inverse_norms(x.detach(), NORM_EPS)
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    norm = torch.linalg.vector_norm(x.detach(), dim=-1, dtype=dtype)
+    return 1.0 / norm.clamp_min(NORM_EPS)
+
+
+def refuse_nondeterministic(strategy: str) -> None:
+    """``backward="unified"`` under ``torch.use_deterministic_algorithms(True)``: raise (or warn in
+    warn-only mode), as PyTorch does for its own nondeterministic operations."""
+    if strategy != "unified" or not torch.are_deterministic_algorithms_enabled():
+        return
+    message = (
+        "backward='unified' uses fp32 atomics and is not deterministic, but "
+        "torch.use_deterministic_algorithms(True) is set; use backward='lowmem' or 'auto'"
+    )
+    if torch.is_deterministic_algorithms_warn_only_enabled():
+        warnings.warn(message, stacklevel=4)
+    else:
+        raise RuntimeError(message)
+
+
 def resolve_strategy(strategy: str, *, per_query_docs: bool, Nq: int, Ncols: int, Lq: int) -> str:
     """The backward strategy for ``auto``, and the determinism guard for ``unified``."""
     deterministic = torch.are_deterministic_algorithms_enabled()
@@ -134,19 +162,11 @@ def resolve_strategy(strategy: str, *, per_query_docs: bool, Nq: int, Ncols: int
         if deterministic or per_query_docs:
             return "lowmem"
         return "unified"
-    if strategy == "unified" and deterministic:
-        message = (
-            "maxsim(backward='unified') uses fp32 atomics and is not deterministic, but "
-            "torch.use_deterministic_algorithms(True) is set; use backward='lowmem' or 'auto'"
-        )
-        if torch.is_deterministic_algorithms_warn_only_enabled():
-            warnings.warn(message, stacklevel=3)
-        else:
-            raise RuntimeError(message)
+    refuse_nondeterministic(strategy)
     return strategy
 
 
-def _normalize_backward(x: Tensor, grad_hat: Tensor) -> Tensor:
+def normalize_backward(x: Tensor, grad_hat: Tensor) -> Tensor:
     """Vector-Jacobian product of ``F.normalize(x, dim=-1)`` (eps 1e-12), exact, fp32 or fp64."""
     xf = x.to(grad_hat.dtype)
     norm = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
@@ -191,8 +211,8 @@ def _grads(ctx, grad_scores: Tensor, traced: bool) -> tuple[Tensor | None, Tenso
         ctx.fp32_precision,
     )
     if normalize:
-        grad_q = _normalize_backward(Q, grad_q) if need_q else None
-        grad_d = _normalize_backward(D, grad_d) if need_d else None
+        grad_q = normalize_backward(Q, grad_q) if need_q else None
+        grad_d = normalize_backward(D, grad_d) if need_d else None
     return (grad_q if need_q else None), (grad_d if need_d else None)
 
 

@@ -39,22 +39,11 @@ from ._validate import Problem, canonical, canonical_pairs, check_backward, sele
 __all__ = ["maxsim", "maxsim_pairs"]
 
 
-def _inverse_norms(x: Tensor, backend: str) -> Tensor:
-    """``1 / max(‖token‖, 1e-12)``, computed once per token (not once per tile)."""
-    if backend == "triton":
-        from ._launch import inverse_norms
-
-        return inverse_norms(x.detach(), _ops.NORM_EPS)
-    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    norm = torch.linalg.vector_norm(x.detach(), dim=-1, dtype=dtype)
-    return 1.0 / norm.clamp_min(_ops.NORM_EPS)
-
-
 def _run(p: Problem, normalize: bool, strategy: str) -> Tensor:
     backend = select_backend(p.Q)
     save_argmax = torch.is_grad_enabled() and (p.Q.requires_grad or p.D.requires_grad)
-    q_inv = _inverse_norms(p.Q, backend) if normalize else None
-    d_inv = _inverse_norms(p.D, backend) if normalize else None
+    q_inv = _ops.inverse_norms(p.Q, backend) if normalize else None
+    d_inv = _ops.inverse_norms(p.D, backend) if normalize else None
     args = (p.Q, p.D, p.q_mask, p.d_mask, q_inv, d_inv, save_argmax, backend,
             settings.fp32_precision(), strategy)
     if not save_argmax and not torch.compiler.is_compiling():

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-import warnings
 from typing import NamedTuple
 
 import torch
@@ -563,20 +562,12 @@ def _backward_impl(layout, grad, Q, D, argmax, q_inv, d_inv, need_q, need_d, str
 
 def resolve_strategy(strategy: str) -> str:
     """``auto``: "lowmem" under ``torch.use_deterministic_algorithms(True)``, else "unified" (its
-    split gather keeps the GPU busy when few queries own many pairs); "unified" is refused
-    (or warned about, in warn-only mode) under deterministic algorithms."""
-    if not torch.are_deterministic_algorithms_enabled():
-        return "unified" if strategy == "auto" else strategy
-    if strategy == "unified":
-        message = (
-            "backward='unified' uses fp32 atomics and is not deterministic, but "
-            "torch.use_deterministic_algorithms(True) is set; use backward='lowmem' or 'auto'"
-        )
-        if not torch.is_deterministic_algorithms_warn_only_enabled():
-            raise RuntimeError(message)
-        warnings.warn(message, stacklevel=3)
-        return "unified"
-    return "lowmem"
+    split gather keeps the GPU busy when few queries own many pairs); "unified" under
+    deterministic algorithms is refused as in the dense path."""
+    _ops.refuse_nondeterministic(strategy)
+    if strategy == "auto":
+        return "lowmem" if torch.are_deterministic_algorithms_enabled() else "unified"
+    return strategy
 
 
 class RaggedMaxSimFunction(torch.autograd.Function):
@@ -607,27 +598,16 @@ class RaggedMaxSimFunction(torch.autograd.Function):
             ctx.fp32_precision,
         )
         if normalize:
-            grad_q = _ops._normalize_backward(Q, grad_q) if need_q else None
-            grad_d = _ops._normalize_backward(D, grad_d) if need_d else None
+            grad_q = _ops.normalize_backward(Q, grad_q) if need_q else None
+            grad_d = _ops.normalize_backward(D, grad_d) if need_d else None
         return (grad_q if need_q else None), (grad_d if need_d else None), *none
-
-
-def inverse_norms(x: Tensor, backend: str) -> Tensor:
-    """``1 / max(‖x‖, eps)`` per token (fp32; float64 for float64), detached; on the Triton path
-    by the dense path's kernel, which reads each token once."""
-    if backend == "triton":
-        from ._launch import inverse_norms as triton_inverse_norms
-
-        return triton_inverse_norms(x.detach(), _ops.NORM_EPS)
-    norm = torch.linalg.vector_norm(x.detach(), dim=-1, dtype=_compute_dtype(x))
-    return 1.0 / norm.clamp_min(_ops.NORM_EPS)
 
 
 def score_layout(layout, Q, D, q_mask, d_mask, normalize: bool, strategy: str) -> Tensor:
     """Scores of ``layout``'s pairs, with autograd when a gradient will be needed."""
     backend = select_backend(Q)
-    q_inv = inverse_norms(Q, backend) if normalize else None
-    d_inv = inverse_norms(D, backend) if normalize else None
+    q_inv = _ops.inverse_norms(Q, backend) if normalize else None
+    d_inv = _ops.inverse_norms(D, backend) if normalize else None
     fp32_precision = settings.fp32_precision()
     if torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad):
         return RaggedMaxSimFunction.apply(

@@ -23,7 +23,8 @@ from torch import Tensor
 
 from . import _ops, settings
 from ._validate import _check_float, _check_mask, check_backward, select_backend
-from .ragged import RaggedLayout, build_layout, dense_as_packed, forward_impl, inverse_norms
+from ._ops import inverse_norms
+from .ragged import RaggedLayout, build_layout, dense_as_packed, forward_impl
 
 __all__ = ["MaxSimScorer", "retrieve"]
 
