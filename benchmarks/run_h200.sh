@@ -4,6 +4,12 @@
 #   cold-start latencies, the op-level memory table, then every record and log copied to $OUT.
 #
 #   OUT=/some/dir bash benchmarks/run_h200.sh
+#   STAGES="tests check ragged e2e" OUT=/some/dir bash benchmarks/run_h200.sh
+#
+# STAGES picks and orders the stages (default: tests check suite cold memory report). Two more
+# are off by default: `ragged` (benchmarks/bench_ragged.py) and `e2e` (the PyLate fine-tune of
+# benchmarks/train_pylate_e2e.py, which needs its wheels in .whl/e2e/ and the fp16 model that
+# `train_pylate_e2e.py --export-model .whl/minilm-fp16` writes).
 #
 # Each stage has a time cap, writes its own log, and cannot stop the stages after it; the caps
 # also respect a budget for the whole session (SESSION_S, default 510 s). The records are
@@ -11,8 +17,8 @@
 # FUSEDMAXSIM_GIT_SHA=<sha> when the copy being benchmarked has no .git. For a dry run elsewhere:
 # BENCH_SHAPES=quick RESULTS=/tmp/results SESSION_S=120 bash benchmarks/run_h200.sh
 #
-# $OUT receives at most seven files: run.log (stage summary), gpu_tests.log, check.log,
-# bench.log, and maxsim_bench.{json,md,png}.
+# $OUT receives run.log (stage summary), one log per stage, maxsim_bench.{json,md,png}, and with
+# the extra stages ragged_bench.{json,md} and e2e/result.json.
 
 set -u -o pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -24,6 +30,7 @@ OUT="${OUT:-$(mktemp -d -t fusedmaxsim-gpu.XXXXXX)}"
 RESULTS="${RESULTS:-benchmarks/results/h200}"
 SHAPES="${BENCH_SHAPES:-all}"
 SESSION_S="${SESSION_S:-510}"
+STAGES="${STAGES:-tests check suite cold memory report}"
 START=$SECONDS
 mkdir -p "$OUT" "$RESULTS"
 RUN_LOG="$OUT/run.log"
@@ -85,19 +92,43 @@ fi
 
 BENCH=(python3 benchmarks/bench_maxsim.py --out "$RESULTS" --peers --warmup-ms 25 --rep-ms 100)
 
-stage "gpu tests" 150 "$OUT/gpu_tests.log" python3 -m pytest -m gpu -q -p no:cacheprovider
-stage "check" 30 "$OUT/check.log" python3 -m fusedmaxsim check
+# The end-to-end fine-tune needs PyLate and the versions of its dependencies it was written
+# against; datasets 5.x needs pyarrow >= 24, so an older pyarrow there gets datasets 4.4.
+e2e() {
+    local wheels=(.whl/e2e/new/*.whl)
+    if ! python3 -c "import pyarrow, sys; sys.exit(int(pyarrow.__version__.split('.')[0]) < 24)"; then
+        wheels=($(ls .whl/e2e/new/*.whl | grep -v -E '/(datasets|dill|multiprocess)-') .whl/e2e/old/*.whl)
+    fi
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-e2e "${wheels[@]}" &&
+        PYTHONPATH="/tmp/site-e2e:$PYTHONPATH" python3 benchmarks/train_pylate_e2e.py \
+            --model .whl/minilm-fp16 --device cuda --steps 50 --out "$OUT/e2e"
+}
+export -f e2e
+export OUT
 
-# The suite gets whatever the later stages (cold start 90 s, memory table 45 s, report 15 s)
-# leave, up to 300 s; it stops starting new items 40 s before its cap, so it ends cleanly.
-SUITE_CAP=$((SESSION_S - (SECONDS - START) - 150))
-((SUITE_CAP > 300)) && SUITE_CAP=300
-((SUITE_CAP < 60)) && SUITE_CAP=60
-stage "benchmark suite" "$SUITE_CAP" "$BENCH_LOG" "${BENCH[@]}" --shapes "$SHAPES" \
-    --budget-s $((SUITE_CAP - 40)) --compile-budget-s 45
-stage "cold start" 90 "$BENCH_LOG" "${BENCH[@]}" --shapes none --append --cold-start --cold-timeout-s 40
-stage "memory table" 45 "$BENCH_LOG" "${BENCH[@]}" --shapes none --append --memory-table
-stage "report" 15 "$BENCH_LOG" "${BENCH[@]}" --shapes none --append --plot
+for name in $STAGES; do
+    case $name in
+    tests) stage "gpu tests" 240 "$OUT/gpu_tests.log" python3 -m pytest -m gpu -q -rf -p no:cacheprovider ;;
+    check) stage "check" 150 "$OUT/check.log" python3 -m fusedmaxsim check ;;
+    suite)
+        # The suite gets whatever the later stages (cold start 90 s, memory table 45 s, report
+        # 15 s) leave, up to 300 s; it stops starting new items 40 s before its cap.
+        SUITE_CAP=$((SESSION_S - (SECONDS - START) - 150))
+        ((SUITE_CAP > 300)) && SUITE_CAP=300
+        ((SUITE_CAP < 60)) && SUITE_CAP=60
+        stage "benchmark suite" "$SUITE_CAP" "$BENCH_LOG" "${BENCH[@]}" --shapes "$SHAPES" \
+            --budget-s $((SUITE_CAP - 40)) --compile-budget-s 45
+        ;;
+    cold) stage "cold start" 90 "$BENCH_LOG" "${BENCH[@]}" --shapes none --append --cold-start --cold-timeout-s 40 ;;
+    memory) stage "memory table" 45 "$BENCH_LOG" "${BENCH[@]}" --shapes none --append --memory-table ;;
+    report) stage "report" 15 "$BENCH_LOG" "${BENCH[@]}" --shapes none --append --plot ;;
+    ragged)
+        stage "ragged" 150 "$OUT/ragged.log" python3 benchmarks/bench_ragged.py --out "$OUT" --rep-ms 100
+        ;;
+    e2e) stage "e2e" 200 "$OUT/e2e.log" bash -c e2e ;;
+    *) note "unknown stage: $name" ;;
+    esac
+done
 
 for f in "$RESULTS"/maxsim_bench.json "$RESULTS"/maxsim_bench.md "$RESULTS"/maxsim_bench.png; do
     if [[ -f $f ]]; then cp -f "$f" "$OUT/"; else note "missing: $f"; fi
