@@ -114,8 +114,15 @@ def test_large_shapes(q_shape, d_shape):
 
 
 def test_torch_compile_fullgraph_training_step():
+    """A whole training step (projection, normalize, MaxSim, loss) under ``fullgraph=True``.
+
+    fp32 with IEEE products: Inductor fuses ``F.normalize`` differently from eager, and in bf16
+    those last-bit differences flip near-tied argmaxes, which the temperature then magnifies; the
+    bf16 op itself is compared like for like in the next test.
+    """
     torch._dynamo.reset()
-    proj = torch.nn.Linear(64, 128, device="cuda", dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    proj = torch.nn.Linear(64, 128, device="cuda")
 
     def step(q_in, d_in, d_mask):
         Q = F.normalize(proj(q_in), dim=-1)
@@ -123,16 +130,45 @@ def test_torch_compile_fullgraph_training_step():
         scores = maxsim(Q, D, d_mask=d_mask)
         return F.cross_entropy(scores / 0.05, torch.arange(scores.shape[0], device="cuda"))
 
-    q_in = torch.randn(8, 32, 64, device="cuda", dtype=torch.bfloat16)
-    d_in = torch.randn(8, 180, 64, device="cuda", dtype=torch.bfloat16)
+    q_in = torch.randn(8, 32, 64, device="cuda")
+    d_in = torch.randn(8, 180, 64, device="cuda")
     d_mask = torch.rand(8, 180, device="cuda") > 0.2
-    compiled = torch.compile(step, fullgraph=True)
-    loss = compiled(q_in, d_in, d_mask)
-    loss.backward()
-    compiled_grad = proj.weight.grad.clone()
-    proj.weight.grad = None
-    step(q_in, d_in, d_mask).backward()
-    torch.testing.assert_close(compiled_grad.float(), proj.weight.grad.float(), rtol=3e-2, atol=3e-2)
+    with settings.use_fp32_precision("ieee"):
+        compiled = torch.compile(step, fullgraph=True)
+        loss = compiled(q_in, d_in, d_mask)
+        loss.backward()
+        compiled_grad = proj.weight.grad.clone()
+        proj.weight.grad = None
+        eager_loss = step(q_in, d_in, d_mask)
+        eager_loss.backward()
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(compiled_grad, proj.weight.grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("strategy", ["unified", "lowmem"])
+def test_torch_compile_bf16_matches_eager(strategy):
+    """The compiled op in bf16 on the same inputs as eager: same scores, same gradients."""
+    torch._dynamo.reset()
+    Q = leaf(torch.randn(8, 32, 128, device="cuda", dtype=torch.bfloat16))
+    D = leaf(torch.randn(8, 180, 128, device="cuda", dtype=torch.bfloat16))
+    d_mask = torch.rand(8, 180, device="cuda") > 0.2
+    grad = torch.randn(8, 8, device="cuda")
+
+    def scores(Q, D, d_mask):
+        return maxsim(Q, D, d_mask=d_mask, backward=strategy)
+
+    out = torch.compile(scores, fullgraph=True)(Q, D, d_mask)
+    out.backward(grad)
+    gq, gd = Q.grad.clone(), D.grad.clone()
+    Q.grad = D.grad = None
+    eager = scores(Q, D, d_mask)
+    eager.backward(grad)
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    torch.testing.assert_close(gq, Q.grad, rtol=0, atol=0)
+    if strategy == "lowmem":
+        torch.testing.assert_close(gd, D.grad, rtol=0, atol=0)
+    else:  # fp32 atomics add in varying order: a rounding step apart here and there
+        assert relative_error_fro(gd, D.grad) < 1e-3
 
 
 def test_opcheck_triton_ops():

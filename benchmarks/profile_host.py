@@ -1,0 +1,92 @@
+"""Where the host time of a small MaxSim call goes, on a GPU: wall time per call of each layer
+(N calls back to back, one synchronize), then a cProfile of the training step.
+
+    PYTHONPATH=src python3 benchmarks/profile_host.py
+
+Shapes are those of the benchmark's small_batch / train_small_batch (32×32 queries and
+documents, 32×180 tokens, d=128, bf16), where the GPU work is a few microseconds and the host
+decides the time.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+import fusedmaxsim as fm  # noqa: E402
+from fusedmaxsim import _launch  # noqa: E402
+
+
+def wall_us(fn, n: int = 400) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / n * 1e6
+
+
+def main() -> None:
+    dev = "cuda"
+    Q = torch.randn(32, 32, 128, device=dev, dtype=torch.bfloat16)
+    D = torch.randn(32, 180, 128, device=dev, dtype=torch.bfloat16)
+    g = torch.randn(32, 32, device=dev)
+    Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
+    rows = {}
+    rows["torch.empty 32x32 fp32"] = wall_us(lambda: torch.empty(32, 32, device=dev))
+    rows["torch.zeros 32x180x128 fp32"] = wall_us(lambda: torch.zeros(32, 180, 128, device=dev))
+    rows["tensor.to bf16 (32x180x128)"] = wall_us(lambda: g.to(torch.bfloat16))
+    rows["naive einsum+amax+sum"] = wall_us(
+        lambda: torch.einsum("ash,bth->abst", Q, D).amax(-1).sum(-1)
+    )
+    with torch.no_grad():
+        rows["maxsim no_grad"] = wall_us(lambda: fm.maxsim(Q, D))
+        rows["_launch.maxsim_fwd"] = wall_us(
+            lambda: _launch.maxsim_fwd(Q, D, None, None, None, None, False, "tf32")
+        )
+    scores, argmax = _launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32")
+    for strategy in ("unified", "lowmem"):
+        rows[f"_launch.maxsim_bwd {strategy}"] = wall_us(
+            lambda: _launch.maxsim_bwd(g, Q, D, argmax, None, None, True, True, strategy, False, "tf32")
+        )
+        rows[f"forward with grad, {strategy}"] = wall_us(lambda: fm.maxsim(Qg, Dg, backward=strategy))
+        rows[f"fwd+bwd backward(), {strategy}"] = wall_us(
+            lambda: fm.maxsim(Qg, Dg, backward=strategy).backward(g)
+        )
+        rows[f"fwd+bwd autograd.grad, {strategy}"] = wall_us(
+            lambda: torch.autograd.grad(fm.maxsim(Qg, Dg, backward=strategy), (Qg, Dg), g)
+        )
+    x = torch.ones(4, device=dev, requires_grad=True)
+    rows["autograd floor: (x*2).sum().backward()"] = wall_us(lambda: (x * 2).sum().backward())
+    for name, us in rows.items():
+        print(f"{name:42s} {us:8.1f} us/call")
+
+    for strategy in ("unified", "lowmem"):
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(300):
+            fm.maxsim(Qg, Dg, backward=strategy).backward(g)
+        torch.cuda.synchronize()
+        prof.disable()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(22)
+        print(f"\n== cProfile, 300 training steps, {strategy}\n" + out.getvalue())
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+        for _ in range(50):
+            fm.maxsim(Qg, Dg).backward(g)
+        torch.cuda.synchronize()
+    print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+
+
+if __name__ == "__main__":
+    main()
