@@ -26,7 +26,6 @@ import dataclasses
 import datetime
 import json
 import platform
-import subprocess
 import sys
 import time
 import traceback
@@ -613,13 +612,10 @@ def _summarize(record: dict) -> dict:
 
 
 def _git_sha() -> str | None:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-            cwd=Path(__file__).resolve().parent,
-        ).stdout.strip()
-    except Exception:  # noqa: BLE001
-        return None
+    from fusedmaxsim.benchmarking import git_state
+
+    sha = git_state()[0]
+    return sha[:7] if sha else None
 
 
 def _version(name: str) -> str | None:

@@ -34,6 +34,9 @@ def check_against_reference(
     ref = ref_fn(Q64, D64, q_mask, d_mask, normalize=normalize)
     assert out.dtype == torch.float32 and out.shape == ref.shape
     assert_close_to_reference(out, ref, score_tol, "scores")
+    with torch.no_grad():  # inference has its own path: no argmax, norms taken from the tiles
+        inference = fn(Q, D, q_mask, d_mask, normalize=normalize, backward=backward)
+    assert_close_to_reference(inference, ref, score_tol, "scores (no_grad)")
 
     grad_out = torch.randn_like(out)
     gq, gd = torch.autograd.grad(out, (Q, D), grad_out)

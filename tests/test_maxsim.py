@@ -12,6 +12,7 @@ from helpers import check_against_reference, leaf, masks_with_holes
 from fusedmaxsim import maxsim, maxsim_pairs, settings
 from fusedmaxsim._configs import BwdConfig, FwdConfig, forced_configs
 from fusedmaxsim.reference import maxsim_ref
+from fusedmaxsim.testing import assert_close_to_reference
 
 LAYOUTS = {
     # name: (Q shape, D shape)
@@ -230,6 +231,35 @@ def test_deterministic_mode_picks_lowmem_and_refuses_unified(device):
                 maxsim(Q, D, backward="unified").sum().backward()
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_normalize_zero_and_huge_tokens(backend, device, grad):
+    """Zero tokens normalize to zero (F.normalize's eps), huge ones to unit length, on both the
+    inference path (norms from the tiles) and the training path (norms computed first)."""
+    Q = torch.randn(3, 7, 96, device=device)
+    D = torch.randn(5, 13, 96, device=device)
+    Q[0, 2] = 0.0
+    D[1, 4] = 0.0
+    Q[1, 0] *= 1e18
+    D[2, 3] *= 1e18
+    Q, D = Q.requires_grad_(grad), D.requires_grad_(grad)
+    ref = maxsim_ref(Q.detach().double(), D.detach().double(), normalize=True)
+    assert_close_to_reference(maxsim(Q, D, normalize=True), ref, 1e-5, "scores")
+
+
+def test_auto_strategy_rule():
+    from fusedmaxsim._ops import resolve_strategy
+
+    def auto(Nq, Ncols, Lq, Ld, dim, per_query_docs=False):
+        return resolve_strategy(
+            "auto", per_query_docs=per_query_docs, Nq=Nq, Ncols=Ncols, Lq=Lq, Ld=Ld, dim=dim
+        )
+
+    assert auto(32, 32, 32, 180, 128) == "lowmem"  # host-bound: no fp32 buffer to fill and cast
+    assert auto(128, 128, 32, 300, 128) == "unified"  # many queries share each document
+    assert auto(128, 128, 32, 300, 128, per_query_docs=True) == "lowmem"
+    assert resolve_strategy("unified", per_query_docs=True, Nq=1, Ncols=1, Lq=1, Ld=1, dim=1) == "unified"
 
 
 def test_no_argmax_is_saved_without_grad(backend, device, monkeypatch):

@@ -54,10 +54,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+NORM_EPS = tl.constexpr(1e-12)  # F.normalize's default; the launchers pass the same to EPS
+
 
 @triton.jit
 def _max_propagate_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _inverse_norm(x, EPS: tl.constexpr):
+    """``1 / max(‖row‖, EPS)`` in fp32 for each row of a tile."""
+    x = x.to(tl.float32)
+    return 1.0 / tl.maximum(tl.sqrt(tl.sum(x * x, axis=1)), EPS)
 
 
 @triton.jit
@@ -87,6 +96,7 @@ def _doc_tile(
     EVEN_K: tl.constexpr,
     HAS_D_MASK: tl.constexpr,
     NORMALIZE: tl.constexpr,
+    NORM_FROM_TILES: tl.constexpr,
     TRACK_ARGMAX: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -108,10 +118,15 @@ def _doc_tile(
         b_d = tl.load(p, mask=m_k[None, :], other=0.0)
     b_s = _dot(b_q, tl.trans(b_d), DOT_PRECISION, UPCAST)  # [BLOCK_M, BLOCK_N] fp32
     if NORMALIZE:
-        if MASK_TAIL:
-            b_s = b_s * tl.load(p_dinv + o_t * stride_dinv_tok, mask=m_t, other=0.0)[None, :]
+        if NORM_FROM_TILES:
+            # The tile is on chip already: its norms cost BLOCK_N·BLOCK_K multiply-adds here
+            # instead of a pass over all of D before the kernel.
+            d_inv = _inverse_norm(b_d, NORM_EPS)
+        elif MASK_TAIL:
+            d_inv = tl.load(p_dinv + o_t * stride_dinv_tok, mask=m_t, other=0.0)
         else:
-            b_s = b_s * tl.load(p_dinv + o_t * stride_dinv_tok)[None, :]
+            d_inv = tl.load(p_dinv + o_t * stride_dinv_tok)
+        b_s = b_s * d_inv[None, :]
     if HAS_D_MASK:
         if MASK_TAIL:
             m_t = m_t & (tl.load(p_dmask + o_t * stride_dmask_tok, mask=m_t, other=0) != 0)
@@ -143,6 +158,7 @@ def _doc_max(
     EVEN_K: tl.constexpr,
     HAS_D_MASK: tl.constexpr,
     NORMALIZE: tl.constexpr,
+    NORM_FROM_TILES: tl.constexpr,
     TRACK_ARGMAX: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -164,13 +180,13 @@ def _doc_max(
         acc_max, acc_arg = _doc_tile(
             b_q, acc_max, acc_arg, start, t_hi, p_doc, stride_doc_tok, stride_doc_dim, p_dmask,
             stride_dmask_tok, p_dinv, stride_dinv_tok, o_k, m_k, False, EVEN_K, HAS_D_MASK,
-            NORMALIZE, TRACK_ARGMAX, BLOCK_N, DOT_PRECISION, UPCAST,
+            NORMALIZE, NORM_FROM_TILES, TRACK_ARGMAX, BLOCK_N, DOT_PRECISION, UPCAST,
         )
     if t_full < t_hi:
         acc_max, acc_arg = _doc_tile(
             b_q, acc_max, acc_arg, t_full, t_hi, p_doc, stride_doc_tok, stride_doc_dim, p_dmask,
             stride_dmask_tok, p_dinv, stride_dinv_tok, o_k, m_k, True, EVEN_K, HAS_D_MASK,
-            NORMALIZE, TRACK_ARGMAX, BLOCK_N, DOT_PRECISION, UPCAST,
+            NORMALIZE, NORM_FROM_TILES, TRACK_ARGMAX, BLOCK_N, DOT_PRECISION, UPCAST,
         )
     row_max = tl.reduce(acc_max, 1, _max_propagate_nan)
     row_arg = tl.full([BLOCK_M], -1, tl.int32)
@@ -206,6 +222,7 @@ def _maxsim_fwd_kernel(
     HAS_Q_MASK: tl.constexpr,
     HAS_D_MASK: tl.constexpr,
     NORMALIZE: tl.constexpr,
+    NORM_FROM_TILES: tl.constexpr,
     SAVE_ARGMAX: tl.constexpr,
     PER_QUERY_DOCS: tl.constexpr,
     LQ_TILE: tl.constexpr,
@@ -251,12 +268,15 @@ def _maxsim_fwd_kernel(
         )
         row_max, row_arg = _doc_max(
             b_q, p_doc, stride_d_tok, stride_d_dim, p_dmask, 1, p_dinv, 1,
-            0, Ld, o_k, m_k, EVEN_K, HAS_D_MASK, NORMALIZE, SAVE_ARGMAX, BLOCK_M, BLOCK_N,
-            DOT_PRECISION, UPCAST,
+            0, Ld, o_k, m_k, EVEN_K, HAS_D_MASK, NORMALIZE, NORM_FROM_TILES, SAVE_ARGMAX, BLOCK_M,
+            BLOCK_N, DOT_PRECISION, UPCAST,
         )
         contrib = tl.where(row_max == float("-inf"), 0.0, row_max)
         if NORMALIZE:
-            q_inv = tl.load(QInv + o_query * Lq + o_s, mask=m_valid, other=0.0)
+            if NORM_FROM_TILES:
+                q_inv = _inverse_norm(b_q, NORM_EPS)
+            else:
+                q_inv = tl.load(QInv + o_query * Lq + o_s, mask=m_valid, other=0.0)
             contrib = contrib * q_inv
         contrib = tl.where(m_valid, contrib, 0.0)
         acc += tl.sum(tl.reshape(contrib, (QUERIES_PER_BLOCK, LQ_TILE)), axis=1)
@@ -482,6 +502,5 @@ def _inverse_norm_kernel(
         X + o_r[:, None] * stride_x_row + o_k[None, :] * stride_x_dim,
         mask=m_r[:, None] & (o_k < dim)[None, :],
         other=0.0,
-    ).to(tl.float32)
-    norm = tl.sqrt(tl.sum(x * x, axis=1))
-    tl.store(Out + o_r, 1.0 / tl.maximum(norm, EPS), mask=m_r)
+    )
+    tl.store(Out + o_r, _inverse_norm(x, EPS), mask=m_r)

@@ -169,7 +169,7 @@ def _maxsim_ragged_fwd_kernel(
         )
         row_max, row_arg = _doc_max(
             b_q, p_doc, stride_d_tok, stride_d_dim, p_dmask, 1, p_dinv, 1,
-            0, d_len.to(tl.int32), o_k, m_k, EVEN_K, HAS_D_MASK, NORMALIZE, SAVE_ARGMAX, BLOCK_M,
+            0, d_len.to(tl.int32), o_k, m_k, EVEN_K, HAS_D_MASK, NORMALIZE, False, SAVE_ARGMAX, BLOCK_M,
             BLOCK_N, DOT_PRECISION, UPCAST,
         )
         contrib = tl.where(row_max == float("-inf"), 0.0, row_max)

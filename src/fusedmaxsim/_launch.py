@@ -216,7 +216,9 @@ def gather_meta(cfg, *, normalize: bool, grad_q: bool, atomic_q: bool, scatter_d
     )
 
 
-def _launch_fwd(cfg, Q, D, qm, dm, q_inv, d_inv, scores, argmax, save_argmax, fp32_precision) -> None:
+def _launch_fwd(
+    cfg, Q, D, qm, dm, q_inv, d_inv, scores, argmax, save_argmax, fp32_precision, norm_from_tiles
+) -> None:
     """One forward launch (several for huge query batches) with tiles ``cfg``."""
     per_query_docs = D.dim() == 4
     Nq, Lq, dim = Q.shape
@@ -224,9 +226,11 @@ def _launch_fwd(cfg, Q, D, qm, dm, q_inv, d_inv, scores, argmax, save_argmax, fp
     qpb = cfg.queries_per_block
     consts = constants(
         PER_QUERY_DOCS=per_query_docs,
+        NORM_FROM_TILES=norm_from_tiles,
         **fwd_meta(
             cfg, Q.dtype, dim, has_q_mask=qm is not None, has_d_mask=dm is not None,
-            normalize=q_inv is not None, save_argmax=save_argmax, fp32_precision=fp32_precision,
+            normalize=norm_from_tiles or q_inv is not None, save_argmax=save_argmax,
+            fp32_precision=fp32_precision,
         ),
     )
     # Grid axis 1 holds at most 65535 blocks: larger query batches go in slices.
@@ -263,7 +267,11 @@ def maxsim_fwd(
     d_inv: Tensor | None,
     save_argmax: bool,
     fp32_precision: str,
+    norm_from_tiles: bool = False,
 ) -> tuple[Tensor, Tensor]:
+    """Scores and argmax. ``norm_from_tiles``: normalize with norms computed from the tiles on
+    chip (``q_inv``, ``d_inv`` None): no pass over the inputs before the kernel, for inference,
+    where no backward needs the inverse norms afterwards."""
     per_query_docs = D.dim() == 4
     Nq, Lq, dim = Q.shape
     Ncols, Ld = D.shape[-3], D.shape[-2]
@@ -282,13 +290,13 @@ def maxsim_fwd(
     qm, dm = _as_bytes(q_mask), _as_bytes(d_mask)
     q_inv = None if q_inv is None else q_inv.contiguous()
     d_inv = None if d_inv is None else d_inv.contiguous()
-    operands = (Q, D, qm, dm, q_inv, d_inv, scores, argmax, save_argmax, fp32_precision)
+    operands = (Q, D, qm, dm, q_inv, d_inv, scores, argmax, save_argmax, fp32_precision, norm_from_tiles)
     if Q.is_cuda and not _configs.is_forced() and settings.autotune():
         from triton.testing import do_bench
 
         key = (
             "fwd", cfg, Q.dtype, Q.device, per_query_docs, qm is not None, dm is not None,
-            q_inv is not None, save_argmax, fp32_precision,
+            q_inv is not None, norm_from_tiles, save_argmax, fp32_precision,
         )
         cfg = _configs.tuned(
             key,

@@ -65,6 +65,14 @@ def maxsim_fwd_impl(Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp
     )
 
 
+def maxsim_fwd_normalized(Q, D, q_mask, d_mask, fp32_precision: str) -> Tensor:
+    """Inference scores of the normalized tokens, the norms taken from the tiles in the kernel
+    (Triton only; nothing saved for a backward)."""
+    return _launch().maxsim_fwd(
+        Q, D, q_mask, d_mask, None, None, False, fp32_precision, norm_from_tiles=True
+    )[0]
+
+
 @maxsim_fwd.register_fake
 def _(Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy):
     Nq, Lq = Q.shape[0], Q.shape[1]
@@ -152,14 +160,24 @@ def refuse_nondeterministic(strategy: str) -> None:
         raise RuntimeError(message)
 
 
-def resolve_strategy(strategy: str, *, per_query_docs: bool, Nq: int, Ncols: int, Lq: int) -> str:
+# Below this many multiply-adds (Nq·Ncols·Lq·Ld·d) a training call is bound by the host, not the
+# GPU: there "lowmem" allocates nothing but the gradients, while "unified" adds an fp32 buffer's
+# zero fill and cast (two more launches). Measured on the H200 at 32×32 queries and documents of
+# 32×180 tokens (7.5e8): the backward's host time 60 µs lowmem against 85 µs unified
+# (benchmarks/NOTES.md, section 9).
+HOST_BOUND_MACS = 1 << 32
+
+
+def resolve_strategy(
+    strategy: str, *, per_query_docs: bool, Nq: int, Ncols: int, Lq: int, Ld: int, dim: int
+) -> str:
     """The backward strategy for ``auto``, and the determinism guard for ``unified``."""
     deterministic = torch.are_deterministic_algorithms_enabled()
     if strategy == "auto":
         # Measured on the H200 (benchmarks/NOTES.md): the atomic scatter is 2-8x faster when many
         # queries share each document; per-query candidates have no such sharing, and there the
-        # document-owned products win.
-        if deterministic or per_query_docs:
+        # document-owned products win. Small problems go by host time.
+        if deterministic or per_query_docs or Nq * Ncols * Lq * Ld * dim <= HOST_BOUND_MACS:
             return "lowmem"
         return "unified"
     refuse_nondeterministic(strategy)
@@ -202,7 +220,8 @@ def _grads(ctx, grad_scores: Tensor, traced: bool) -> tuple[Tensor | None, Tenso
         )
     normalize = q_inv is not None
     strategy = resolve_strategy(
-        ctx.strategy, per_query_docs=D.dim() == 4, Nq=Q.shape[0], Ncols=D.shape[-3], Lq=Q.shape[1]
+        ctx.strategy, per_query_docs=D.dim() == 4, Nq=Q.shape[0], Ncols=D.shape[-3], Lq=Q.shape[1],
+        Ld=D.shape[-2], dim=D.shape[-1],
     )
     bwd = maxsim_bwd if traced or torch.compiler.is_compiling() else maxsim_bwd_impl
     grad_q, grad_d = bwd(

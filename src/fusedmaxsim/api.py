@@ -23,7 +23,8 @@ Semantics shared by every function here
 * ``backward=``: ``"unified"`` (one pass, fp32 atomics for ``grad_D``: the fastest when many queries
   share each document, but it holds an fp32 copy of ``grad_D``), ``"lowmem"`` (every gradient row
   owned by one program: no atomics, bitwise reproducible, gradients written directly in the input
-  dtype), ``"auto"`` or ``None``: lowmem for per-query candidates and under
+  dtype), ``"auto"`` or ``None``: lowmem for per-query candidates, for small problems
+  (``Nq·Nd·Lq·Ld·d <= 2**32``, where the host's time decides) and under
   ``torch.use_deterministic_algorithms(True)``, else unified (the rule comes from measurements,
   ``benchmarks/NOTES.md``). The PyTorch path is always deterministic.
 """
@@ -42,11 +43,15 @@ __all__ = ["maxsim", "maxsim_pairs"]
 def _run(p: Problem, normalize: bool, strategy: str) -> Tensor:
     backend = select_backend(p.Q)
     save_argmax = torch.is_grad_enabled() and (p.Q.requires_grad or p.D.requires_grad)
+    eager = not torch.compiler.is_compiling()
+    if normalize and not save_argmax and eager and backend == "triton":
+        # Inference: the kernel normalizes the tiles it holds; no pass over Q and D first.
+        return _ops.maxsim_fwd_normalized(p.Q, p.D, p.q_mask, p.d_mask, settings.fp32_precision())
     q_inv = _ops.inverse_norms(p.Q, backend) if normalize else None
     d_inv = _ops.inverse_norms(p.D, backend) if normalize else None
     args = (p.Q, p.D, p.q_mask, p.d_mask, q_inv, d_inv, save_argmax, backend,
             settings.fp32_precision(), strategy)
-    if not save_argmax and not torch.compiler.is_compiling():
+    if not save_argmax and eager:
         return _ops.maxsim_fwd_impl(*args)[0]  # inference: no autograd node, no dispatcher
     return _ops.maxsim_scores(*args)
 

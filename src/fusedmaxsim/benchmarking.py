@@ -1105,11 +1105,14 @@ def _git(args, cwd) -> str | None:
 
 
 def git_state() -> tuple:
-    """(sha, dirty) of the checkout this module lives in, else ``$FUSEDMAXSIM_GIT_SHA``.
+    """``$FUSEDMAXSIM_GIT_SHA`` when set (a copy whose ``.git`` may not match its files), else
+    (sha, dirty) of the checkout this module lives in.
 
     The checkout must be this project's (it has ``src/fusedmaxsim``), so an installed copy
     inside some other repository never reports that repository's commit.
     """
+    if os.environ.get("FUSEDMAXSIM_GIT_SHA"):
+        return os.environ["FUSEDMAXSIM_GIT_SHA"], None
     here = Path(__file__).resolve().parent
     top = _git(["rev-parse", "--show-toplevel"], here)
     if top and (Path(top) / "src" / "fusedmaxsim").is_dir():
@@ -1117,7 +1120,7 @@ def git_state() -> tuple:
         if sha:
             status = _git(["status", "--porcelain", "--untracked-files=no"], here)
             return sha, bool(status)
-    return os.environ.get("FUSEDMAXSIM_GIT_SHA") or None, None
+    return None, None
 
 
 def _nvidia_driver() -> str | None:
