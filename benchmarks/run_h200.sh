@@ -111,10 +111,11 @@ for name in $STAGES; do
     tests) stage "gpu tests" 240 "$OUT/gpu_tests.log" python3 -m pytest -m gpu -q -rf -p no:cacheprovider ;;
     check) stage "check" 150 "$OUT/check.log" python3 -m fusedmaxsim check ;;
     suite)
-        # The suite gets whatever the later stages (cold start 90 s, memory table 45 s, report
-        # 15 s) leave, up to 300 s; it stops starting new items 40 s before its cap.
-        SUITE_CAP=$((SESSION_S - (SECONDS - START) - 150))
-        ((SUITE_CAP > 300)) && SUITE_CAP=300
+        # The suite gets what the later stages leave (SUITE_RESERVE, default 150 s: cold start
+        # 90, memory table 45, report 15), up to SUITE_MAX (default 300 s); it stops starting
+        # new items 40 s before its cap.
+        SUITE_CAP=$((SESSION_S - (SECONDS - START) - ${SUITE_RESERVE:-150}))
+        ((SUITE_CAP > ${SUITE_MAX:-300})) && SUITE_CAP=${SUITE_MAX:-300}
         ((SUITE_CAP < 60)) && SUITE_CAP=60
         stage "benchmark suite" "$SUITE_CAP" "$BENCH_LOG" "${BENCH[@]}" --shapes "$SHAPES" \
             --budget-s $((SUITE_CAP - 40)) --compile-budget-s 45
