@@ -1,8 +1,9 @@
-"""Kernel-level probes behind benchmarks/NOTES.md sections 10-11: the normalize-from-tiles
-forward under forced tile configurations, and the forward/backward split of the per-query
-candidate training shape. GPU times by ``triton.testing.do_bench`` (median, ms).
+"""Kernel-level probes behind benchmarks/NOTES.md sections 10-12: the normalize-from-tiles
+forward under forced tile configurations, the forward/backward split of the per-query candidate
+training shape, and the smooth max against colpali-engine's einsum + logsumexp. GPU times by
+``triton.testing.do_bench`` (median, ms).
 
-    PYTHONPATH=src python3 benchmarks/probe.py
+    PYTHONPATH=src python3 benchmarks/probe.py [normalize] [kd] [smooth]
 """
 
 from __future__ import annotations
@@ -79,6 +80,45 @@ def kd_split() -> None:
     print(f"step auto (ms)  {do_bench(lambda: maxsim(Qg, Dg).backward(g), warmup=10, rep=50, grad_to_none=[Qg, Dg]):.4f}")
 
 
+def smooth_vs_naive() -> None:
+    """In-batch ColPali training with use_smooth_max (tau 0.1): B queries of 128 tokens against
+    B pages of 1024, unit bf16 tokens; colpali-engine's formula is einsum + logsumexp."""
+    import torch.nn.functional as F
+
+    def naive(Q, D):
+        sim = torch.einsum("bnd,csd->bcns", Q, D)
+        return (0.1 * torch.logsumexp(sim / 0.1, dim=3)).sum(dim=2)
+
+    for B in (16, 32, 64):
+        Q = F.normalize(torch.randn(B, 128, 128, device="cuda"), dim=-1).bfloat16().requires_grad_()
+        D = F.normalize(torch.randn(B, 1024, 128, device="cuda"), dim=-1).bfloat16().requires_grad_()
+        g = torch.randn(B, B, device="cuda")
+        Q64, D64 = Q.detach().double().requires_grad_(), D.detach().double().requires_grad_()
+        ref = naive(Q64, D64)
+        rq, rd = torch.autograd.grad(ref, (Q64, D64), g.double())
+        row = f"B={B:3d}"
+        for name, fn in (("fused", lambda q, d: maxsim(q, d, reduction="smoothmax", tau=0.1)),
+                         ("naive", naive)):
+            out = fn(Q, D)
+            gq, gd = torch.autograd.grad(out, (Q, D), g)
+            errs = [relative_error(out, ref), relative_error(gq, rq), relative_error(gd, rd)]
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            fn(Q, D).backward(g)
+            torch.cuda.synchronize()
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+            ms = do_bench(lambda: fn(Q, D).backward(g), warmup=10, rep=50, grad_to_none=[Q, D])
+            row += (f" | {name} {ms:.3f} ms, peak {peak:.0f} MiB, err "
+                    + "/".join(f"{e:.1e}" for e in errs))
+        print(row)
+
+
 if __name__ == "__main__":
-    normalize_sweep()
-    kd_split()
+    wanted = set(sys.argv[1:]) or {"normalize", "kd", "smooth"}
+    if "normalize" in wanted:
+        normalize_sweep()
+    if "kd" in wanted:
+        kd_split()
+    if "smooth" in wanted:
+        smooth_vs_naive()

@@ -22,10 +22,21 @@ def leaf(t: torch.Tensor) -> torch.Tensor:
 
 
 def check_against_reference(
-    Q, D, q_mask=None, d_mask=None, *, normalize=False, backward=None, pairs=False, tol=None
+    Q, D, q_mask=None, d_mask=None, *, normalize=False, backward=None, pairs=False, tol=None,
+    **reduction,
 ):
-    """Forward and both gradients (a random grad_output, then a stride-0 one) against float64."""
-    fn, ref_fn = (maxsim_pairs, maxsim_pairs_ref) if pairs else (maxsim, maxsim_ref)
+    """Forward and both gradients (a random grad_output, then a stride-0 one) against float64.
+
+    ``reduction``: ``reduction=`` and ``tau=``, passed to the function and the reference alike.
+    """
+    fused, oracle = (maxsim_pairs, maxsim_pairs_ref) if pairs else (maxsim, maxsim_ref)
+
+    def fn(*args, **kw):
+        return fused(*args, **kw, **reduction)
+
+    def ref_fn(*args, **kw):
+        return oracle(*args, **kw, **reduction)
+
     score_tol, grad_tol = tol or TOLERANCES[Q.dtype]
     Q, D = leaf(Q), leaf(D)
     Q64, D64 = leaf(Q.double()), leaf(D.double())

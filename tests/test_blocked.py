@@ -89,12 +89,16 @@ def test_registered_ops_pass_opcheck():
     q_inv = torch.rand(2, 5) + 0.5
     d_inv = torch.rand(3, 7) + 0.5
     for args in (
-        (Q, D, q_mask, d_mask, None, None, True, "torch", "tf32", "auto"),
-        (Q, D, None, None, q_inv, d_inv, True, "torch", "ieee", "lowmem"),
+        (Q, D, q_mask, d_mask, None, None, True, "torch", "tf32", "auto", 0.0),
+        (Q, D, None, None, q_inv, d_inv, True, "torch", "ieee", "lowmem", 0.0),
+        (Q, D, q_mask, d_mask, None, None, True, "torch", "tf32", "auto", 0.25),
     ):
         torch.library.opcheck(_ops.maxsim_fwd, args)
-    scores, argmax = _ops.maxsim_fwd(Q, D, q_mask, d_mask, None, None, True, "torch", "tf32", "auto")
-    grad = torch.randn_like(scores)
-    torch.library.opcheck(
-        _ops.maxsim_bwd, (grad, Q.detach(), D.detach(), argmax, None, None, True, True, "lowmem", False, "torch", "tf32")
-    )
+    for tau in (0.0, 0.25):
+        scores, saved = _ops.maxsim_fwd(Q, D, q_mask, d_mask, None, None, True, "torch", "tf32", "auto", tau)
+        grad = torch.randn_like(scores)
+        torch.library.opcheck(
+            _ops.maxsim_bwd,
+            (grad, Q.detach(), D.detach(), saved.detach(), None, None, d_mask, True, True, "lowmem", False,
+             "torch", "tf32", tau),
+        )

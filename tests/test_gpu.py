@@ -113,6 +113,21 @@ def test_large_shapes(q_shape, d_shape):
     assert relative_error_fro(gd, D64.grad) < 1e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_smoothmax_half_precision_parity(shape, dtype):
+    """colpali-engine's smooth max on unit vectors (tau 0.1, as it trains) and on raw ones."""
+    q_shape, d_shape = SHAPES[shape]
+    Q = F.normalize(torch.randn(q_shape, device="cuda"), dim=-1).to(dtype)
+    D = F.normalize(torch.randn(d_shape, device="cuda"), dim=-1).to(dtype)
+    q_mask = masks_with_holes(q_shape[:-1], "cuda")
+    d_mask = masks_with_holes(d_shape[:-1], "cuda")
+    check_against_reference(Q, D, q_mask, d_mask, reduction="smoothmax", tau=0.1, tol=BOUNDS[dtype])
+    Q = torch.randn(q_shape, device="cuda", dtype=dtype)
+    D = torch.randn(d_shape, device="cuda", dtype=dtype)
+    check_against_reference(Q, D, reduction="smoothmax", tau=1.0, tol=BOUNDS[dtype])
+
+
 def test_torch_compile_fullgraph_training_step():
     """A whole training step (projection, normalize, MaxSim, loss) under ``fullgraph=True``.
 
@@ -177,14 +192,16 @@ def test_opcheck_triton_ops():
     Q = torch.randn(3, 20, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     D = torch.randn(4, 50, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     d_mask = torch.rand(4, 50, device="cuda") > 0.2
-    args = (Q, D, None, d_mask, None, None, True, "triton", "tf32", "lowmem")
-    torch.library.opcheck(_ops.maxsim_fwd, args)
-    scores, argmax = _ops.maxsim_fwd(*args)
-    grad = torch.randn_like(scores)
-    torch.library.opcheck(
-        _ops.maxsim_bwd,
-        (grad, Q.detach(), D.detach(), argmax, None, None, True, True, "lowmem", False, "triton", "tf32"),
-    )
+    for tau in (0.0, 0.25):
+        args = (Q, D, None, d_mask, None, None, True, "triton", "tf32", "lowmem", tau)
+        torch.library.opcheck(_ops.maxsim_fwd, args)
+        scores, saved = _ops.maxsim_fwd(*args)
+        grad = torch.randn_like(scores)
+        torch.library.opcheck(
+            _ops.maxsim_bwd,
+            (grad, Q.detach(), D.detach(), saved.detach(), None, None, d_mask, True, True, "lowmem", False,
+             "triton", "tf32", tau),
+        )
 
 
 def test_training_memory_stays_near_the_floor():

@@ -291,7 +291,7 @@ def test_only_the_needed_gradient_is_computed(backend, device, monkeypatch):
     real = _ops.maxsim_bwd_impl
 
     def spy(*args):
-        seen.append((args[6], args[7]))  # need_grad_q, need_grad_d
+        seen.append((args[7], args[8]))  # need_grad_q, need_grad_d
         return real(*args)
 
     monkeypatch.setattr(_ops, "maxsim_bwd_impl", spy)

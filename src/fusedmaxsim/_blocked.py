@@ -11,10 +11,14 @@ processed whole.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
-__all__ = ["maxsim_fwd_blocked", "maxsim_bwd_blocked", "plan_blocks"]
+__all__ = ["maxsim_fwd_blocked", "maxsim_bwd_blocked", "plan_blocks", "smooth_bwd_blocked"]
+
+_LOG2E = math.log2(math.e)
 
 
 def _compute_dtype(t: Tensor) -> torch.dtype:
@@ -64,13 +68,21 @@ def maxsim_fwd_blocked(
     d_inv: Tensor | None,
     save_argmax: bool,
     block_bytes: int,
+    tau: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
+    """Scores and argmax; with ``tau > 0`` the smooth max and, in place of the argmax, each row's
+    log2-sum-exp2 of ``s · log2(e) / tau`` (``+inf`` where the row adds nothing), as on the
+    Triton path."""
     per_query_docs = D.dim() == 4
     Nq, Lq, dim = Q.shape
     Ncols, Ld = D.shape[-3], D.shape[-2]
     ct = _compute_dtype(Q)
     scores = torch.zeros((Nq, Ncols), dtype=ct, device=Q.device)
-    argmax = torch.full((Nq, Ncols, Lq) if save_argmax else (0,), -1, dtype=torch.int32, device=Q.device)
+    saved_shape = (Nq, Ncols, Lq) if save_argmax else (0,)
+    if tau:
+        argmax = torch.full(saved_shape, float("inf"), dtype=ct, device=Q.device)
+    else:
+        argmax = torch.full(saved_shape, -1, dtype=torch.int32, device=Q.device)
     if scores.numel() == 0 or Lq == 0 or Ld == 0:
         return scores if ct == torch.float64 else scores.float(), argmax
 
@@ -96,7 +108,11 @@ def maxsim_fwd_blocked(
                     sim.mul_(d_scale)
                 if d_valid is not None:
                     sim.masked_fill_(~d_valid, float("-inf"))
-                best, arg = sim.max(dim=-1)  # [bq, ls, bc]; NaN propagates; ties -> lowest index
+                if tau:
+                    lse2 = torch.logsumexp(sim / tau, dim=-1) * _LOG2E  # [bq, ls, bc]
+                    best, arg = lse2 * (tau / _LOG2E), lse2
+                else:
+                    best, arg = sim.max(dim=-1)  # [bq, ls, bc]; NaN propagates; lowest index wins
                 del sim
                 none = best == float("-inf")
                 contrib = torch.where(none, torch.zeros_like(best), best)
@@ -108,8 +124,8 @@ def maxsim_fwd_blocked(
                     none = none | ~q_valid
                 scores[qs, cs] += contrib.sum(dim=1)
                 if save_argmax:
-                    arg = torch.where(none, torch.full_like(arg, -1), arg)
-                    argmax[qs, cs, ss] = arg.permute(0, 2, 1).to(torch.int32)
+                    arg = torch.where(none, torch.full_like(arg, float("inf") if tau else -1), arg)
+                    argmax[qs, cs, ss] = arg.permute(0, 2, 1).to(argmax.dtype)
     return scores if ct == torch.float64 else scores.float(), argmax
 
 
@@ -168,3 +184,61 @@ def maxsim_bwd_blocked(
     if need_grad_d:
         grad_d = grad_d.to(torch.float32 if fp32_out and ct != torch.float64 else D.dtype)
     return grad_q, grad_d
+
+
+def smooth_bwd_blocked(
+    grad_scores: Tensor,
+    Q: Tensor,
+    D: Tensor,
+    d_mask: Tensor | None,
+    row_lse: Tensor,
+    tau: float,
+    need_grad_q: bool,
+    need_grad_d: bool,
+    fp32_out: bool,
+    block_bytes: int,
+) -> tuple[Tensor, Tensor]:
+    """Gradients of the smooth max: the similarity blocks recomputed, weighted by their softmax
+    ``exp2(s · log2(e) / tau - row_lse)`` and ``grad_scores``, and multiplied back."""
+    per_query_docs = D.dim() == 4
+    Nq, Lq, dim = Q.shape
+    Ncols, Ld = D.shape[-3], D.shape[-2]
+    ct = _compute_dtype(Q)
+    empty = Q.new_empty((0,))
+    grad_q = torch.zeros(Q.shape, dtype=ct, device=Q.device) if need_grad_q else empty
+    grad_d = torch.zeros(D.shape, dtype=ct, device=D.device) if need_grad_d else empty
+    if (need_grad_q or need_grad_d) and Nq * Ncols * Lq * Ld * dim > 0:
+        g_all = grad_scores.to(ct)
+        # The similarity block and its weights: two block-sized temporaries.
+        budget = block_bytes // (2 * torch.finfo(ct).bits // 8)
+        bq, bc, ls = plan_blocks(Nq, Ncols, Lq, Ld, dim, per_query_docs, budget)
+        for i0 in range(0, Nq, bq):
+            qs = slice(i0, min(Nq, i0 + bq))
+            for j0 in range(0, Ncols, bc):
+                cs = slice(j0, min(Ncols, j0 + bc))
+                d_blk = _doc_block(D, qs, cs, per_query_docs, ct)
+                d_valid = _doc_side(d_mask, qs, cs, per_query_docs)
+                g = g_all[qs, cs].unsqueeze(1).unsqueeze(-1)  # [bq, 1, bc, 1]
+                for s0 in range(0, Lq, ls):
+                    ss = slice(s0, min(Lq, s0 + ls))
+                    q_blk = Q[qs, ss].to(ct)
+                    if per_query_docs:
+                        sim = torch.einsum("qsh,qcth->qsct", q_blk, d_blk)
+                    else:
+                        sim = torch.einsum("qsh,cth->qsct", q_blk, d_blk)
+                    if d_valid is not None:
+                        sim.masked_fill_(~d_valid, float("-inf"))
+                    lse = row_lse[qs, cs, ss].to(ct).permute(0, 2, 1).unsqueeze(-1)
+                    weight = torch.exp2(sim * (_LOG2E / tau) - lse) * g  # [bq, ls, bc, Ld]
+                    del sim
+                    if need_grad_q:
+                        spec = "qsct,qcth->qsh" if per_query_docs else "qsct,cth->qsh"
+                        grad_q[qs, ss] += torch.einsum(spec, weight, d_blk)
+                    if need_grad_d:
+                        if per_query_docs:
+                            grad_d[qs, cs] += torch.einsum("qsct,qsh->qcth", weight, q_blk)
+                        else:
+                            grad_d[cs] += torch.einsum("qsct,qsh->cth", weight, q_blk)
+    out_q = torch.float32 if fp32_out and ct != torch.float64 else Q.dtype
+    out_d = torch.float32 if fp32_out and ct != torch.float64 else D.dtype
+    return (grad_q.to(out_q) if need_grad_q else grad_q), (grad_d.to(out_d) if need_grad_d else grad_d)

@@ -161,3 +161,15 @@ def tuned(key: tuple, candidates: list, time_ms) -> object:
                 best, best_ms = cfg, ms
         found = _tuned[key] = best
     return found
+
+
+@functools.lru_cache(maxsize=256)
+def smooth_bwd_config(Lq: int, dim: int) -> BwdConfig:
+    """Tiles of the smooth-max backward (``block_r`` unused): each program recomputes
+    ``[block_s, block_t]`` similarity tiles, so both stay at tensor-core sizes."""
+    block_k = block_k_for(dim)
+    if INTERPRETER:
+        return BwdConfig(16, 16, 16, block_k, 4, 1)
+    block_s = min(64, max(16, triton.next_power_of_2(max(Lq, 1))))
+    block_t = 64 if block_k <= 128 else 32
+    return BwdConfig(block_s, block_t, 0, block_k, 4, 2)

@@ -81,6 +81,8 @@ def _doc_tile(
     b_q,
     acc_max,
     acc_arg,
+    run_sum,
+    smooth_scale,
     start,
     t_hi,
     p_doc,
@@ -98,14 +100,18 @@ def _doc_tile(
     NORMALIZE: tl.constexpr,
     NORM_FROM_TILES: tl.constexpr,
     TRACK_ARGMAX: tl.constexpr,
+    SMOOTH: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """One document tile folded into the element-wise running max ``acc_max [BLOCK_M, BLOCK_N]``.
+    """One document tile folded into the running reduction.
 
-    Keeping the max per (row, slot) and reducing over slots once per document costs one
-    max instruction per similarity, against a reduction with shuffles per tile.
+    Max: the element-wise running max ``acc_max [BLOCK_M, BLOCK_N]``; keeping the max per
+    (row, slot) and reducing over slots once per document costs one max instruction per
+    similarity, against a reduction with shuffles per tile.
+    Smooth max (``SMOOTH``): an online log-sum-exp per row, ``acc_max [BLOCK_M]`` the running max
+    and ``run_sum`` the running sum of ``exp2(y - acc_max)``, in log2 units ``y = s · smooth_scale``.
     """
     o_t = start + tl.arange(0, BLOCK_N)
     m_t = o_t < t_hi
@@ -134,11 +140,18 @@ def _doc_tile(
             m_t = tl.load(p_dmask + o_t * stride_dmask_tok) != 0
     if HAS_D_MASK or MASK_TAIL:
         b_s = tl.where(m_t[None, :], b_s, float("-inf"))
-    if TRACK_ARGMAX:
-        # Strict '>' keeps the earliest tile per slot: the lowest index among ties.
-        acc_arg = tl.where(b_s > acc_max, o_t[None, :], acc_arg)
-    acc_max = tl.maximum(acc_max, b_s, propagate_nan=tl.PropagateNan.ALL)
-    return acc_max, acc_arg
+    if SMOOTH:
+        b_y = b_s * smooth_scale
+        new_max = tl.maximum(acc_max, tl.max(b_y, 1))
+        base = tl.where(new_max == float("-inf"), 0.0, new_max)  # no valid token yet: no NaN
+        run_sum = run_sum * tl.exp2(acc_max - base) + tl.sum(tl.exp2(b_y - base[:, None]), 1)
+        acc_max = new_max
+    else:
+        if TRACK_ARGMAX:
+            # Strict '>' keeps the earliest tile per slot: the lowest index among ties.
+            acc_arg = tl.where(b_s > acc_max, o_t[None, :], acc_arg)
+        acc_max = tl.maximum(acc_max, b_s, propagate_nan=tl.PropagateNan.ALL)
+    return acc_max, acc_arg, run_sum
 
 
 @triton.jit
@@ -155,11 +168,13 @@ def _doc_max(
     t_hi,
     o_k,
     m_k,
+    smooth_scale,
     EVEN_K: tl.constexpr,
     HAS_D_MASK: tl.constexpr,
     NORMALIZE: tl.constexpr,
     NORM_FROM_TILES: tl.constexpr,
     TRACK_ARGMAX: tl.constexpr,
+    SMOOTH: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -171,29 +186,39 @@ def _doc_max(
     ``b_q [BLOCK_M, BLOCK_K]`` stays on chip; the document streams through in ``BLOCK_N`` tiles,
     full tiles without bounds checks and the tail tile with them.
     Returns ``row_max [BLOCK_M]`` (``-inf`` where no valid token) and ``row_arg [BLOCK_M]``
-    (int32, ``-1`` where no valid token; only meaningful when ``TRACK_ARGMAX``).
+    (int32, ``-1`` where no valid token; only meaningful when ``TRACK_ARGMAX``). With ``SMOOTH``,
+    ``row_max`` is ``log2 Σ_t exp2(s_t · smooth_scale)`` instead (``-inf`` where no valid token).
     """
-    acc_max = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
+    if SMOOTH:
+        acc_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    else:
+        acc_max = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
     acc_arg = tl.full([BLOCK_M, BLOCK_N], -1, tl.int32)
+    run_sum = tl.zeros([BLOCK_M], tl.float32)
     t_full = t_lo + (t_hi - t_lo) // BLOCK_N * BLOCK_N
     for start in range(t_lo, t_full, BLOCK_N):
-        acc_max, acc_arg = _doc_tile(
-            b_q, acc_max, acc_arg, start, t_hi, p_doc, stride_doc_tok, stride_doc_dim, p_dmask,
-            stride_dmask_tok, p_dinv, stride_dinv_tok, o_k, m_k, False, EVEN_K, HAS_D_MASK,
-            NORMALIZE, NORM_FROM_TILES, TRACK_ARGMAX, BLOCK_N, DOT_PRECISION, UPCAST,
+        acc_max, acc_arg, run_sum = _doc_tile(
+            b_q, acc_max, acc_arg, run_sum, smooth_scale, start, t_hi, p_doc, stride_doc_tok,
+            stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv, stride_dinv_tok, o_k, m_k, False,
+            EVEN_K, HAS_D_MASK, NORMALIZE, NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_N,
+            DOT_PRECISION, UPCAST,
         )
     if t_full < t_hi:
-        acc_max, acc_arg = _doc_tile(
-            b_q, acc_max, acc_arg, t_full, t_hi, p_doc, stride_doc_tok, stride_doc_dim, p_dmask,
-            stride_dmask_tok, p_dinv, stride_dinv_tok, o_k, m_k, True, EVEN_K, HAS_D_MASK,
-            NORMALIZE, NORM_FROM_TILES, TRACK_ARGMAX, BLOCK_N, DOT_PRECISION, UPCAST,
+        acc_max, acc_arg, run_sum = _doc_tile(
+            b_q, acc_max, acc_arg, run_sum, smooth_scale, t_full, t_hi, p_doc, stride_doc_tok,
+            stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv, stride_dinv_tok, o_k, m_k, True,
+            EVEN_K, HAS_D_MASK, NORMALIZE, NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_N,
+            DOT_PRECISION, UPCAST,
         )
-    row_max = tl.reduce(acc_max, 1, _max_propagate_nan)
     row_arg = tl.full([BLOCK_M], -1, tl.int32)
-    if TRACK_ARGMAX:
-        no_slot = 2147483647
-        row_arg = tl.min(tl.where(acc_max == row_max[:, None], acc_arg, no_slot), axis=1)
-        row_arg = tl.where((row_arg == no_slot) | (row_max == float("-inf")), -1, row_arg)
+    if SMOOTH:
+        row_max = acc_max + tl.log2(run_sum)
+    else:
+        row_max = tl.reduce(acc_max, 1, _max_propagate_nan)
+        if TRACK_ARGMAX:
+            no_slot = 2147483647
+            row_arg = tl.min(tl.where(acc_max == row_max[:, None], acc_arg, no_slot), axis=1)
+            row_arg = tl.where((row_arg == no_slot) | (row_max == float("-inf")), -1, row_arg)
     return row_max, row_arg
 
 
@@ -219,11 +244,14 @@ def _maxsim_fwd_kernel(
     stride_d_col,
     stride_d_tok,
     stride_d_dim,
+    smooth_scale,
+    smooth_unscale,
     HAS_Q_MASK: tl.constexpr,
     HAS_D_MASK: tl.constexpr,
     NORMALIZE: tl.constexpr,
     NORM_FROM_TILES: tl.constexpr,
     SAVE_ARGMAX: tl.constexpr,
+    SMOOTH: tl.constexpr,
     PER_QUERY_DOCS: tl.constexpr,
     LQ_TILE: tl.constexpr,
     QUERIES_PER_BLOCK: tl.constexpr,
@@ -268,10 +296,12 @@ def _maxsim_fwd_kernel(
         )
         row_max, row_arg = _doc_max(
             b_q, p_doc, stride_d_tok, stride_d_dim, p_dmask, 1, p_dinv, 1,
-            0, Ld, o_k, m_k, EVEN_K, HAS_D_MASK, NORMALIZE, NORM_FROM_TILES, SAVE_ARGMAX, BLOCK_M,
-            BLOCK_N, DOT_PRECISION, UPCAST,
+            0, Ld, o_k, m_k, smooth_scale, EVEN_K, HAS_D_MASK, NORMALIZE, NORM_FROM_TILES,
+            SAVE_ARGMAX and not SMOOTH, SMOOTH, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST,
         )
         contrib = tl.where(row_max == float("-inf"), 0.0, row_max)
+        if SMOOTH:
+            contrib = contrib * smooth_unscale  # log2 units back to tau · logsumexp(s / tau)
         if NORMALIZE:
             if NORM_FROM_TILES:
                 q_inv = _inverse_norm(b_q, NORM_EPS)
@@ -281,8 +311,15 @@ def _maxsim_fwd_kernel(
         contrib = tl.where(m_valid, contrib, 0.0)
         acc += tl.sum(tl.reshape(contrib, (QUERIES_PER_BLOCK, LQ_TILE)), axis=1)
         if SAVE_ARGMAX:
-            arg = tl.where(m_valid, row_arg, -1)
-            tl.store(Argmax + (o_query * Ncols + i_col) * Lq + o_s, arg, mask=m_row)
+            if SMOOTH:
+                # The backward's softmax is exp2(y - row_max); +inf where nothing was added
+                # makes it 0 there.
+                keep = m_valid & (row_max != float("-inf"))
+                tl.store(Argmax + (o_query * Ncols + i_col) * Lq + o_s,
+                         tl.where(keep, row_max, float("inf")), mask=m_row)
+            else:
+                arg = tl.where(m_valid, row_arg, -1)
+                tl.store(Argmax + (o_query * Ncols + i_col) * Lq + o_s, arg, mask=m_row)
 
     o_out = i_blk * QUERIES_PER_BLOCK + tl.arange(0, QUERIES_PER_BLOCK)
     tl.store(Out + o_out * Ncols + i_col, acc, mask=o_out < Nq)

@@ -169,8 +169,8 @@ def _maxsim_ragged_fwd_kernel(
         )
         row_max, row_arg = _doc_max(
             b_q, p_doc, stride_d_tok, stride_d_dim, p_dmask, 1, p_dinv, 1,
-            0, d_len.to(tl.int32), o_k, m_k, EVEN_K, HAS_D_MASK, NORMALIZE, False, SAVE_ARGMAX, BLOCK_M,
-            BLOCK_N, DOT_PRECISION, UPCAST,
+            0, d_len.to(tl.int32), o_k, m_k, 1.0, EVEN_K, HAS_D_MASK, NORMALIZE, False, SAVE_ARGMAX,
+            False, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST,
         )
         contrib = tl.where(row_max == float("-inf"), 0.0, row_max)
         if NORMALIZE:

@@ -9,6 +9,7 @@ accepted (no copies). Empty problems return without a launch.
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -29,6 +30,11 @@ _MAX_GRID_Y = 65535
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def smooth_scales(tau: float) -> tuple[float, float]:
+    """``(log2(e) / tau, tau · ln 2)``: similarities into log2 units, and log2-sum-exp2 back."""
+    return math.log2(math.e) / tau, tau * math.log(2.0)
 
 
 # Read once: the test suite sets it before importing the package.
@@ -217,16 +223,19 @@ def gather_meta(cfg, *, normalize: bool, grad_q: bool, atomic_q: bool, scatter_d
 
 
 def _launch_fwd(
-    cfg, Q, D, qm, dm, q_inv, d_inv, scores, argmax, save_argmax, fp32_precision, norm_from_tiles
+    cfg, Q, D, qm, dm, q_inv, d_inv, scores, argmax, save_argmax, fp32_precision, norm_from_tiles,
+    tau,
 ) -> None:
     """One forward launch (several for huge query batches) with tiles ``cfg``."""
     per_query_docs = D.dim() == 4
     Nq, Lq, dim = Q.shape
     Ncols, Ld = D.shape[-3], D.shape[-2]
     qpb = cfg.queries_per_block
+    smooth_scale, smooth_unscale = smooth_scales(tau) if tau else (1.0, 1.0)
     consts = constants(
         PER_QUERY_DOCS=per_query_docs,
         NORM_FROM_TILES=norm_from_tiles,
+        SMOOTH=bool(tau),
         **fwd_meta(
             cfg, Q.dtype, dim, has_q_mask=qm is not None, has_d_mask=dm is not None,
             normalize=norm_from_tiles or q_inv is not None, save_argmax=save_argmax,
@@ -253,6 +262,7 @@ def _launch_fwd(
                 Qs, Ds, Qs if qms is None else qms, Ds if dms is None else dms,
                 Qs if qis is None else qis, Ds if dis is None else dis, out, arg,
                 n, Ncols, Lq, Ld, dim, *Qs.stride(), *_doc_strides(Ds, per_query_docs),
+                smooth_scale, smooth_unscale,
             ),
             consts,
         )
@@ -268,20 +278,24 @@ def maxsim_fwd(
     save_argmax: bool,
     fp32_precision: str,
     norm_from_tiles: bool = False,
+    tau: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """Scores and argmax. ``norm_from_tiles``: normalize with norms computed from the tiles on
     chip (``q_inv``, ``d_inv`` None): no pass over the inputs before the kernel, for inference,
-    where no backward needs the inverse norms afterwards."""
+    where no backward needs the inverse norms afterwards. ``tau > 0``: the smooth max
+    ``tau · logsumexp(s / tau)`` instead of the max, and in place of the argmax the fp32
+    log2-sum-exp2 of each row (``+inf`` where the row adds nothing), which its backward reads."""
     per_query_docs = D.dim() == 4
     Nq, Lq, dim = Q.shape
     Ncols, Ld = D.shape[-3], D.shape[-2]
     scores = _empty((Nq, Ncols), torch.float32, Q.device)
-    argmax = _empty((Nq, Ncols, Lq), torch.int32, Q.device) if save_argmax else _no_argmax(Q.device)
+    saved_dtype = torch.float32 if tau else torch.int32
+    argmax = _empty((Nq, Ncols, Lq), saved_dtype, Q.device) if save_argmax else _no_argmax(Q.device)
     if scores.numel() == 0:
         return scores, argmax
     if Lq == 0 or Ld == 0:
         scores.zero_()
-        argmax.fill_(-1)
+        argmax.fill_(float("inf") if tau else -1)
         return scores, argmax
 
     cfg = _configs.fwd_config(
@@ -290,13 +304,15 @@ def maxsim_fwd(
     qm, dm = _as_bytes(q_mask), _as_bytes(d_mask)
     q_inv = None if q_inv is None else q_inv.contiguous()
     d_inv = None if d_inv is None else d_inv.contiguous()
-    operands = (Q, D, qm, dm, q_inv, d_inv, scores, argmax, save_argmax, fp32_precision, norm_from_tiles)
+    operands = (
+        Q, D, qm, dm, q_inv, d_inv, scores, argmax, save_argmax, fp32_precision, norm_from_tiles, tau
+    )
     if Q.is_cuda and not _configs.is_forced() and settings.autotune():
         from triton.testing import do_bench
 
         key = (
             "fwd", cfg, Q.dtype, Q.device, per_query_docs, qm is not None, dm is not None,
-            q_inv is not None, norm_from_tiles, save_argmax, fp32_precision,
+            q_inv is not None, norm_from_tiles, save_argmax, fp32_precision, bool(tau),
         )
         cfg = _configs.tuned(
             key,

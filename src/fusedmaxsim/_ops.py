@@ -48,20 +48,26 @@ def maxsim_fwd(
     backend: str,
     fp32_precision: str,
     strategy: str,
+    tau: float,
 ) -> tuple[Tensor, Tensor]:
-    """Scores ``[Nq, Ncols]`` (fp32; fp64 for fp64 inputs) and argmax ``[Nq, Ncols, Lq]`` (or empty)."""
+    """Scores ``[Nq, Ncols]`` (fp32; fp64 for fp64 inputs) and argmax ``[Nq, Ncols, Lq]`` (or
+    empty). ``tau > 0``: the smooth max, and each row's log-sum-exp (fp32) in place of the argmax."""
     scores, argmax = maxsim_fwd_impl(
-        Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy
+        Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy, tau
     )
     # An op's outputs must be its own: the launcher's shared empty placeholder is not.
     return scores, argmax if save_argmax else argmax.new_empty((0,))
 
 
-def maxsim_fwd_impl(Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy):
+def maxsim_fwd_impl(
+    Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy, tau
+):
     if backend == "triton":
-        return _launch().maxsim_fwd(Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, fp32_precision)
+        return _launch().maxsim_fwd(
+            Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, fp32_precision, tau=tau
+        )
     return _blocked.maxsim_fwd_blocked(
-        Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, settings.torch_block_bytes()
+        Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, settings.torch_block_bytes(), tau
     )
 
 
@@ -74,12 +80,15 @@ def maxsim_fwd_normalized(Q, D, q_mask, d_mask, fp32_precision: str) -> Tensor:
 
 
 @maxsim_fwd.register_fake
-def _(Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy):
+def _(Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy, tau):
     Nq, Lq = Q.shape[0], Q.shape[1]
     Ncols = D.shape[-3]
     out_dtype = torch.float64 if Q.dtype == torch.float64 else torch.float32
     scores = Q.new_empty((Nq, Ncols), dtype=out_dtype)
-    argmax = Q.new_empty((Nq, Ncols, Lq) if save_argmax else (0,), dtype=torch.int32)
+    saved_dtype = torch.int32
+    if tau:  # float64 always runs on the PyTorch path, which keeps float64 rows
+        saved_dtype = torch.float64 if Q.dtype == torch.float64 else torch.float32
+    argmax = Q.new_empty((Nq, Ncols, Lq) if save_argmax else (0,), dtype=saved_dtype)
     return scores, argmax
 
 
@@ -91,24 +100,39 @@ def maxsim_bwd(
     argmax: Tensor,
     q_inv: Tensor | None,
     d_inv: Tensor | None,
+    d_mask: Tensor | None,
     need_grad_q: bool,
     need_grad_d: bool,
     strategy: str,
     fp32_out: bool,
     backend: str,
     fp32_precision: str,
+    tau: float,
 ) -> tuple[Tensor, Tensor]:
-    """``(grad_Q, grad_D)``; an unneeded one is an empty tensor."""
+    """``(grad_Q, grad_D)``; an unneeded one is an empty tensor. ``d_mask`` is read only by the
+    smooth max (``tau > 0``), whose backward recomputes the similarities."""
     return maxsim_bwd_impl(
-        grad_scores, Q, D, argmax, q_inv, d_inv, need_grad_q, need_grad_d, strategy, fp32_out,
-        backend, fp32_precision,
+        grad_scores, Q, D, argmax, q_inv, d_inv, d_mask, need_grad_q, need_grad_d, strategy,
+        fp32_out, backend, fp32_precision, tau,
     )
 
 
 def maxsim_bwd_impl(
-    grad_scores, Q, D, argmax, q_inv, d_inv, need_grad_q, need_grad_d, strategy, fp32_out,
-    backend, fp32_precision,
+    grad_scores, Q, D, argmax, q_inv, d_inv, d_mask, need_grad_q, need_grad_d, strategy, fp32_out,
+    backend, fp32_precision, tau,
 ):
+    if tau:
+        if backend == "triton":
+            from ._launch_smooth import smooth_bwd
+
+            return smooth_bwd(
+                grad_scores, Q, D, d_mask, argmax, tau, need_grad_q, need_grad_d, fp32_out,
+                fp32_precision,
+            )
+        return _blocked.smooth_bwd_blocked(
+            grad_scores, Q, D, d_mask, argmax, tau, need_grad_q, need_grad_d, fp32_out,
+            settings.torch_block_bytes(),
+        )
     if backend == "triton":
         return _launch().maxsim_bwd(
             grad_scores, Q, D, argmax, q_inv, d_inv, need_grad_q, need_grad_d, strategy, fp32_out,
@@ -121,8 +145,8 @@ def maxsim_bwd_impl(
 
 
 @maxsim_bwd.register_fake
-def _(grad_scores, Q, D, argmax, q_inv, d_inv, need_grad_q, need_grad_d, strategy, fp32_out,
-      backend, fp32_precision):
+def _(grad_scores, Q, D, argmax, q_inv, d_inv, d_mask, need_grad_q, need_grad_d, strategy,
+      fp32_out, backend, fp32_precision, tau):
     def grad_like(x: Tensor, needed: bool) -> Tensor:
         if not needed:
             return x.new_empty((0,))
@@ -195,8 +219,11 @@ def normalize_backward(x: Tensor, grad_hat: Tensor) -> Tensor:
     return ((grad_hat - radial * x_hat) * inv).to(x.dtype)
 
 
-def _save(ctx, Q, D, argmax, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy) -> None:
-    ctx.save_for_backward(Q, D, argmax, q_inv, d_inv)
+def _save(
+    ctx, Q, D, d_mask, argmax, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy, tau
+) -> None:
+    ctx.save_for_backward(Q, D, argmax, q_inv, d_inv, d_mask if tau else None)
+    ctx.tau = tau
     ctx.backend = backend
     ctx.fp32_precision = fp32_precision
     ctx.strategy = strategy
@@ -209,7 +236,7 @@ def _grads(ctx, grad_scores: Tensor, traced: bool) -> tuple[Tensor | None, Tenso
     ``traced``: the backward of the registered op, which the compiler traces with fake tensors,
     so it must call the registered backward op rather than the launchers.
     """
-    Q, D, argmax, q_inv, d_inv = ctx.saved_tensors
+    Q, D, argmax, q_inv, d_inv, d_mask = ctx.saved_tensors
     need_q, need_d = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if not (need_q or need_d):
         return None, None
@@ -226,8 +253,8 @@ def _grads(ctx, grad_scores: Tensor, traced: bool) -> tuple[Tensor | None, Tenso
     bwd = maxsim_bwd if traced or torch.compiler.is_compiling() else maxsim_bwd_impl
     grad_q, grad_d = bwd(
         grad_scores.to(torch.float64 if Q.dtype == torch.float64 else torch.float32),
-        Q, D, argmax, q_inv, d_inv, need_q, need_d, strategy, normalize, ctx.backend,
-        ctx.fp32_precision,
+        Q, D, argmax, q_inv, d_inv, d_mask, need_q, need_d, strategy, normalize, ctx.backend,
+        ctx.fp32_precision, ctx.tau,
     )
     if normalize:
         grad_q = normalize_backward(Q, grad_q) if need_q else None
@@ -236,12 +263,16 @@ def _grads(ctx, grad_scores: Tensor, traced: bool) -> tuple[Tensor | None, Tenso
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    Q, D, _q_mask, _d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy = inputs
-    _save(ctx, Q, D, output[1], q_inv, d_inv, save_argmax, backend, fp32_precision, strategy)
+    Q, D, _q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy, tau = inputs
+    ctx.mark_non_differentiable(output[1])  # the smooth max's saved rows are float: no gradient
+    _save(
+        ctx, Q, D, d_mask, output[1], q_inv, d_inv, save_argmax, backend, fp32_precision, strategy,
+        tau,
+    )
 
 
 def _backward(ctx, grad_scores: Tensor, _grad_argmax):
-    return (*_grads(ctx, grad_scores, traced=True), None, None, None, None, None, None, None, None)
+    return (*_grads(ctx, grad_scores, traced=True), *(None,) * 9)
 
 
 torch.library.register_autograd("fusedmaxsim::maxsim_fwd", _backward, setup_context=_setup_context)
@@ -255,22 +286,29 @@ class MaxSimFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy):
+    def forward(
+        ctx, Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy, tau
+    ):
         scores, argmax = maxsim_fwd_impl(
-            Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy
+            Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy, tau
         )
-        _save(ctx, Q, D, argmax, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy)
+        _save(
+            ctx, Q, D, d_mask, argmax, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy,
+            tau,
+        )
         return scores
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_scores):
-        return (*_grads(ctx, grad_scores, traced=False), None, None, None, None, None, None, None, None)
+        return (*_grads(ctx, grad_scores, traced=False), *(None,) * 9)
 
 
-def maxsim_scores(Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy):
+def maxsim_scores(
+    Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy, tau
+):
     """Scores with autograd: the registered op when compiling, the plain Function otherwise."""
-    args = (Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy)
+    args = (Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy, tau)
     if torch.compiler.is_compiling():
         return maxsim_fwd(*args)[0]
     return MaxSimFunction.apply(*args)

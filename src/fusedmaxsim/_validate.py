@@ -5,6 +5,8 @@ Every error names the argument and the shapes, and is raised before anything is 
 
 from __future__ import annotations
 
+import math
+
 import dataclasses
 import importlib.util
 
@@ -58,6 +60,20 @@ def _check_mask(name: str, mask: object, expected: tuple[int, ...], owner: str, 
             f"{name} must have shape {expected} (the token axes of {owner}), got {_shape(mask)}"
         )
     return mask if mask.dtype == torch.bool else mask != 0
+
+
+REDUCTIONS = ("max", "smoothmax")
+
+
+def check_reduction(reduction: object, tau: object) -> float:
+    """``reduction=`` and ``tau=`` as the ``tau`` the kernels take: 0.0 for the max."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction= must be one of {REDUCTIONS}, got {reduction!r}")
+    if reduction == "max":
+        return 0.0
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau) or tau <= 0:
+        raise ValueError(f"tau= must be a finite number > 0 for reduction='smoothmax', got {tau!r}")
+    return float(tau)
 
 
 def check_backward(backward: object) -> str:

@@ -27,30 +27,51 @@ Semantics shared by every function here
   (``Nq·Nd·Lq·Ld·d <= 2**32``, where the host's time decides) and under
   ``torch.use_deterministic_algorithms(True)``, else unified (the rule comes from measurements,
   ``benchmarks/NOTES.md``). The PyTorch path is always deterministic.
+* ``reduction="smoothmax"`` replaces the max over document tokens by the smooth max
+  ``tau · log Σ_t exp(s_t / tau)`` over the valid ones (colpali-engine's ``use_smooth_max``;
+  ``tau=0.1`` by default). It tends to the max as ``tau → 0`` and to ``max + tau·log(#ties)`` at
+  exact ties. Every valid document token receives gradient, weighted by its softmax; the forward
+  saves one fp32 log-sum-exp per (query, document, query token) instead of the argmax, and the
+  backward recomputes the similarities (deterministic, no atomics; ``backward=`` is ignored).
+  Masks behave as for the max. With ``normalize=True`` the tokens are normalized by
+  ``F.normalize`` before the call (one extra copy of each).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from . import _ops, settings
-from ._validate import Problem, canonical, canonical_pairs, check_backward, select_backend
+from ._validate import (
+    Problem,
+    canonical,
+    canonical_pairs,
+    check_backward,
+    check_reduction,
+    select_backend,
+)
 
 __all__ = ["maxsim", "maxsim_pairs"]
 
 
-def _run(p: Problem, normalize: bool, strategy: str) -> Tensor:
-    backend = select_backend(p.Q)
-    save_argmax = torch.is_grad_enabled() and (p.Q.requires_grad or p.D.requires_grad)
+def _run(p: Problem, normalize: bool, strategy: str, tau: float = 0.0) -> Tensor:
+    Q, D = p.Q, p.D
+    backend = select_backend(Q)
+    save_argmax = torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)
     eager = not torch.compiler.is_compiling()
+    if tau and normalize:
+        # The smooth max is not scale-invariant per query token, so the inverse norms cannot be
+        # applied after the reduction as for the max: normalize first.
+        Q, D, normalize = F.normalize(Q, dim=-1), F.normalize(D, dim=-1), False
     if normalize and not save_argmax and eager and backend == "triton":
         # Inference: the kernel normalizes the tiles it holds; no pass over Q and D first.
-        return _ops.maxsim_fwd_normalized(p.Q, p.D, p.q_mask, p.d_mask, settings.fp32_precision())
-    q_inv = _ops.inverse_norms(p.Q, backend) if normalize else None
-    d_inv = _ops.inverse_norms(p.D, backend) if normalize else None
-    args = (p.Q, p.D, p.q_mask, p.d_mask, q_inv, d_inv, save_argmax, backend,
-            settings.fp32_precision(), strategy)
+        return _ops.maxsim_fwd_normalized(Q, D, p.q_mask, p.d_mask, settings.fp32_precision())
+    q_inv = _ops.inverse_norms(Q, backend) if normalize else None
+    d_inv = _ops.inverse_norms(D, backend) if normalize else None
+    args = (Q, D, p.q_mask, p.d_mask, q_inv, d_inv, save_argmax, backend,
+            settings.fp32_precision(), strategy, tau)
     if not save_argmax and eager:
         return _ops.maxsim_fwd_impl(*args)[0]  # inference: no autograd node, no dispatcher
     return _ops.maxsim_scores(*args)
@@ -64,6 +85,8 @@ def maxsim(
     *,
     normalize: bool = False,
     backward: str | None = None,
+    reduction: str = "max",
+    tau: float = 0.1,
 ) -> Tensor:
     """Late-interaction (MaxSim) scores, fused: the similarity grid is never written to memory.
 
@@ -76,6 +99,9 @@ def maxsim(
         d_mask (torch.Tensor, optional): D's token axes (`[Nd, Ld]`, `[Nq, K, Ld]` or `[Ld]`).
         normalize (bool): L2-normalize every token first. Default: ``False``.
         backward (str, optional): ``"auto"`` / ``None``, ``"unified"`` or ``"lowmem"``.
+        reduction (str): ``"max"`` (default) or ``"smoothmax"`` (``tau · logsumexp(s / tau)``
+            over each query token's document tokens).
+        tau (float): the smooth max's temperature, > 0. Default: 0.1. Unused for ``"max"``.
 
     Returns:
         torch.Tensor: float32 scores; a 2-D Q drops the query axis, a 2-D D the document axis.
@@ -88,7 +114,7 @@ def maxsim(
         torch.Size([4, 10])
     """
     p = canonical(Q, D, q_mask, d_mask)
-    scores = _run(p, normalize, check_backward(backward))
+    scores = _run(p, normalize, check_backward(backward), check_reduction(reduction, tau))
     if p.squeeze_d:
         scores = scores.squeeze(1)
     if p.squeeze_q:
@@ -104,6 +130,8 @@ def maxsim_pairs(
     *,
     normalize: bool = False,
     backward: str | None = None,
+    reduction: str = "max",
+    tau: float = 0.1,
 ) -> Tensor:
     """Scores of the diagonal pairs ``(Q[b], D[b])`` only, without the cross product.
 
@@ -114,7 +142,7 @@ def maxsim_pairs(
         d_mask (torch.Tensor, optional): `[B, Ld]`.
 
     Returns:
-        torch.Tensor: `[B]` float32 scores. Same semantics as :func:`maxsim`.
+        torch.Tensor: `[B]` float32 scores. Same semantics and keywords as :func:`maxsim`.
     """
     p = canonical_pairs(Q, D, q_mask, d_mask)
-    return _run(p, normalize, check_backward(backward)).squeeze(1)
+    return _run(p, normalize, check_backward(backward), check_reduction(reduction, tau)).squeeze(1)

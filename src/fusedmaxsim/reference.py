@@ -35,6 +35,8 @@ def maxsim_ref(
     d_mask: Tensor | None = None,
     *,
     normalize: bool = False,
+    reduction: str = "max",
+    tau: float = 0.1,
 ) -> Tensor:
     """MaxSim by the definition, ``score[i, j] = Σ_s max_t ⟨Q[i, s], D[j, t]⟩``.
 
@@ -42,7 +44,8 @@ def maxsim_ref(
     ``D [Ld, d]``, ``[Nd, Ld, d]`` (cross product) or ``[Nq, K, Ld, d]`` (per-query
     candidates). Masked doc tokens never win the max, masked query tokens add 0, a query token
     with no valid doc token adds 0. Ties go to the lowest doc-token index (``Tensor.max``).
-    Returns float32, or float64 when an input is float64.
+    ``reduction="smoothmax"``: ``tau · logsumexp_t(s / tau)`` over the valid tokens instead of
+    the max (``torch.logsumexp``). Returns float32, or float64 when an input is float64.
     """
     if Q.shape[-1] != D.shape[-1]:
         raise ValueError(f"Q and D must share the embedding dim, got {tuple(Q.shape)} and {tuple(D.shape)}")
@@ -66,7 +69,12 @@ def maxsim_ref(
         d_valid = d_valid.unsqueeze(0)
     neg_inf = torch.tensor(float("-inf"), dtype=sim.dtype, device=sim.device)
     sim = torch.where(d_valid.unsqueeze(2), sim, neg_inf)  # [Nq, Nd, Lq, Ld]
-    best = sim.max(dim=-1).values if sim.shape[-1] > 0 else sim.new_full(sim.shape[:-1], float("-inf"))
+    if sim.shape[-1] == 0:
+        best = sim.new_full(sim.shape[:-1], float("-inf"))
+    elif reduction == "smoothmax":
+        best = tau * torch.logsumexp(sim / tau, dim=-1)
+    else:
+        best = sim.max(dim=-1).values
     best = torch.where(best == float("-inf"), torch.zeros_like(best), best)
     best = torch.where(q_valid.unsqueeze(1), best, torch.zeros_like(best))
     scores = best.sum(dim=-1)
@@ -84,6 +92,8 @@ def maxsim_pairs_ref(
     d_mask: Tensor | None = None,
     *,
     normalize: bool = False,
+    reduction: str = "max",
+    tau: float = 0.1,
 ) -> Tensor:
     """Diagonal pairs ``score[b] = maxsim(Q[b], D[b])`` for ``Q [B, Lq, d]``, ``D [B, Ld, d]``."""
     return maxsim_ref(
@@ -92,4 +102,6 @@ def maxsim_pairs_ref(
         q_mask,
         None if d_mask is None else d_mask.unsqueeze(1),
         normalize=normalize,
+        reduction=reduction,
+        tau=tau,
     ).squeeze(1)

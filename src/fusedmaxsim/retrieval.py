@@ -467,7 +467,7 @@ class _ChunkScorer:
             if not self.corpus.packed:
                 return _ops.maxsim_fwd_impl(
                     self.Q, tokens, self.q_mask, mask, self.q_inv, d_inv, False, self.backend,
-                    self.precision, "auto",
+                    self.precision, "auto", 0.0,
                 )[0]
             layout = RaggedLayout(
                 self.cu_q, offsets, self.Qp.shape[0], tokens.shape[0], self.Q.shape[1],

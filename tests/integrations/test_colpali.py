@@ -164,8 +164,14 @@ def run_loss(loss_fn, encoder, parts, offset):
 @pytest.mark.parametrize("name", LOSSES)
 @pytest.mark.parametrize(
     "options",
-    [{}, {"normalize_scores": False}, {"pos_aware_negative_filtering": True}],
-    ids=["default", "raw-scores", "filtering"],
+    [
+        {},
+        {"normalize_scores": False},
+        {"pos_aware_negative_filtering": True},
+        {"use_smooth_max": True},
+        {"use_smooth_max": True, "tau": 0.5, "normalize_scores": False},
+    ],
+    ids=["default", "raw-scores", "filtering", "smooth-max", "smooth-max-tau0.5"],
 )
 def test_loss_and_gradients_match_host(name, options):
     negatives = name in fc._NEGATIVE_LOSSES
@@ -196,14 +202,21 @@ def test_loss_and_gradients_match_host(name, options):
 
 
 @pytest.mark.parametrize("name", LOSSES)
-def test_smooth_max_runs_the_host_code(name):
+def test_smooth_max_is_fused(name, monkeypatch):
+    """use_smooth_max=True goes through the fused smooth max (no einsum grid) and gives the
+    host's loss; FUSEDMAXSIM_DISABLE=1 hands it back to the host."""
     parts = loss_inputs(name in fc._NEGATIVE_LOSSES)
     leaves = [x.float() for x, _ in parts]
     ref = getattr(host_losses, name)(use_smooth_max=True)(*leaves)
     with CallCounter(fc) as counter:
         ours = getattr(fc, name)(use_smooth_max=True)(*leaves)
+    assert counter.count() > 0
+    assert relative_error(ours, ref) <= TOL
+    monkeypatch.setenv("FUSEDMAXSIM_DISABLE", "1")
+    with CallCounter(fc) as counter:
+        host = getattr(fc, name)(use_smooth_max=True)(*leaves)
     assert counter.count() == 0
-    assert torch.equal(ours, ref)
+    assert torch.equal(host, ref)
 
 
 def test_zero_embeddings_give_the_host_values():

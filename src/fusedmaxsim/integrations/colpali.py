@@ -21,8 +21,10 @@ that occur in practice are between zero rows (a padded query token has similarit
 document token), so only the gradient *into padding rows* differs, and ColVision models multiply
 their output by the attention mask, which zeroes exactly those rows before they reach a weight.
 
-``use_smooth_max=True`` (log-sum-exp instead of max) runs colpali-engine's own einsum code: the
-fused kernels compute the hard max only. ``FUSEDMAXSIM_DISABLE=1``, or
+``use_smooth_max=True`` (``tau · logsumexp(s / tau)`` instead of the max) is scored by the fused
+smooth max (``maxsim(..., reduction="smoothmax", tau=loss.tau)``), with no masks either, so every
+token, zero padding included, takes part in the log-sum-exp exactly as in the host's einsum; its
+gradient reaches every token, padding rows included, as the host's does. ``FUSEDMAXSIM_DISABLE=1``, or
 ``COLPALI_SCORES_BACKEND`` set to anything but ``auto``, hands every call to colpali-engine.
 """
 
@@ -62,6 +64,7 @@ _NEGATIVE_LOSSES = {
 }
 _DISPATCH = ("maxsim_inbatch", "maxsim_kd")
 _SCORE = "score_multi_vector"
+_INBATCH_SCORES = "_inbatch_scores"  # ColbertModule's, which scores the smooth max by einsum
 
 _lock = threading.Lock()
 _originals: dict[str, object] = {}  # colpali-engine's own objects while patched, else empty
@@ -152,13 +155,14 @@ _NEGATIVE_FORWARDS = {
 
 def _negative_loss(self, name, query, doc, neg, offset):
     """colpali-engine 0.3.18's negative-document losses, term for term, on fused scores."""
-    if self.use_smooth_max or _use_host():
+    if _use_host():
         return _host_forward(name)(self, query, doc, neg, offset)
+    tau = _smooth_tau(self)
     inner, positives = _NEGATIVE_LOSSES[name]
     n_pos = neg.size(0) if positives == "negatives" else query.size(0)
     lengths = (query[:, :, 0] != 0).sum(dim=1)
-    pos_scores = _pairs(query, doc[offset : offset + n_pos])
-    neg_scores = _kd(query, neg)
+    pos_scores = _pairs(query, doc[offset : offset + n_pos], tau)
+    neg_scores = _kd(query, neg, tau)
     if self.normalize_scores:
         pos_scores = self._apply_normalization(pos_scores, lengths)
         neg_scores = self._apply_normalization(neg_scores, lengths)
@@ -170,12 +174,10 @@ def _negative_loss(self, name, query, doc, neg, offset):
 
 
 def _inbatch_scores(self, query_embeddings, doc_embeddings):
-    """``ColbertModule._inbatch_scores`` on the fused in-batch scores (explicit-route classes)."""
-    if self.use_smooth_max or _use_host():
-        return _losses_module().ColbertModule._inbatch_scores(
-            self, query_embeddings, doc_embeddings
-        )
-    scores = _inbatch(query_embeddings, doc_embeddings)
+    """``ColbertModule._inbatch_scores`` on the fused in-batch scores, max or smooth max."""
+    if _use_host():
+        return _host_inbatch_scores()(self, query_embeddings, doc_embeddings)
+    scores = _inbatch(query_embeddings, doc_embeddings, _smooth_tau(self))
     if self.normalize_scores:
         lengths = (query_embeddings[:, :, 0] != 0).sum(dim=1)
         scores = self._apply_normalization(scores, lengths)
@@ -241,11 +243,13 @@ def patch() -> None:
         saved[_SCORE] = processor.__dict__[_SCORE]
         for name in _NEGATIVE_LOSSES:
             saved[name] = getattr(losses, name).__dict__["forward"]
+        saved[_INBATCH_SCORES] = losses.ColbertModule.__dict__[_INBATCH_SCORES]
         ours = _replacements()
         swap_references("colpali_engine", {id(saved[n]): (saved[n], ours[n]) for n in _DISPATCH})
         processor.score_multi_vector = staticmethod(score_multi_vector)
         for name, forward in _NEGATIVE_FORWARDS.items():
             getattr(losses, name).forward = forward
+        losses.ColbertModule._inbatch_scores = _inbatch_scores
         _originals.update(saved)
 
 
@@ -262,6 +266,7 @@ def unpatch() -> None:
         processing.BaseVisualRetrieverProcessor.score_multi_vector = _originals[_SCORE]
         for name in _NEGATIVE_LOSSES:
             getattr(losses, name).forward = _originals[name]
+        losses.ColbertModule._inbatch_scores = _originals[_INBATCH_SCORES]
         _originals.clear()
 
 
@@ -275,18 +280,28 @@ def is_patched() -> bool:
 # --------------------------------------------------------------------------------------------
 
 
-def _inbatch(query: Tensor, doc: Tensor) -> Tensor:
+def _reduction(tau: float) -> dict:
+    """``maxsim``'s keywords for the max (``tau == 0``) or the smooth max at ``tau``."""
+    return {"reduction": "smoothmax", "tau": tau} if tau else {}
+
+
+def _smooth_tau(loss) -> float:
+    """The loss's smooth-max temperature, or 0.0 for the max."""
+    return float(loss.tau) if loss.use_smooth_max else 0.0
+
+
+def _inbatch(query: Tensor, doc: Tensor, tau: float = 0.0) -> Tensor:
     _expect_dims("maxsim_inbatch", query, doc, 3)
-    return maxsim(query, doc).to(host_dtype(query, doc))
+    return maxsim(query, doc, **_reduction(tau)).to(host_dtype(query, doc))
 
 
-def _kd(query: Tensor, doc: Tensor) -> Tensor:
+def _kd(query: Tensor, doc: Tensor, tau: float = 0.0) -> Tensor:
     _expect_dims("maxsim_kd", query, doc, 4)
-    return maxsim(query, doc).to(host_dtype(query, doc))
+    return maxsim(query, doc, **_reduction(tau)).to(host_dtype(query, doc))
 
 
-def _pairs(query: Tensor, doc: Tensor) -> Tensor:
-    return maxsim_pairs(query, doc).to(host_dtype(query, doc))
+def _pairs(query: Tensor, doc: Tensor, tau: float = 0.0) -> Tensor:
+    return maxsim_pairs(query, doc, **_reduction(tau)).to(host_dtype(query, doc))
 
 
 def _expect_dims(what: str, query: Tensor, doc: Tensor, doc_dims: int) -> None:
@@ -332,6 +347,11 @@ def _host(name: str):
 def _host_forward(name: str):
     original = _originals.get(name)
     return original if original is not None else getattr(_losses_module(), name).forward
+
+
+def _host_inbatch_scores():
+    original = _originals.get(_INBATCH_SCORES)
+    return original if original is not None else _losses_module().ColbertModule._inbatch_scores
 
 
 def _host_score_multi_vector():

@@ -1,0 +1,184 @@
+"""Triton kernels of the smooth-max backward: gradients of ``tau · logsumexp(s / tau)``.
+
+Math
+----
+The forward (``_maxsim_fwd_kernel`` with ``SMOOTH``, the same inner loop as the max) saves, for
+every query token ``s`` of query ``i`` against column ``j``, the log2-sum-exp2 of the scaled
+similarities ``y = S · log2(e) / tau`` over the valid document tokens::
+
+    L[i, j, s] = log2 Σ_{t valid} exp2(y[i, j, s, t])     (+inf where the token added nothing)
+    score[i, j] = Σ_{s valid} tau · ln 2 · L[i, j, s]
+
+Its derivative with respect to ``S[i, j, s, t]`` is the softmax ``P = exp2(y - L)`` (0 for masked
+tokens, and for rows saved as +inf), so, with ``g = grad_scores``::
+
+    grad_Q[i, s]    = Σ_j g[i, j] · Σ_t P[i, j, s, t] · D[g(i), j, t]
+    grad_D[g, j, t] = Σ_{i in group g} g[i, j] · Σ_s P[i, j, s, t] · Q[i, s]
+
+Unlike the max, every token takes part, so both kernels recompute ``S`` tile by tile (two more
+products per gradient, as a FlashAttention backward does) instead of reading an argmax.
+
+Grid mapping
+------------
+* ``_smooth_bwd_q_kernel``: program ``(i, s-block)`` owns ``grad_Q[i, s-block]`` and walks every
+  column of its group and every document tile.
+* ``_smooth_bwd_d_kernel``: program ``(g, j, t-block)`` owns ``grad_D[g, j, t-block]`` and walks
+  the group's queries (all of them on the cross product, query ``g`` for per-query candidates)
+  and their token blocks.
+Each output row has one owner: no atomics, bitwise reproducible.
+
+Caveats
+-------
+* ``P · g`` is rounded to the input dtype before its product (as FlashAttention rounds ``P``);
+  the error is of the size of writing the gradient in that dtype.
+* Normalization is applied by the caller before the forward (``F.normalize``), not in here.
+* ``UPCAST`` computes dots in fp32 (the Triton interpreter's bf16 ``tl.dot`` is wrong on CPU).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._kernels import _dot
+
+
+@triton.jit(do_not_specialize=["Nq", "Ncols", "Lq", "Ld"])
+def _smooth_bwd_q_kernel(
+    GradScores,
+    Q,
+    D,
+    DMask,
+    RowLse,
+    GradQ,
+    Nq,
+    Ncols,
+    Lq,
+    Ld,
+    dim,
+    smooth_scale,
+    stride_g_seq,
+    stride_g_col,
+    stride_q_seq,
+    stride_q_tok,
+    stride_q_dim,
+    stride_d_grp,
+    stride_d_col,
+    stride_d_tok,
+    stride_d_dim,
+    HAS_D_MASK: tl.constexpr,
+    PER_QUERY_DOCS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    n_sblocks = tl.cdiv(Lq, BLOCK_S)
+    pid = tl.program_id(0).to(tl.int64)
+    i_q = pid // n_sblocks
+    o_s = (pid % n_sblocks) * BLOCK_S + tl.arange(0, BLOCK_S)
+    m_s = o_s < Lq
+    o_k = tl.arange(0, BLOCK_K)
+    m_k = o_k < dim
+    b_q = tl.load(
+        Q + i_q * stride_q_seq + o_s[:, None] * stride_q_tok + o_k[None, :] * stride_q_dim,
+        mask=m_s[:, None] & m_k[None, :],
+        other=0.0,
+    )
+    i_grp = i_q if PER_QUERY_DOCS else 0
+    acc = tl.zeros([BLOCK_S, BLOCK_K], tl.float32)
+    for j in range(0, Ncols):
+        g = tl.load(GradScores + i_q * stride_g_seq + j * stride_g_col)
+        lse = tl.load(RowLse + (i_q * Ncols + j) * Lq + o_s, mask=m_s, other=float("inf"))
+        p_doc = D + i_grp * stride_d_grp + j * stride_d_col
+        doc_row = (i_grp * Ncols + j) * Ld
+        for t0 in range(0, Ld, BLOCK_T):
+            o_t = t0 + tl.arange(0, BLOCK_T)
+            m_t = o_t < Ld
+            if HAS_D_MASK:
+                m_t = m_t & (tl.load(DMask + doc_row + o_t, mask=m_t, other=0) != 0)
+            b_d = tl.load(
+                p_doc + o_t[:, None] * stride_d_tok + o_k[None, :] * stride_d_dim,
+                mask=m_t[:, None] & m_k[None, :],
+                other=0.0,
+            )
+            y = _dot(b_q, tl.trans(b_d), DOT_PRECISION, UPCAST) * smooth_scale
+            p = tl.where(m_t[None, :], tl.exp2(y - lse[:, None]), 0.0) * g
+            acc += _dot(p.to(b_d.dtype), b_d, DOT_PRECISION, UPCAST)
+    tl.store(
+        GradQ + (i_q * Lq + o_s[:, None]) * dim + o_k[None, :],
+        acc.to(GradQ.dtype.element_ty),
+        mask=m_s[:, None] & m_k[None, :],
+    )
+
+
+@triton.jit(do_not_specialize=["Nq", "Ncols", "Lq", "Ld"])
+def _smooth_bwd_d_kernel(
+    GradScores,
+    Q,
+    D,
+    DMask,
+    RowLse,
+    GradD,
+    Nq,
+    Ncols,
+    Lq,
+    Ld,
+    dim,
+    smooth_scale,
+    stride_g_seq,
+    stride_g_col,
+    stride_q_seq,
+    stride_q_tok,
+    stride_q_dim,
+    stride_d_grp,
+    stride_d_col,
+    stride_d_tok,
+    stride_d_dim,
+    HAS_D_MASK: tl.constexpr,
+    PER_QUERY_DOCS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    i_grp = pid // Ncols if PER_QUERY_DOCS else 0
+    j = pid % Ncols
+    o_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    m_t = o_t < Ld
+    o_k = tl.arange(0, BLOCK_K)
+    m_k = o_k < dim
+    doc_row = (i_grp * Ncols + j) * Ld
+    if HAS_D_MASK:
+        m_t = m_t & (tl.load(DMask + doc_row + o_t, mask=m_t, other=0) != 0)
+    b_d = tl.load(
+        D + i_grp * stride_d_grp + j * stride_d_col + o_t[:, None] * stride_d_tok
+        + o_k[None, :] * stride_d_dim,
+        mask=m_t[:, None] & m_k[None, :],
+        other=0.0,
+    )
+    q_lo = i_grp if PER_QUERY_DOCS else 0
+    q_hi = i_grp + 1 if PER_QUERY_DOCS else Nq
+    acc = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
+    for i_q in range(q_lo, q_hi):
+        g = tl.load(GradScores + i_q * stride_g_seq + j * stride_g_col)
+        for s0 in range(0, Lq, BLOCK_S):
+            o_s = s0 + tl.arange(0, BLOCK_S)
+            m_s = o_s < Lq
+            b_q = tl.load(
+                Q + i_q * stride_q_seq + o_s[:, None] * stride_q_tok + o_k[None, :] * stride_q_dim,
+                mask=m_s[:, None] & m_k[None, :],
+                other=0.0,
+            )
+            lse = tl.load(RowLse + (i_q * Ncols + j) * Lq + o_s, mask=m_s, other=float("inf"))
+            y = _dot(b_d, tl.trans(b_q), DOT_PRECISION, UPCAST) * smooth_scale  # [BLOCK_T, BLOCK_S]
+            p = tl.where(m_t[:, None], tl.exp2(y - lse[None, :]), 0.0) * g
+            acc += _dot(p.to(b_q.dtype), b_q, DOT_PRECISION, UPCAST)
+    tl.store(
+        GradD + (doc_row + o_t[:, None]) * dim + o_k[None, :],
+        acc.to(GradD.dtype.element_ty),
+        mask=(o_t < Ld)[:, None] & m_k[None, :],
+    )

@@ -1,0 +1,83 @@
+"""Host launcher of the smooth-max backward kernels (``_kernels_smooth``).
+
+Inputs as for ``_launch.maxsim_bwd``: ``Q [Nq, Lq, d]``; ``D [Nd, Ld, d]`` or ``[Nq, K, Ld, d]``
+(any strides); ``row_lse`` the forward's fp32 ``[Nq, Ncols, Lq]`` log2-sum-exp2 rows; the bool
+document mask, if any. Gradients come back contiguous, in the input dtype or fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import _configs
+from ._kernels_smooth import _smooth_bwd_d_kernel, _smooth_bwd_q_kernel
+from ._launch import (
+    _as_bytes,
+    _cdiv,
+    _doc_strides,
+    _dot_precision,
+    _empty,
+    _upcast,
+    constants,
+    launcher,
+    smooth_scales,
+)
+
+__all__ = ["smooth_bwd"]
+
+
+def smooth_bwd(
+    grad_scores: Tensor,
+    Q: Tensor,
+    D: Tensor,
+    d_mask: Tensor | None,
+    row_lse: Tensor,
+    tau: float,
+    need_grad_q: bool,
+    need_grad_d: bool,
+    fp32_out: bool,
+    fp32_precision: str,
+) -> tuple[Tensor, Tensor]:
+    per_query_docs = D.dim() == 4
+    Nq, Lq, dim = Q.shape
+    Ncols, Ld = D.shape[-3], D.shape[-2]
+    empty = Q.new_empty((0,))
+    q_dtype = torch.float32 if fp32_out else Q.dtype
+    d_dtype = torch.float32 if fp32_out else D.dtype
+    if Nq * Ncols * Lq * Ld * dim == 0:
+        gq = torch.zeros(Q.shape, dtype=q_dtype, device=Q.device) if need_grad_q else empty
+        gd = torch.zeros(D.shape, dtype=d_dtype, device=D.device) if need_grad_d else empty
+        return gq, gd
+    cfg = _configs.smooth_bwd_config(Lq, dim)
+    dm = _as_bytes(d_mask)
+    row_lse = row_lse.contiguous()
+    scale, _ = smooth_scales(tau)
+    meta = constants(
+        HAS_D_MASK=dm is not None,
+        PER_QUERY_DOCS=per_query_docs,
+        BLOCK_S=cfg.block_s,
+        BLOCK_T=cfg.block_t,
+        BLOCK_K=cfg.block_k,
+        DOT_PRECISION=_dot_precision(Q.dtype, fp32_precision),
+        UPCAST=_upcast(Q.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+    def args(out: Tensor) -> tuple:
+        return (
+            grad_scores, Q, D, D if dm is None else dm, row_lse, out,
+            Nq, Ncols, Lq, Ld, dim, scale,
+            *grad_scores.stride(), *Q.stride(), *_doc_strides(D, per_query_docs),
+        )
+
+    grad_q = grad_d = empty
+    if need_grad_q:
+        grad_q = _empty(Q.shape, q_dtype, Q.device)
+        launcher(_smooth_bwd_q_kernel)((Nq * _cdiv(Lq, cfg.block_s),), args(grad_q), meta)
+    if need_grad_d:
+        grad_d = _empty(D.shape, d_dtype, D.device)
+        groups = Nq if per_query_docs else 1
+        launcher(_smooth_bwd_d_kernel)((groups * Ncols, _cdiv(Ld, cfg.block_t)), args(grad_d), meta)
+    return grad_q, grad_d
