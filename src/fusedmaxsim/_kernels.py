@@ -19,6 +19,11 @@ A masked doc token is ``-inf`` before every max, so it never wins; a query row w
 (with ``d_inv`` and ``q_inv`` folded in, these are the gradients with respect to the normalized
 tokens; the launcher's caller applies the normalization's Jacobian).
 
+The smooth max (``SMOOTH``) replaces ``max_t`` by ``tau · log Σ_{t valid} exp(S / tau)``, folded
+tile by tile as an online log-sum-exp in base 2 (``y = S · log2(e) / tau``); instead of ``A`` the
+forward saves ``L[i, j, s] = log2 Σ_t exp2(y)`` (``+inf`` where the token adds nothing), from
+which ``_kernels_smooth`` recomputes the softmax for the gradients.
+
 Grid mapping
 ------------
 * ``_maxsim_fwd_kernel``: program ``(j, b)`` owns document column ``j`` and a block of
