@@ -17,6 +17,55 @@ def masks_with_holes(shape, device, *, fully_masked_first: bool = True) -> torch
     return mask
 
 
+# Odd sizes on purpose (Lq=7, Ld=13, d=96): nothing is a multiple of a tile.
+LAYOUTS = {
+    # name: (Q shape, D shape)
+    "cross": ((3, 7, 96), (5, 13, 96)),
+    "candidates": ((3, 7, 96), (3, 4, 13, 96)),
+    "pairs": ((4, 7, 96), (4, 13, 96)),
+}
+
+
+def random_problem(layout, dtype, device, masks=True):
+    """``(Q, D, q_mask, d_mask)`` of ``LAYOUTS[layout]``; the masks' first rows fully masked."""
+    q_shape, d_shape = LAYOUTS[layout]
+    Q = torch.randn(q_shape, device=device, dtype=dtype)
+    D = torch.randn(d_shape, device=device, dtype=dtype)
+    q_mask = masks_with_holes(q_shape[:-1], device) if masks else None
+    d_mask = masks_with_holes(d_shape[:-1], device) if masks else None
+    return Q, D, q_mask, d_mask
+
+
+def compiled_and_eager_step(device, Nq, Lq, Ld, d_in, d_out):
+    """A training step (projection, normalize, MaxSim, cross-entropy at temperature 0.05) under
+    ``torch.compile(fullgraph=True)`` and eagerly, on the same inputs, in fp32 with IEEE
+    products: ``((loss, weight grad) compiled, (loss, weight grad) eager)``."""
+    from fusedmaxsim import settings
+
+    torch._dynamo.reset()
+    proj = torch.nn.Linear(d_in, d_out, device=device)
+
+    def step(q_in, d_in, d_mask):
+        Q = torch.nn.functional.normalize(proj(q_in), dim=-1)
+        D = torch.nn.functional.normalize(proj(d_in), dim=-1)
+        scores = maxsim(Q, D, d_mask=d_mask)
+        return torch.nn.functional.cross_entropy(
+            scores / 0.05, torch.arange(scores.shape[0], device=device)
+        )
+
+    q_in = torch.randn(Nq, Lq, d_in, device=device)
+    docs = torch.randn(Nq, Ld, d_in, device=device)
+    d_mask = torch.rand(Nq, Ld, device=device) > 0.2
+    results = []
+    with settings.use_fp32_precision("ieee"):
+        for fn in (torch.compile(step, fullgraph=True), step):
+            proj.weight.grad = None
+            loss = fn(q_in, docs, d_mask)
+            loss.backward()
+            results.append((loss.detach(), proj.weight.grad.clone()))
+    return results
+
+
 def leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone().requires_grad_(True)
 

@@ -7,7 +7,7 @@ scores and gradients alike, as the main peer's tests enforce.
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import check_against_reference, leaf, masks_with_holes
+from helpers import check_against_reference, compiled_and_eager_step, leaf, masks_with_holes
 
 from fusedmaxsim import maxsim, maxsim_pairs, settings
 from fusedmaxsim.reference import maxsim_ref
@@ -135,29 +135,9 @@ def test_torch_compile_fullgraph_training_step():
     those last-bit differences flip near-tied argmaxes, which the temperature then magnifies; the
     bf16 op itself is compared like for like in the next test.
     """
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    proj = torch.nn.Linear(64, 128, device="cuda")
-
-    def step(q_in, d_in, d_mask):
-        Q = F.normalize(proj(q_in), dim=-1)
-        D = F.normalize(proj(d_in), dim=-1)
-        scores = maxsim(Q, D, d_mask=d_mask)
-        return F.cross_entropy(scores / 0.05, torch.arange(scores.shape[0], device="cuda"))
-
-    q_in = torch.randn(8, 32, 64, device="cuda")
-    d_in = torch.randn(8, 180, 64, device="cuda")
-    d_mask = torch.rand(8, 180, device="cuda") > 0.2
-    with settings.use_fp32_precision("ieee"):
-        compiled = torch.compile(step, fullgraph=True)
-        loss = compiled(q_in, d_in, d_mask)
-        loss.backward()
-        compiled_grad = proj.weight.grad.clone()
-        proj.weight.grad = None
-        eager_loss = step(q_in, d_in, d_mask)
-        eager_loss.backward()
+    (loss, grad), (eager_loss, eager_grad) = compiled_and_eager_step("cuda", 8, 32, 180, 64, 128)
     torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(compiled_grad, proj.weight.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(grad, eager_grad, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("strategy", ["unified", "lowmem"])

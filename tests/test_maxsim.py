@@ -6,29 +6,19 @@ mask in the kernels is exercised.
 
 import pytest
 import torch
-import torch.nn.functional as F
-from helpers import check_against_reference, leaf, masks_with_holes
+from helpers import (
+    LAYOUTS,
+    check_against_reference,
+    compiled_and_eager_step,
+    leaf,
+    masks_with_holes,
+    random_problem,
+)
 
 from fusedmaxsim import maxsim, maxsim_pairs, settings
 from fusedmaxsim._configs import BwdConfig, FwdConfig, forced_configs
 from fusedmaxsim.reference import maxsim_ref
 from fusedmaxsim.testing import assert_close_to_reference
-
-LAYOUTS = {
-    # name: (Q shape, D shape)
-    "cross": ((3, 7, 96), (5, 13, 96)),
-    "candidates": ((3, 7, 96), (3, 4, 13, 96)),
-    "pairs": ((4, 7, 96), (4, 13, 96)),
-}
-
-
-def _problem(layout, dtype, device, masks=True):
-    q_shape, d_shape = LAYOUTS[layout]
-    Q = torch.randn(q_shape, device=device, dtype=dtype)
-    D = torch.randn(d_shape, device=device, dtype=dtype)
-    q_mask = masks_with_holes(q_shape[:-1], device) if masks else None
-    d_mask = masks_with_holes(d_shape[:-1], device) if masks else None
-    return Q, D, q_mask, d_mask
 
 
 @pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalize"])
@@ -36,7 +26,7 @@ def _problem(layout, dtype, device, masks=True):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_parity_with_masks(backend, device, layout, dtype, strategy, normalize):
-    Q, D, q_mask, d_mask = _problem(layout, dtype, device)
+    Q, D, q_mask, d_mask = random_problem(layout, dtype, device)
     out = check_against_reference(
         Q, D, q_mask, d_mask, normalize=normalize, backward=strategy, pairs=layout == "pairs"
     )
@@ -46,13 +36,13 @@ def test_parity_with_masks(backend, device, layout, dtype, strategy, normalize):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_parity_without_masks(backend, device, layout):
-    Q, D, _, _ = _problem(layout, torch.float32, device, masks=False)
+    Q, D, _, _ = random_problem(layout, torch.float32, device, masks=False)
     check_against_reference(Q, D, pairs=layout == "pairs")
 
 
 def test_bf16_parity(backend, device):
     """bf16 in the interpreter runs with fp32 dots (its bf16 dot is wrong); the GPU suite covers real bf16."""
-    Q, D, q_mask, d_mask = _problem("cross", torch.bfloat16, device)
+    Q, D, q_mask, d_mask = random_problem("cross", torch.bfloat16, device)
     check_against_reference(Q, D, q_mask, d_mask, backward="lowmem")
     check_against_reference(Q, D, q_mask, d_mask, backward="unified")
 
@@ -210,7 +200,7 @@ def test_pairs_equal_the_diagonal_of_the_cross_product(backend, device):
 
 
 def test_lowmem_backward_is_bitwise_reproducible(backend, device):
-    Q, D, q_mask, d_mask = _problem("cross", torch.float32, device)
+    Q, D, q_mask, d_mask = random_problem("cross", torch.float32, device)
     grads = []
     for _ in range(2):
         q, d = leaf(Q), leaf(D)
@@ -220,7 +210,6 @@ def test_lowmem_backward_is_bitwise_reproducible(backend, device):
 
 
 def test_deterministic_mode_picks_lowmem_and_refuses_unified(device):
-    from fusedmaxsim import settings
 
     Q, D = leaf(torch.randn(2, 7, 32, device=device)), leaf(torch.randn(3, 13, 32, device=device))
     torch.use_deterministic_algorithms(True)
@@ -310,7 +299,6 @@ def test_double_backward_is_refused_clearly(backend, device):
 
 
 def test_float64_runs_on_the_pytorch_path_and_passes_gradcheck(device):
-    from fusedmaxsim import settings
 
     Q = torch.randn(2, 5, 8, device=device, dtype=torch.float64, requires_grad=True)
     D = torch.randn(3, 6, 8, device=device, dtype=torch.float64, requires_grad=True)
@@ -337,7 +325,6 @@ FORCED = [
 @pytest.mark.parametrize("fwd,bwd,Lq", FORCED)
 @pytest.mark.parametrize("layout", ["cross", "candidates"])
 def test_forced_tile_paths(device, fwd, bwd, Lq, layout):
-    from fusedmaxsim import settings
 
     Q = torch.randn(5, Lq, 64, device=device)
     D = torch.randn(*((5, 3) if layout == "candidates" else (6,)), 29, 64, device=device)
@@ -356,24 +343,6 @@ def test_forced_tile_paths(device, fwd, bwd, Lq, layout):
 def test_torch_compile_fullgraph_matches_eager(backend, device):
     """A training step under ``torch.compile(fullgraph=True)`` traces the registered ops and
     gives the eager step's loss and gradients (fp32, same inputs)."""
-    torch._dynamo.reset()
-    proj = torch.nn.Linear(16, 32, device=device)
-
-    def step(q_in, d_in, d_mask):
-        Q = F.normalize(proj(q_in), dim=-1)
-        D = F.normalize(proj(d_in), dim=-1)
-        scores = maxsim(Q, D, d_mask=d_mask)
-        return F.cross_entropy(scores / 0.05, torch.arange(scores.shape[0], device=device))
-
-    q_in = torch.randn(4, 7, 16, device=device)
-    d_in = torch.randn(4, 13, 16, device=device)
-    d_mask = torch.rand(4, 13, device=device) > 0.2
-    with settings.use_fp32_precision("ieee"):
-        loss = torch.compile(step, fullgraph=True)(q_in, d_in, d_mask)
-        loss.backward()
-        compiled_grad = proj.weight.grad.clone()
-        proj.weight.grad = None
-        eager_loss = step(q_in, d_in, d_mask)
-        eager_loss.backward()
+    (loss, grad), (eager_loss, eager_grad) = compiled_and_eager_step(device, 4, 7, 13, 16, 32)
     torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(compiled_grad, proj.weight.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(grad, eager_grad, rtol=1e-4, atol=1e-4)

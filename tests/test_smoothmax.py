@@ -5,33 +5,18 @@ forward and gradients against the float64 reference on both paths, with the max'
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import check_against_reference, leaf, masks_with_holes
+from helpers import LAYOUTS, check_against_reference, leaf, random_problem
 
 from fusedmaxsim import maxsim, maxsim_pairs, settings
 from fusedmaxsim.reference import maxsim_ref
 from fusedmaxsim.testing import assert_close_to_reference
-
-LAYOUTS = {
-    "cross": ((3, 7, 96), (5, 13, 96)),
-    "candidates": ((3, 7, 96), (3, 4, 13, 96)),
-    "pairs": ((4, 7, 96), (4, 13, 96)),
-}
-
-
-def _problem(layout, dtype, device, masks=True):
-    q_shape, d_shape = LAYOUTS[layout]
-    Q = torch.randn(q_shape, device=device, dtype=dtype)
-    D = torch.randn(d_shape, device=device, dtype=dtype)
-    q_mask = masks_with_holes(q_shape[:-1], device) if masks else None
-    d_mask = masks_with_holes(d_shape[:-1], device) if masks else None
-    return Q, D, q_mask, d_mask
 
 
 @pytest.mark.parametrize("tau", [0.1, 2.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_parity_with_masks(backend, device, layout, dtype, tau):
-    Q, D, q_mask, d_mask = _problem(layout, dtype, device)
+    Q, D, q_mask, d_mask = random_problem(layout, dtype, device)
     out = check_against_reference(
         Q, D, q_mask, d_mask, pairs=layout == "pairs", reduction="smoothmax", tau=tau
     )
@@ -40,7 +25,7 @@ def test_parity_with_masks(backend, device, layout, dtype, tau):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_parity_without_masks_and_normalized(backend, device, layout):
-    Q, D, _, _ = _problem(layout, torch.float32, device, masks=False)
+    Q, D, _, _ = random_problem(layout, torch.float32, device, masks=False)
     check_against_reference(Q, D, pairs=layout == "pairs", reduction="smoothmax", tau=0.3)
     check_against_reference(
         Q, D, pairs=layout == "pairs", normalize=True, reduction="smoothmax", tau=0.05
@@ -48,12 +33,12 @@ def test_parity_without_masks_and_normalized(backend, device, layout):
 
 
 def test_bf16_parity(backend, device):
-    Q, D, q_mask, d_mask = _problem("cross", torch.bfloat16, device)
+    Q, D, q_mask, d_mask = random_problem("cross", torch.bfloat16, device)
     check_against_reference(Q, D, q_mask, d_mask, reduction="smoothmax", tau=0.5)
 
 
 def test_fully_masked_documents_score_zero_and_get_zero_gradient(backend, device):
-    Q, D, q_mask, d_mask = _problem("cross", torch.float32, device)
+    Q, D, q_mask, d_mask = random_problem("cross", torch.float32, device)
     Q, D = leaf(Q), leaf(D)
     out = maxsim(Q, D, q_mask, d_mask, reduction="smoothmax")
     out.backward(torch.randn_like(out))
@@ -91,7 +76,7 @@ def test_two_dimensional_inputs_and_non_contiguous_views(backend, device):
 
 
 def test_small_tau_tends_to_the_max(backend, device):
-    Q, D, q_mask, d_mask = _problem("cross", torch.float32, device)
+    Q, D, q_mask, d_mask = random_problem("cross", torch.float32, device)
     smooth = maxsim(Q, D, q_mask, d_mask, reduction="smoothmax", tau=1e-4)
     hard = maxsim(Q, D, q_mask, d_mask)
     assert_close_to_reference(smooth, hard.double(), 1e-3, "tau -> 0")
@@ -107,7 +92,7 @@ def test_large_similarities_do_not_overflow(backend, device):
 
 
 def test_backward_is_bitwise_reproducible(backend, device):
-    Q, D, q_mask, d_mask = _problem("cross", torch.float32, device)
+    Q, D, q_mask, d_mask = random_problem("cross", torch.float32, device)
     grads = []
     for _ in range(2):
         q, d = leaf(Q), leaf(D)
@@ -117,7 +102,7 @@ def test_backward_is_bitwise_reproducible(backend, device):
 
 
 def test_pairs_equal_the_diagonal(backend, device):
-    Q, D, _, _ = _problem("pairs", torch.float32, device, masks=False)
+    Q, D, _, _ = random_problem("pairs", torch.float32, device, masks=False)
     diagonal = maxsim(Q, D, reduction="smoothmax").diagonal()
     torch.testing.assert_close(maxsim_pairs(Q, D, reduction="smoothmax"), diagonal)
 
@@ -143,7 +128,7 @@ def test_bad_reduction_arguments(kwargs, message):
 
 def test_torch_compile_fullgraph(backend, device):
     torch._dynamo.reset()
-    Q, D, q_mask, d_mask = _problem("cross", torch.float32, device)
+    Q, D, q_mask, d_mask = random_problem("cross", torch.float32, device)
     Q, D = leaf(Q), leaf(D)
 
     def loss(Q, D):

@@ -59,6 +59,24 @@ def _doc_side(t: Tensor | None, q: slice, c: slice, per_query_docs: bool) -> Ten
     return t[q, c].unsqueeze(1) if per_query_docs else t[c]
 
 
+def _zero_grads(Q: Tensor, D: Tensor, need_grad_q: bool, need_grad_d: bool, ct: torch.dtype):
+    """Zeroed accumulators in the compute dtype for the needed gradients, empty for the others."""
+    empty = Q.new_empty((0,))
+    grad_q = torch.zeros(Q.shape, dtype=ct, device=Q.device) if need_grad_q else empty
+    grad_d = torch.zeros(D.shape, dtype=ct, device=D.device) if need_grad_d else empty
+    return grad_q, grad_d
+
+
+def _out_grads(grad_q, grad_d, Q, D, need_grad_q, need_grad_d, fp32_out, ct):
+    """The needed accumulators in the gradients' dtypes: the inputs' own, or fp32 with ``fp32_out``."""
+    as_fp32 = fp32_out and ct != torch.float64
+    if need_grad_q:
+        grad_q = grad_q.to(torch.float32 if as_fp32 else Q.dtype)
+    if need_grad_d:
+        grad_d = grad_d.to(torch.float32 if as_fp32 else D.dtype)
+    return grad_q, grad_d
+
+
 def maxsim_fwd_blocked(
     Q: Tensor,
     D: Tensor,
@@ -146,9 +164,7 @@ def maxsim_bwd_blocked(
     Nq, Lq, dim = Q.shape
     Ncols, Ld = D.shape[-3], D.shape[-2]
     ct = _compute_dtype(Q)
-    empty = Q.new_empty((0,))
-    grad_q = torch.zeros(Q.shape, dtype=ct, device=Q.device) if need_grad_q else empty
-    grad_d = torch.zeros(D.shape, dtype=ct, device=D.device) if need_grad_d else empty
+    grad_q, grad_d = _zero_grads(Q, D, need_grad_q, need_grad_d, ct)
     if (need_grad_q or need_grad_d) and Nq * Ncols * Lq * Ld * dim > 0:
         grad_d_rows = grad_d.view(-1, dim) if need_grad_d else None
         g_all = grad_scores.to(ct)
@@ -179,11 +195,7 @@ def maxsim_bwd_blocked(
                     flat = (flat * Ld + tok)[hit]
                     src = (g.unsqueeze(-1) * q_rows.unsqueeze(1))[hit]
                     grad_d_rows.index_add_(0, flat, src)
-    if need_grad_q:
-        grad_q = grad_q.to(torch.float32 if fp32_out and ct != torch.float64 else Q.dtype)
-    if need_grad_d:
-        grad_d = grad_d.to(torch.float32 if fp32_out and ct != torch.float64 else D.dtype)
-    return grad_q, grad_d
+    return _out_grads(grad_q, grad_d, Q, D, need_grad_q, need_grad_d, fp32_out, ct)
 
 
 def smooth_bwd_blocked(
@@ -204,9 +216,7 @@ def smooth_bwd_blocked(
     Nq, Lq, dim = Q.shape
     Ncols, Ld = D.shape[-3], D.shape[-2]
     ct = _compute_dtype(Q)
-    empty = Q.new_empty((0,))
-    grad_q = torch.zeros(Q.shape, dtype=ct, device=Q.device) if need_grad_q else empty
-    grad_d = torch.zeros(D.shape, dtype=ct, device=D.device) if need_grad_d else empty
+    grad_q, grad_d = _zero_grads(Q, D, need_grad_q, need_grad_d, ct)
     if (need_grad_q or need_grad_d) and Nq * Ncols * Lq * Ld * dim > 0:
         g_all = grad_scores.to(ct)
         # The similarity block and its weights: two block-sized temporaries.
@@ -239,6 +249,4 @@ def smooth_bwd_blocked(
                             grad_d[qs, cs] += torch.einsum("qsct,qsh->qcth", weight, q_blk)
                         else:
                             grad_d[cs] += torch.einsum("qsct,qsh->cth", weight, q_blk)
-    out_q = torch.float32 if fp32_out and ct != torch.float64 else Q.dtype
-    out_d = torch.float32 if fp32_out and ct != torch.float64 else D.dtype
-    return (grad_q.to(out_q) if need_grad_q else grad_q), (grad_d.to(out_d) if need_grad_d else grad_d)
+    return _out_grads(grad_q, grad_d, Q, D, need_grad_q, need_grad_d, fp32_out, ct)

@@ -20,11 +20,13 @@ products per gradient, as a FlashAttention backward does) instead of reading an 
 
 Grid mapping
 ------------
-* ``_smooth_bwd_q_kernel``: program ``(i, s-block)`` owns ``grad_Q[i, s-block]`` and walks every
-  column of its group and every document tile.
-* ``_smooth_bwd_d_kernel``: program ``(g, j, t-block)`` owns ``grad_D[g, j, t-block]`` and walks
-  the group's queries (all of them on the cross product, query ``g`` for per-query candidates)
-  and their token blocks.
+``_smooth_bwd_kernel``, launched once per gradient:
+
+* ``GRAD_D`` False: program ``(i, s-block)`` owns ``grad_Q[i, s-block]`` and walks every column
+  of its group and every document tile.
+* ``GRAD_D`` True: program ``(g, j, t-block)`` owns ``grad_D[g, j, t-block]`` and walks the
+  group's queries (all of them on the cross product, query ``g`` for per-query candidates) and
+  their token blocks.
 Each output row has one owner: no atomics, bitwise reproducible.
 
 Caveats
@@ -44,13 +46,13 @@ from ._kernels import _dot
 
 
 @triton.jit(do_not_specialize=["Nq", "Ncols", "Lq", "Ld"])
-def _smooth_bwd_q_kernel(
+def _smooth_bwd_kernel(
     GradScores,
     Q,
     D,
     DMask,
     RowLse,
-    GradQ,
+    Grad,
     Nq,
     Ncols,
     Lq,
@@ -66,6 +68,7 @@ def _smooth_bwd_q_kernel(
     stride_d_col,
     stride_d_tok,
     stride_d_dim,
+    GRAD_D: tl.constexpr,
     HAS_D_MASK: tl.constexpr,
     PER_QUERY_DOCS: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -74,111 +77,80 @@ def _smooth_bwd_q_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    n_sblocks = tl.cdiv(Lq, BLOCK_S)
-    pid = tl.program_id(0).to(tl.int64)
-    i_q = pid // n_sblocks
-    o_s = (pid % n_sblocks) * BLOCK_S + tl.arange(0, BLOCK_S)
-    m_s = o_s < Lq
+    """``grad_Q`` (``GRAD_D`` False, grid ``Nq · s-blocks``) or ``grad_D`` (grid
+    ``(groups · Ncols, t-blocks)``) into ``Grad``, contiguous."""
     o_k = tl.arange(0, BLOCK_K)
     m_k = o_k < dim
-    b_q = tl.load(
-        Q + i_q * stride_q_seq + o_s[:, None] * stride_q_tok + o_k[None, :] * stride_q_dim,
-        mask=m_s[:, None] & m_k[None, :],
-        other=0.0,
-    )
-    i_grp = i_q if PER_QUERY_DOCS else 0
-    acc = tl.zeros([BLOCK_S, BLOCK_K], tl.float32)
-    for j in range(0, Ncols):
-        g = tl.load(GradScores + i_q * stride_g_seq + j * stride_g_col)
-        lse = tl.load(RowLse + (i_q * Ncols + j) * Lq + o_s, mask=m_s, other=float("inf"))
-        p_doc = D + i_grp * stride_d_grp + j * stride_d_col
-        doc_row = (i_grp * Ncols + j) * Ld
-        for t0 in range(0, Ld, BLOCK_T):
-            o_t = t0 + tl.arange(0, BLOCK_T)
-            m_t = o_t < Ld
-            if HAS_D_MASK:
-                m_t = m_t & (tl.load(DMask + doc_row + o_t, mask=m_t, other=0) != 0)
-            b_d = tl.load(
-                p_doc + o_t[:, None] * stride_d_tok + o_k[None, :] * stride_d_dim,
-                mask=m_t[:, None] & m_k[None, :],
-                other=0.0,
-            )
-            y = _dot(b_q, tl.trans(b_d), DOT_PRECISION, UPCAST) * smooth_scale
-            p = tl.where(m_t[None, :], tl.exp2(y - lse[:, None]), 0.0) * g
-            acc += _dot(p.to(b_d.dtype), b_d, DOT_PRECISION, UPCAST)
-    tl.store(
-        GradQ + (i_q * Lq + o_s[:, None]) * dim + o_k[None, :],
-        acc.to(GradQ.dtype.element_ty),
-        mask=m_s[:, None] & m_k[None, :],
-    )
-
-
-@triton.jit(do_not_specialize=["Nq", "Ncols", "Lq", "Ld"])
-def _smooth_bwd_d_kernel(
-    GradScores,
-    Q,
-    D,
-    DMask,
-    RowLse,
-    GradD,
-    Nq,
-    Ncols,
-    Lq,
-    Ld,
-    dim,
-    smooth_scale,
-    stride_g_seq,
-    stride_g_col,
-    stride_q_seq,
-    stride_q_tok,
-    stride_q_dim,
-    stride_d_grp,
-    stride_d_col,
-    stride_d_tok,
-    stride_d_dim,
-    HAS_D_MASK: tl.constexpr,
-    PER_QUERY_DOCS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    pid = tl.program_id(0).to(tl.int64)
-    i_grp = pid // Ncols if PER_QUERY_DOCS else 0
-    j = pid % Ncols
-    o_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    m_t = o_t < Ld
-    o_k = tl.arange(0, BLOCK_K)
-    m_k = o_k < dim
-    doc_row = (i_grp * Ncols + j) * Ld
-    if HAS_D_MASK:
-        m_t = m_t & (tl.load(DMask + doc_row + o_t, mask=m_t, other=0) != 0)
-    b_d = tl.load(
-        D + i_grp * stride_d_grp + j * stride_d_col + o_t[:, None] * stride_d_tok
-        + o_k[None, :] * stride_d_dim,
-        mask=m_t[:, None] & m_k[None, :],
-        other=0.0,
-    )
-    q_lo = i_grp if PER_QUERY_DOCS else 0
-    q_hi = i_grp + 1 if PER_QUERY_DOCS else Nq
-    acc = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
-    for i_q in range(q_lo, q_hi):
-        g = tl.load(GradScores + i_q * stride_g_seq + j * stride_g_col)
-        for s0 in range(0, Lq, BLOCK_S):
-            o_s = s0 + tl.arange(0, BLOCK_S)
-            m_s = o_s < Lq
-            b_q = tl.load(
-                Q + i_q * stride_q_seq + o_s[:, None] * stride_q_tok + o_k[None, :] * stride_q_dim,
-                mask=m_s[:, None] & m_k[None, :],
-                other=0.0,
-            )
+    if not GRAD_D:
+        n_sblocks = tl.cdiv(Lq, BLOCK_S)
+        pid = tl.program_id(0).to(tl.int64)
+        i_q = pid // n_sblocks
+        o_s = (pid % n_sblocks) * BLOCK_S + tl.arange(0, BLOCK_S)
+        m_s = o_s < Lq
+        b_q = tl.load(
+            Q + i_q * stride_q_seq + o_s[:, None] * stride_q_tok + o_k[None, :] * stride_q_dim,
+            mask=m_s[:, None] & m_k[None, :],
+            other=0.0,
+        )
+        i_grp = i_q if PER_QUERY_DOCS else 0
+        acc = tl.zeros([BLOCK_S, BLOCK_K], tl.float32)
+        for j in range(0, Ncols):
+            g = tl.load(GradScores + i_q * stride_g_seq + j * stride_g_col)
             lse = tl.load(RowLse + (i_q * Ncols + j) * Lq + o_s, mask=m_s, other=float("inf"))
-            y = _dot(b_d, tl.trans(b_q), DOT_PRECISION, UPCAST) * smooth_scale  # [BLOCK_T, BLOCK_S]
-            p = tl.where(m_t[:, None], tl.exp2(y - lse[None, :]), 0.0) * g
-            acc += _dot(p.to(b_q.dtype), b_q, DOT_PRECISION, UPCAST)
+            p_doc = D + i_grp * stride_d_grp + j * stride_d_col
+            doc_row = (i_grp * Ncols + j) * Ld
+            for t0 in range(0, Ld, BLOCK_T):
+                o_t = t0 + tl.arange(0, BLOCK_T)
+                m_t = o_t < Ld
+                if HAS_D_MASK:
+                    m_t = m_t & (tl.load(DMask + doc_row + o_t, mask=m_t, other=0) != 0)
+                b_d = tl.load(
+                    p_doc + o_t[:, None] * stride_d_tok + o_k[None, :] * stride_d_dim,
+                    mask=m_t[:, None] & m_k[None, :],
+                    other=0.0,
+                )
+                y = _dot(b_q, tl.trans(b_d), DOT_PRECISION, UPCAST) * smooth_scale
+                p = tl.where(m_t[None, :], tl.exp2(y - lse[:, None]), 0.0) * g
+                acc += _dot(p.to(b_d.dtype), b_d, DOT_PRECISION, UPCAST)
+        o_row = i_q * Lq + o_s
+        m_out = m_s
+    else:
+        pid = tl.program_id(0).to(tl.int64)
+        i_grp = pid // Ncols if PER_QUERY_DOCS else 0
+        j = pid % Ncols
+        o_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+        m_t = o_t < Ld
+        doc_row = (i_grp * Ncols + j) * Ld
+        if HAS_D_MASK:
+            m_t = m_t & (tl.load(DMask + doc_row + o_t, mask=m_t, other=0) != 0)
+        b_d = tl.load(
+            D + i_grp * stride_d_grp + j * stride_d_col + o_t[:, None] * stride_d_tok
+            + o_k[None, :] * stride_d_dim,
+            mask=m_t[:, None] & m_k[None, :],
+            other=0.0,
+        )
+        q_lo = i_grp if PER_QUERY_DOCS else 0
+        q_hi = i_grp + 1 if PER_QUERY_DOCS else Nq
+        acc = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
+        for i_q in range(q_lo, q_hi):
+            g = tl.load(GradScores + i_q * stride_g_seq + j * stride_g_col)
+            for s0 in range(0, Lq, BLOCK_S):
+                o_s = s0 + tl.arange(0, BLOCK_S)
+                m_s = o_s < Lq
+                b_q = tl.load(
+                    Q + i_q * stride_q_seq + o_s[:, None] * stride_q_tok
+                    + o_k[None, :] * stride_q_dim,
+                    mask=m_s[:, None] & m_k[None, :],
+                    other=0.0,
+                )
+                lse = tl.load(RowLse + (i_q * Ncols + j) * Lq + o_s, mask=m_s, other=float("inf"))
+                y = _dot(b_d, tl.trans(b_q), DOT_PRECISION, UPCAST) * smooth_scale  # [T, S]
+                p = tl.where(m_t[:, None], tl.exp2(y - lse[None, :]), 0.0) * g
+                acc += _dot(p.to(b_q.dtype), b_q, DOT_PRECISION, UPCAST)
+        o_row = doc_row + o_t
+        m_out = o_t < Ld
     tl.store(
-        GradD + (doc_row + o_t[:, None]) * dim + o_k[None, :],
-        acc.to(GradD.dtype.element_ty),
-        mask=(o_t < Ld)[:, None] & m_k[None, :],
+        Grad + o_row[:, None] * dim + o_k[None, :],
+        acc.to(Grad.dtype.element_ty),
+        mask=m_out[:, None] & m_k[None, :],
     )

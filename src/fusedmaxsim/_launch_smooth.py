@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from . import _configs
-from ._kernels_smooth import _smooth_bwd_d_kernel, _smooth_bwd_q_kernel
+from ._kernels_smooth import _smooth_bwd_kernel
 from ._launch import (
     _as_bytes,
     _cdiv,
@@ -53,17 +53,19 @@ def smooth_bwd(
     dm = _as_bytes(d_mask)
     row_lse = row_lse.contiguous()
     scale, _ = smooth_scales(tau)
-    meta = constants(
-        HAS_D_MASK=dm is not None,
-        PER_QUERY_DOCS=per_query_docs,
-        BLOCK_S=cfg.block_s,
-        BLOCK_T=cfg.block_t,
-        BLOCK_K=cfg.block_k,
-        DOT_PRECISION=_dot_precision(Q.dtype, fp32_precision),
-        UPCAST=_upcast(Q.dtype),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+    def meta(grad_d: bool):
+        return constants(
+            GRAD_D=grad_d,
+            HAS_D_MASK=dm is not None,
+            PER_QUERY_DOCS=per_query_docs,
+            BLOCK_S=cfg.block_s,
+            BLOCK_T=cfg.block_t,
+            BLOCK_K=cfg.block_k,
+            DOT_PRECISION=_dot_precision(Q.dtype, fp32_precision),
+            UPCAST=_upcast(Q.dtype),
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
 
     def args(out: Tensor) -> tuple:
         return (
@@ -75,9 +77,10 @@ def smooth_bwd(
     grad_q = grad_d = empty
     if need_grad_q:
         grad_q = _empty(Q.shape, q_dtype, Q.device)
-        launcher(_smooth_bwd_q_kernel)((Nq * _cdiv(Lq, cfg.block_s),), args(grad_q), meta)
+        launcher(_smooth_bwd_kernel)((Nq * _cdiv(Lq, cfg.block_s),), args(grad_q), meta(False))
     if need_grad_d:
         grad_d = _empty(D.shape, d_dtype, D.device)
         groups = Nq if per_query_docs else 1
-        launcher(_smooth_bwd_d_kernel)((groups * Ncols, _cdiv(Ld, cfg.block_t)), args(grad_d), meta)
+        grid = (groups * Ncols, _cdiv(Ld, cfg.block_t))
+        launcher(_smooth_bwd_kernel)(grid, args(grad_d), meta(True))
     return grad_q, grad_d
