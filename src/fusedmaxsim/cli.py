@@ -95,11 +95,14 @@ def _check_case(layout, dtype, strategy, normalize, device, fp32_precision):
     Q64 = Q.detach().double().requires_grad_()
     D64 = D.detach().double().requires_grad_()
     fn, ref_fn = (maxsim_pairs, maxsim_pairs_ref) if layout == "pairs" else (maxsim, maxsim_ref)
+    # "smooth": the smooth max (its backward has one strategy of its own)
+    reduction = {"reduction": "smoothmax", "tau": 0.5} if strategy == "smooth" else {}
+    backward = None if strategy == "smooth" else strategy
     with settings.use_fp32_precision(fp32_precision):
-        out = fn(Q, D, q_mask, d_mask, normalize=normalize, backward=strategy)
+        out = fn(Q, D, q_mask, d_mask, normalize=normalize, backward=backward, **reduction)
         grad = torch.randn_like(out)
         gq, gd = torch.autograd.grad(out, (Q, D), grad)
-    ref = ref_fn(Q64, D64, q_mask, d_mask, normalize=normalize)
+    ref = ref_fn(Q64, D64, q_mask, d_mask, normalize=normalize, **reduction)
     rq, rd = torch.autograd.grad(ref, (Q64, D64), grad.double())
     return relative_error(out, ref), relative_error(gq, rq), relative_error(gd, rd)
 
@@ -121,7 +124,10 @@ def _format_row(row: dict) -> str:
 
 
 def run_check(device: str, as_json: bool = False) -> int:
-    """Every layout, forward and backward, against the float64 reference; 1 if anything fails."""
+    """Every layout, forward and backward, against the float64 reference; 1 if anything fails.
+
+    The ``backward`` column is the max's backward strategy, or ``smooth`` for the smooth max
+    (``reduction="smoothmax"``, tau 0.5)."""
     torch.manual_seed(0)
     on_gpu = device.startswith("cuda")
     # fp16 on the GPU is covered by the test suite; every extra dtype here is another set of
@@ -134,7 +140,7 @@ def run_check(device: str, as_json: bool = False) -> int:
         print("-" * len(_HEADER), flush=True)
     for layout in LAYOUTS:
         for dtype in dtypes:
-            for strategy in ("unified", "lowmem"):
+            for strategy in ("unified", "lowmem", "smooth"):
                 for normalize in (False, True):
                     # TF32 moves similarities by ~1e-3, enough to change the winner of a near-tie,
                     # so gradients are checked in exact fp32; the forward is checked in TF32 too.
