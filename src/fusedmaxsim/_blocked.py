@@ -228,18 +228,24 @@ def smooth_bwd_blocked(
                 cs = slice(j0, min(Ncols, j0 + bc))
                 d_blk = _doc_block(D, qs, cs, per_query_docs, ct)
                 d_valid = _doc_side(d_mask, qs, cs, per_query_docs)
+                if d_mask is not None:  # masked tokens (NaN or not) never reach a product
+                    valid = d_mask[qs, cs] if per_query_docs else d_mask[cs]
+                    d_blk = d_blk.masked_fill(~valid[..., None], 0.0)
                 g = g_all[qs, cs].unsqueeze(1).unsqueeze(-1)  # [bq, 1, bc, 1]
                 for s0 in range(0, Lq, ls):
                     ss = slice(s0, min(Lq, s0 + ls))
-                    q_blk = Q[qs, ss].to(ct)
+                    lse = row_lse[qs, cs, ss].to(ct).permute(0, 2, 1).unsqueeze(-1)
+                    live = lse < float("inf")  # rows that added something
+                    # Tokens of rows that added nothing here (masked ones among them) stay unread.
+                    q_blk = Q[qs, ss].to(ct).masked_fill(~live.any(dim=2), 0.0)
                     if per_query_docs:
                         sim = torch.einsum("qsh,qcth->qsct", q_blk, d_blk)
                     else:
                         sim = torch.einsum("qsh,cth->qsct", q_blk, d_blk)
                     if d_valid is not None:
                         sim.masked_fill_(~d_valid, float("-inf"))
-                    lse = row_lse[qs, cs, ss].to(ct).permute(0, 2, 1).unsqueeze(-1)
                     weight = torch.exp2(sim * (_LOG2E / tau) - lse) * g  # [bq, ls, bc, Ld]
+                    weight = weight.masked_fill(~live, 0.0)
                     del sim
                     if need_grad_q:
                         spec = "qsct,qcth->qsh" if per_query_docs else "qsct,cth->qsh"

@@ -10,7 +10,8 @@ similarities ``y = S · log2(e) / tau`` over the valid document tokens::
     score[i, j] = Σ_{s valid} tau · ln 2 · L[i, j, s]
 
 Its derivative with respect to ``S[i, j, s, t]`` is the softmax ``P = exp2(y - L)`` (0 for masked
-tokens, and for rows saved as +inf), so, with ``g = grad_scores``::
+tokens, and for rows saved as +inf, whose tokens are not even read: a NaN in a masked token stays
+out), so, with ``g = grad_scores``::
 
     grad_Q[i, s]    = Σ_j g[i, j] · Σ_t P[i, j, s, t] · D[g(i), j, t]
     grad_D[g, j, t] = Σ_{i in group g} g[i, j] · Σ_s P[i, j, s, t] · Q[i, s]
@@ -110,7 +111,9 @@ def _smooth_bwd_kernel(
                     other=0.0,
                 )
                 y = _dot(b_q, tl.trans(b_d), DOT_PRECISION, UPCAST) * smooth_scale
-                p = tl.where(m_t[None, :], tl.exp2(y - lse[:, None]), 0.0) * g
+                # Rows saved as +inf added nothing: their (maybe masked, NaN) tokens get 0.
+                live = m_t[None, :] & (lse != float("inf"))[:, None]
+                p = tl.where(live, tl.exp2(y - lse[:, None]), 0.0) * g
                 acc += _dot(p.to(b_d.dtype), b_d, DOT_PRECISION, UPCAST)
         o_row = i_q * Lq + o_s
         m_out = m_s
@@ -137,15 +140,17 @@ def _smooth_bwd_kernel(
             for s0 in range(0, Lq, BLOCK_S):
                 o_s = s0 + tl.arange(0, BLOCK_S)
                 m_s = o_s < Lq
+                lse = tl.load(RowLse + (i_q * Ncols + j) * Lq + o_s, mask=m_s, other=float("inf"))
+                # Tokens of rows that added nothing (masked ones among them) are never read.
+                live_s = m_s & (lse != float("inf"))
                 b_q = tl.load(
                     Q + i_q * stride_q_seq + o_s[:, None] * stride_q_tok
                     + o_k[None, :] * stride_q_dim,
-                    mask=m_s[:, None] & m_k[None, :],
+                    mask=live_s[:, None] & m_k[None, :],
                     other=0.0,
                 )
-                lse = tl.load(RowLse + (i_q * Ncols + j) * Lq + o_s, mask=m_s, other=float("inf"))
                 y = _dot(b_d, tl.trans(b_q), DOT_PRECISION, UPCAST) * smooth_scale  # [T, S]
-                p = tl.where(m_t[:, None], tl.exp2(y - lse[None, :]), 0.0) * g
+                p = tl.where(m_t[:, None] & live_s[None, :], tl.exp2(y - lse[None, :]), 0.0) * g
                 acc += _dot(p.to(b_q.dtype), b_q, DOT_PRECISION, UPCAST)
         o_row = doc_row + o_t
         m_out = o_t < Ld
