@@ -346,3 +346,24 @@ def test_torch_compile_fullgraph_matches_eager(backend, device):
     (loss, grad), (eager_loss, eager_grad) = compiled_and_eager_step(device, 4, 7, 13, 16, 32)
     torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grad, eager_grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalize"])
+@pytest.mark.parametrize("strategy", ["unified", "lowmem"])
+@pytest.mark.parametrize("layout", ["cross", "candidates"])
+def test_nan_in_masked_tokens_reaches_no_gradient(backend, device, layout, strategy, normalize):
+    """Masked tokens are excluded, not zero-filled: NaN there changes no score and no gradient."""
+    Q, D, q_mask, d_mask = random_problem(layout, torch.float32, device)
+    Q[~q_mask] = float("nan")
+    D[~d_mask] = float("nan")
+    Q, D = leaf(Q), leaf(D)
+    out = maxsim(Q, D, q_mask, d_mask, normalize=normalize, backward=strategy)
+    grad = torch.randn_like(out)
+    gq, gd = torch.autograd.grad(out, (Q, D), grad)
+    clean_q = torch.where(q_mask[..., None], Q.detach(), 0.0).double().requires_grad_()
+    clean_d = torch.where(d_mask[..., None], D.detach(), 0.0).double().requires_grad_()
+    ref = maxsim_ref(clean_q, clean_d, q_mask, d_mask, normalize=normalize)
+    rq, rd = torch.autograd.grad(ref, (clean_q, clean_d), grad.double())
+    assert_close_to_reference(out, ref, 1e-5, "scores")
+    assert_close_to_reference(gq, rq, 1e-4, "grad_Q")
+    assert_close_to_reference(gd, rd, 1e-4, "grad_D")

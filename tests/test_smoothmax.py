@@ -154,18 +154,21 @@ def test_reference_matches_colpali_formula(device):
     torch.testing.assert_close(maxsim_ref(Q, D, reduction="smoothmax", tau=0.1), expected)
 
 
-def test_nan_in_masked_tokens_is_never_read(backend, device):
+@pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalize"])
+def test_nan_in_masked_tokens_is_never_read(backend, device, normalize):
     """NaN in masked query and document tokens changes neither the scores nor any gradient."""
     Q, D, q_mask, d_mask = random_problem("cross", torch.float32, device)
     Q[~q_mask] = float("nan")
     D[~d_mask] = float("nan")
     Q, D = leaf(Q), leaf(D)
     grad = torch.randn(3, 5, device=device)
-    out = maxsim(Q, D, q_mask, d_mask, reduction="smoothmax", tau=0.3)
+    out = maxsim(Q, D, q_mask, d_mask, normalize=normalize, reduction="smoothmax", tau=0.3)
     gq, gd = torch.autograd.grad(out, (Q, D), grad)
     clean_q = torch.where(q_mask[..., None], Q.detach(), 0.0).double().requires_grad_()
     clean_d = torch.where(d_mask[..., None], D.detach(), 0.0).double().requires_grad_()
-    ref = maxsim_ref(clean_q, clean_d, q_mask, d_mask, reduction="smoothmax", tau=0.3)
+    ref = maxsim_ref(
+        clean_q, clean_d, q_mask, d_mask, normalize=normalize, reduction="smoothmax", tau=0.3
+    )
     rq, rd = torch.autograd.grad(ref, (clean_q, clean_d), grad.double())
     assert_close_to_reference(out, ref, 1e-5, "scores")
     assert_close_to_reference(gq, rq, 1e-4, "grad_Q")

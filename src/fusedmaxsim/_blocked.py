@@ -189,6 +189,8 @@ def maxsim_bwd_blocked(
                     if d_inv is not None:
                         scale = d_inv[grp, col, tok] if per_query_docs else d_inv[col, tok]
                         rows = rows * scale.to(ct).unsqueeze(-1)
+                    # A miss gathered token 0 as a stand-in: keep it (maybe masked NaN) out.
+                    rows = rows.masked_fill(~hit.unsqueeze(-1), 0.0)
                     grad_q[qs] += (g.unsqueeze(-1) * rows).sum(dim=1)
                 if need_grad_d:
                     flat = (grp * Ncols if per_query_docs else 0) + col

@@ -216,7 +216,27 @@ def normalize_backward(x: Tensor, grad_hat: Tensor) -> Tensor:
     x_hat = xf * inv
     radial = (grad_hat * x_hat).sum(dim=-1, keepdim=True)
     radial = torch.where(norm > NORM_EPS, radial, torch.zeros_like(radial))  # clamped: no radial term
-    return ((grad_hat - radial * x_hat) * inv).to(x.dtype)
+    grad = (grad_hat - radial * x_hat) * inv
+    # Linear in grad_hat, so a token that receives none gets exactly 0, whatever its values
+    # (a masked token may hold NaN, which must not leak in through x_hat).
+    untouched = (grad_hat == 0).all(dim=-1, keepdim=True)
+    return grad.masked_fill(untouched, 0.0).to(x.dtype)
+
+
+class NormalizeTokens(torch.autograd.Function):
+    """``F.normalize(x, dim=-1)`` whose backward is :func:`normalize_backward`: a token that
+    receives no gradient gets exactly 0, so a masked token's values (NaN included) never leak."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return torch.nn.functional.normalize(x, dim=-1, eps=NORM_EPS)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+        return normalize_backward(x, grad.to(compute))
 
 
 def _save(

@@ -40,7 +40,6 @@ Semantics shared by every function here
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from . import _ops, settings
@@ -64,7 +63,8 @@ def _run(p: Problem, normalize: bool, strategy: str, tau: float = 0.0) -> Tensor
     if tau and normalize:
         # The smooth max is not scale-invariant per query token, so the inverse norms cannot be
         # applied after the reduction as for the max: normalize first.
-        Q, D, normalize = F.normalize(Q, dim=-1), F.normalize(D, dim=-1), False
+        Q, D = _ops.NormalizeTokens.apply(Q), _ops.NormalizeTokens.apply(D)
+        normalize = False
     if normalize and not save_argmax and eager and backend == "triton":
         # Inference: the kernel normalizes the tiles it holds; no pass over Q and D first.
         return _ops.maxsim_fwd_normalized(Q, D, p.q_mask, p.d_mask, settings.fp32_precision())
