@@ -70,33 +70,21 @@ def leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone().requires_grad_(True)
 
 
-def check_against_reference(
-    Q, D, q_mask=None, d_mask=None, *, normalize=False, backward=None, pairs=False, tol=None,
-    **reduction,
-):
-    """Forward and both gradients (a random grad_output, then a stride-0 one) against float64.
-
-    ``reduction``: ``reduction=`` and ``tau=``, passed to the function and the reference alike.
-    """
-    fused, oracle = (maxsim_pairs, maxsim_pairs_ref) if pairs else (maxsim, maxsim_ref)
-
-    def fn(*args, **kw):
-        return fused(*args, **kw, **reduction)
-
-    def ref_fn(*args, **kw):
-        return oracle(*args, **kw, **reduction)
-
+def compare_with_float64(call, ref_call, Q, D, tol, *, inference=True):
+    """Scores and both gradients (a random grad_output, then the stride-0 one that
+    ``loss.sum().backward()`` passes) of ``call(Q, D)`` against ``ref_call(Q64, D64)`` in
+    float64; with ``inference``, the ``no_grad`` forward too. Returns the scores."""
     score_tol, grad_tol = tol or TOLERANCES[Q.dtype]
     Q, D = leaf(Q), leaf(D)
     Q64, D64 = leaf(Q.double()), leaf(D.double())
 
-    out = fn(Q, D, q_mask, d_mask, normalize=normalize, backward=backward)
-    ref = ref_fn(Q64, D64, q_mask, d_mask, normalize=normalize)
+    out = call(Q, D)
+    ref = ref_call(Q64, D64)
     assert out.dtype == torch.float32 and out.shape == ref.shape
     assert_close_to_reference(out, ref, score_tol, "scores")
-    with torch.no_grad():  # inference has its own path: no argmax, norms taken from the tiles
-        inference = fn(Q, D, q_mask, d_mask, normalize=normalize, backward=backward)
-    assert_close_to_reference(inference, ref, score_tol, "scores (no_grad)")
+    if inference:
+        with torch.no_grad():  # inference has its own path: no argmax, norms taken from the tiles
+            assert_close_to_reference(call(Q, D), ref, score_tol, "scores (no_grad)")
 
     grad_out = torch.randn_like(out)
     gq, gd = torch.autograd.grad(out, (Q, D), grad_out)
@@ -105,10 +93,24 @@ def check_against_reference(
     assert_close_to_reference(gq, rq, grad_tol, "grad_Q")
     assert_close_to_reference(gd, rd, grad_tol, "grad_D")
 
-    # loss.sum().backward() hands the backward a stride-0 grad_output.
-    out = fn(Q, D, q_mask, d_mask, normalize=normalize, backward=backward)
-    out.sum().backward()
-    ref_fn(Q64, D64, q_mask, d_mask, normalize=normalize).sum().backward()
+    call(Q, D).sum().backward()
+    ref_call(Q64, D64).sum().backward()
     assert_close_to_reference(Q.grad, Q64.grad, grad_tol, "grad_Q (sum)")
     assert_close_to_reference(D.grad, D64.grad, grad_tol, "grad_D (sum)")
     return out
+
+
+def check_against_reference(
+    Q, D, q_mask=None, d_mask=None, *, normalize=False, backward=None, pairs=False, tol=None,
+    **reduction,
+):
+    """:func:`compare_with_float64` for ``maxsim`` (or ``maxsim_pairs``) and its reference.
+
+    ``reduction``: ``reduction=`` and ``tau=``, passed to the function and the reference alike.
+    """
+    fused, oracle = (maxsim_pairs, maxsim_pairs_ref) if pairs else (maxsim, maxsim_ref)
+    return compare_with_float64(
+        lambda q, d: fused(q, d, q_mask, d_mask, normalize=normalize, backward=backward, **reduction),
+        lambda q, d: oracle(q, d, q_mask, d_mask, normalize=normalize, **reduction),
+        Q, D, tol,
+    )

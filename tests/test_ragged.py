@@ -7,7 +7,7 @@ d = 40 is not a power of two, so every tail mask runs.
 
 import pytest
 import torch
-from helpers import leaf
+from helpers import compare_with_float64, leaf
 
 from fusedmaxsim import maxsim, settings
 from fusedmaxsim._configs import BwdConfig, FwdConfig, forced_configs
@@ -19,7 +19,7 @@ from fusedmaxsim.ragged import (
     score_pairs_packed,
 )
 from fusedmaxsim.reference import maxsim_ref
-from fusedmaxsim.testing import TOLERANCES, assert_close_to_reference
+from fusedmaxsim.testing import assert_close_to_reference
 
 DIM = 40
 Q_LENGTHS = [3, 0, 1, 7]
@@ -64,26 +64,13 @@ def loop_reference(Q, D, cu_q, cu_d, q_mask=None, d_mask=None, normalize=False, 
 def check_packed(fn, Q, D, cu_q, cu_d, *, pairs=None, q_mask=None, d_mask=None, normalize=False,
                  backward=None, tol=None, **kwargs):
     """Scores and both gradients (a random grad_output, then a stride-0 one) against float64."""
-    score_tol, grad_tol = tol or TOLERANCES[Q.dtype]
-    Q, D = leaf(Q), leaf(D)
-    Q64, D64 = leaf(Q.double()), leaf(D.double())
-    args = (Q, D, cu_q, cu_d) + ((torch.tensor(pairs[0]), torch.tensor(pairs[1])) if pairs else ())
-    call = lambda: fn(*args, q_mask=q_mask, d_mask=d_mask, normalize=normalize, backward=backward, **kwargs)
-    out = call()
-    ref = loop_reference(Q64, D64, cu_q, cu_d, q_mask, d_mask, normalize, pairs)
-    assert out.dtype == torch.float32 and out.shape == ref.shape
-    assert_close_to_reference(out, ref, score_tol, "scores")
-    grad_out = torch.randn_like(out)
-    gq, gd = torch.autograd.grad(out, (Q, D), grad_out)
-    rq, rd = torch.autograd.grad(ref, (Q64, D64), grad_out.double())
-    assert gq.dtype == Q.dtype and gd.dtype == D.dtype
-    assert_close_to_reference(gq, rq, grad_tol, "grad_Q")
-    assert_close_to_reference(gd, rd, grad_tol, "grad_D")
-    call().sum().backward()
-    loop_reference(Q64, D64, cu_q, cu_d, q_mask, d_mask, normalize, pairs).sum().backward()
-    assert_close_to_reference(Q.grad, Q64.grad, grad_tol, "grad_Q (sum)")
-    assert_close_to_reference(D.grad, D64.grad, grad_tol, "grad_D (sum)")
-    return out
+    index = (torch.tensor(pairs[0]), torch.tensor(pairs[1])) if pairs else ()
+    return compare_with_float64(
+        lambda q, d: fn(q, d, cu_q, cu_d, *index, q_mask=q_mask, d_mask=d_mask,
+                        normalize=normalize, backward=backward, **kwargs),
+        lambda q, d: loop_reference(q, d, cu_q, cu_d, q_mask, d_mask, normalize, pairs),
+        Q, D, tol,
+    )
 
 
 def masks():
