@@ -46,7 +46,10 @@ def _check_float(name: str, t: object) -> Tensor:
     return t
 
 
-def _check_mask(name: str, mask: object, expected: tuple[int, ...], owner: str, device) -> Tensor | None:
+def _check_mask(
+    name: str, mask: object, expected: tuple[int, ...], owner: str, device,
+    axes: str = "the token axes",
+) -> Tensor | None:
     if mask is None:
         return None
     if not isinstance(mask, Tensor):
@@ -57,7 +60,7 @@ def _check_mask(name: str, mask: object, expected: tuple[int, ...], owner: str, 
         raise ValueError(f"{name} is on {mask.device} but {owner} is on {device}")
     if _shape(mask) != expected:
         raise ValueError(
-            f"{name} must have shape {expected} (the token axes of {owner}), got {_shape(mask)}"
+            f"{name} must have shape {expected} ({axes} of {owner}), got {_shape(mask)}"
         )
     return mask if mask.dtype == torch.bool else mask != 0
 
@@ -83,6 +86,25 @@ def check_backward(backward: object) -> str:
     return value
 
 
+def check_same_space(Q: Tensor, D: Tensor, q_name: str = "Q", d_name: str = "D") -> None:
+    """Query and document tokens must share the embedding dim and the device."""
+    if Q.shape[-1] != D.shape[-1]:
+        raise ValueError(
+            f"{q_name} and {d_name} must share the embedding dim d, got {q_name} {_shape(Q)} "
+            f"and {d_name} {_shape(D)}"
+        )
+    if Q.device != D.device:
+        raise ValueError(f"{q_name} is on {Q.device} but {d_name} is on {D.device}")
+
+
+def promote_pair(Q: Tensor, D: Tensor) -> tuple[Tensor, Tensor]:
+    """Two token tensors in their common dtype (each copied only when its dtype changes)."""
+    if Q.dtype == D.dtype:
+        return Q, D
+    common = torch.promote_types(Q.dtype, D.dtype)
+    return Q.to(common), D.to(common)
+
+
 def canonical(Q: object, D: object, q_mask: object, d_mask: object) -> Problem:
     """Check ``maxsim``'s arguments and bring them to the 3-D / 4-D form."""
     Q = _check_float("Q", Q)
@@ -91,10 +113,7 @@ def canonical(Q: object, D: object, q_mask: object, d_mask: object) -> Problem:
         raise ValueError(f"Q must be [Lq, d] or [Nq, Lq, d], got shape {_shape(Q)}")
     if D.dim() not in (2, 3, 4):
         raise ValueError(f"D must be [Ld, d], [Nd, Ld, d] or [Nq, K, Ld, d], got shape {_shape(D)}")
-    if Q.shape[-1] != D.shape[-1]:
-        raise ValueError(f"Q and D must share the embedding dim d, got Q {_shape(Q)} and D {_shape(D)}")
-    if Q.device != D.device:
-        raise ValueError(f"Q is on {Q.device} but D is on {D.device}")
+    check_same_space(Q, D)
     if D.dim() == 4:
         if Q.dim() != 3:
             raise ValueError(
@@ -107,9 +126,7 @@ def canonical(Q: object, D: object, q_mask: object, d_mask: object) -> Problem:
             )
     q_mask = _check_mask("q_mask", q_mask, _shape(Q)[:-1], "Q", Q.device)
     d_mask = _check_mask("d_mask", d_mask, _shape(D)[:-1], "D", D.device)
-    if Q.dtype != D.dtype:
-        common = torch.promote_types(Q.dtype, D.dtype)
-        Q, D = Q.to(common), D.to(common)
+    Q, D = promote_pair(Q, D)
     squeeze_q, squeeze_d = Q.dim() == 2, D.dim() == 2
     if squeeze_q:
         Q = Q.unsqueeze(0)

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from . import _blocked, _ops, settings
-from ._validate import _check_float, check_backward, select_backend
+from ._validate import _check_float, _check_mask, check_backward, check_same_space, promote_pair, select_backend
 
 __all__ = [
     "PackedBatch",
@@ -285,33 +285,12 @@ def _check_tokens(Q: object, D: object, q_name: str, d_name: str) -> tuple[Tenso
                 f"{name} must be 2-D [{what}, d] (tokens packed back to back), got shape "
                 f"{_shape(t)}; padded batches go to fusedmaxsim.maxsim or maxsim_padded"
             )
-    if Q.shape[1] != D.shape[1]:
-        raise ValueError(
-            f"{q_name} and {d_name} must share the embedding dim d, got {_shape(Q)} and {_shape(D)}"
-        )
-    if Q.device != D.device:
-        raise ValueError(f"{q_name} is on {Q.device} but {d_name} is on {D.device}")
-    if Q.dtype != D.dtype:
-        common = torch.promote_types(Q.dtype, D.dtype)
-        Q, D = Q.to(common), D.to(common)
-    return Q, D
+    check_same_space(Q, D, q_name, d_name)
+    return promote_pair(Q, D)
 
 
 def _check_packed_mask(name: str, mask: object, rows: int, owner: str, device) -> Tensor | None:
-    if mask is None:
-        return None
-    if not isinstance(mask, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(mask).__name__}")
-    if mask.is_complex():
-        raise TypeError(f"{name} must be bool or real-valued (nonzero = valid), got {mask.dtype}")
-    if mask.device != device:
-        raise ValueError(f"{name} is on {mask.device} but {owner} is on {device}")
-    if _shape(mask) != (rows,):
-        raise ValueError(
-            f"{name} must have shape ({rows},) (one entry per packed row of {owner}), "
-            f"got {_shape(mask)}"
-        )
-    return mask if mask.dtype == torch.bool else mask != 0
+    return _check_mask(name, mask, (rows,), owner, device, axes="one entry per packed row")
 
 
 # --------------------------------------------------------------------------------------------
@@ -827,12 +806,7 @@ def _check_padded(queries: object, documents: object):
         raise ValueError(
             f"queries and documents must share the batch size B, got {_shape(Q)} and {_shape(D)}"
         )
-    if D.shape[-1] != Q.shape[-1]:
-        raise ValueError(
-            f"queries and documents must share the embedding dim d, got {_shape(Q)} and {_shape(D)}"
-        )
-    if Q.device != D.device:
-        raise ValueError(f"queries is on {Q.device} but documents is on {D.device}")
+    check_same_space(Q, D, "queries", "documents")
     return Q, D
 
 
@@ -949,9 +923,7 @@ def pack_padded(
     Lq, dim, device = Q.shape[1], Q.shape[2], Q.device
     qlen = _to_device(_check_lengths("query_lengths", query_lengths, (B,), device), device).long()
     dlen = _to_device(_check_lengths("doc_lengths", doc_lengths, (B, C), device), device).long()
-    if Q.dtype != D.dtype:
-        common = torch.promote_types(Q.dtype, D.dtype)
-        Q, D = Q.to(common), D.to(common)
+    Q, D = promote_pair(Q, D)
     if B == 0:
         zero = torch.zeros(1, dtype=torch.int32, device=device)
         none = torch.zeros(0, dtype=torch.int32, device=device)
