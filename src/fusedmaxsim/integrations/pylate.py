@@ -86,13 +86,10 @@ def colbert_scores(
         backend: ``None`` / ``"auto"`` runs fusedmaxsim; any other value is PyLate's.
         mask_semantics: ``"host"`` (PyLate's multiply-by-mask, exact) or ``"exclude"``.
     """
-    if _use_host(backend):
-        return _host("colbert_scores")(
-            queries_embeddings, documents_embeddings, queries_mask, documents_mask, backend=backend
-        )
-    Q, D = _as_tensor(queries_embeddings), _as_tensor(documents_embeddings)
-    _expect_dims("colbert_scores", Q, 3, D, 3)
-    return _scores(Q, D, _as_tensor(queries_mask), _as_tensor(documents_mask), mask_semantics)
+    return _masked_scores(
+        "colbert_scores", 3, queries_embeddings, documents_embeddings, queries_mask,
+        documents_mask, backend, mask_semantics,
+    )
 
 
 def colbert_kd_scores(
@@ -109,13 +106,20 @@ def colbert_kd_scores(
     ``documents_embeddings`` is ``[Nq, K, Ld, d]`` and ``documents_mask`` ``[Nq, K, Ld]``; this is
     what ``losses.Distillation`` and ``ColBERTDistillationEvaluator`` pass.
     """
+    return _masked_scores(
+        "colbert_kd_scores", 4, queries_embeddings, documents_embeddings, queries_mask,
+        documents_mask, backend, mask_semantics,
+    )
+
+
+def _masked_scores(name, doc_dims, queries, documents, q_mask, d_mask, backend, mask_semantics):
+    """PyLate's ``name`` (``colbert_scores`` or ``colbert_kd_scores``): its own code when the
+    backend or ``FUSEDMAXSIM_DISABLE`` asks for it, else fused."""
     if _use_host(backend):
-        return _host("colbert_kd_scores")(
-            queries_embeddings, documents_embeddings, queries_mask, documents_mask, backend=backend
-        )
-    Q, D = _as_tensor(queries_embeddings), _as_tensor(documents_embeddings)
-    _expect_dims("colbert_kd_scores", Q, 3, D, 4)
-    return _scores(Q, D, _as_tensor(queries_mask), _as_tensor(documents_mask), mask_semantics)
+        return _host(name)(queries, documents, q_mask, d_mask, backend=backend)
+    Q, D = _as_tensor(queries), _as_tensor(documents)
+    _expect_dims(name, Q, 3, D, doc_dims)
+    return _scores(Q, D, _as_tensor(q_mask), _as_tensor(d_mask), mask_semantics)
 
 
 def colbert_scores_pairwise(
