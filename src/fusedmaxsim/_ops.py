@@ -208,14 +208,19 @@ def resolve_strategy(
     return strategy
 
 
-def normalize_backward(x: Tensor, grad_hat: Tensor) -> Tensor:
-    """Vector-Jacobian product of ``F.normalize(x, dim=-1)`` (eps 1e-12), exact, fp32 or fp64."""
+def normalize_backward(x: Tensor, grad_hat: Tensor, x_inv: Tensor | None = None) -> Tensor:
+    """Vector-Jacobian product of ``F.normalize(x, dim=-1)`` (eps 1e-12), exact, fp32 or fp64.
+
+    ``x_inv``: the forward's inverse norms (:func:`inverse_norms`), so they are not computed again.
+    """
     xf = x.to(grad_hat.dtype)
-    norm = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
-    inv = 1.0 / norm.clamp_min(NORM_EPS)
+    if x_inv is None:
+        x_inv = 1.0 / torch.linalg.vector_norm(xf, dim=-1).clamp_min(NORM_EPS)
+    inv = x_inv.to(grad_hat.dtype).unsqueeze(-1)
     x_hat = xf * inv
     radial = (grad_hat * x_hat).sum(dim=-1, keepdim=True)
-    radial = torch.where(norm > NORM_EPS, radial, torch.zeros_like(radial))  # clamped: no radial term
+    clamped = inv >= 1.0 / NORM_EPS  # norm <= eps: F.normalize divides by eps, no radial term
+    radial = torch.where(clamped, torch.zeros_like(radial), radial)
     grad = (grad_hat - radial * x_hat) * inv
     # Linear in grad_hat, so a token that receives none gets exactly 0, whatever its values
     # (a masked token may hold NaN, which must not leak in through x_hat).
@@ -277,8 +282,8 @@ def _grads(ctx, grad_scores: Tensor, traced: bool) -> tuple[Tensor | None, Tenso
         ctx.fp32_precision, ctx.tau,
     )
     if normalize:
-        grad_q = normalize_backward(Q, grad_q) if need_q else None
-        grad_d = normalize_backward(D, grad_d) if need_d else None
+        grad_q = normalize_backward(Q, grad_q, q_inv) if need_q else None
+        grad_d = normalize_backward(D, grad_d, d_inv) if need_d else None
     return (grad_q if need_q else None), (grad_d if need_d else None)
 
 

@@ -577,8 +577,8 @@ class RaggedMaxSimFunction(torch.autograd.Function):
             ctx.fp32_precision,
         )
         if normalize:
-            grad_q = _ops.normalize_backward(Q, grad_q) if need_q else None
-            grad_d = _ops.normalize_backward(D, grad_d) if need_d else None
+            grad_q = _ops.normalize_backward(Q, grad_q, q_inv) if need_q else None
+            grad_d = _ops.normalize_backward(D, grad_d, d_inv) if need_d else None
         return (grad_q if need_q else None), (grad_d if need_d else None), *none
 
 
