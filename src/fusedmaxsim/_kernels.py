@@ -59,7 +59,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._configs import INTERPRETER
+
 NORM_EPS = tl.constexpr(1e-12)  # F.normalize's default; the launchers pass the same to EPS
+# Document-mask bytes read per step by _valid_span; small under the interpreter, so that tiny
+# test documents take several steps.
+MASK_SCAN = tl.constexpr(16 if INTERPRETER else 512)
 
 
 @triton.jit
@@ -160,7 +165,86 @@ def _doc_tile(
 
 
 @triton.jit
+def _valid_span(p_mask, t_lo, t_hi, BLOCK: tl.constexpr):
+    """``(lo, hi, all_valid)``: the smallest span ``[lo, hi)`` of ``[t_lo, t_hi)`` that holds every
+    valid token of a document mask, and whether every token inside it is valid (``lo == hi`` when
+    none is). Reading the mask once per program lets the tile loop skip padding altogether, and
+    drop the per-similarity mask where the valid tokens are contiguous (padded documents)."""
+    lo = t_hi
+    hi = t_lo + 0 * t_hi  # a run-time value from the start, like the loop's updates
+    n_valid = 0 * t_hi
+    for start in range(t_lo, t_hi, BLOCK):
+        o_t = start + tl.arange(0, BLOCK)
+        valid = tl.load(p_mask + o_t, mask=o_t < t_hi, other=0) != 0
+        lo = tl.minimum(lo, tl.min(tl.where(valid, o_t, t_hi), 0))
+        hi = tl.maximum(hi, tl.max(tl.where(valid, o_t + 1, t_lo), 0))
+        n_valid += tl.sum(valid.to(tl.int32), 0)
+    lo = tl.minimum(lo, hi)
+    return lo, hi, n_valid == hi - lo
+
+
+@triton.jit
 def _doc_max(
+    b_q,
+    p_doc,
+    stride_doc_tok,
+    stride_doc_dim,
+    p_dmask,
+    stride_dmask_tok,
+    p_dinv,
+    stride_dinv_tok,
+    t_lo,
+    t_hi,
+    all_valid,
+    o_k,
+    m_k,
+    smooth_scale,
+    EVEN_K: tl.constexpr,
+    HAS_D_MASK: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    NORM_FROM_TILES: tl.constexpr,
+    TRACK_ARGMAX: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """The MaxSim inner loop: max (and lowest argmax) of ``b_q``'s rows over document tokens
+    ``[t_lo, t_hi)``. Every layout calls this one loop.
+
+    ``b_q [BLOCK_M, BLOCK_K]`` stays on chip; the document streams through in ``BLOCK_N`` tiles,
+    full tiles without bounds checks and the tail tile with them. With a document mask,
+    ``all_valid`` (from :func:`_valid_span`) says that every token of the span is valid, and the
+    loop then runs without reading the mask.
+    Returns ``row_max [BLOCK_M]`` (``-inf`` where no valid token) and ``row_arg [BLOCK_M]``
+    (int32, ``-1`` where no valid token; only meaningful when ``TRACK_ARGMAX``). With ``SMOOTH``,
+    ``row_max`` is ``log2 Σ_t exp2(s_t · smooth_scale)`` instead (``-inf`` where no valid token).
+    """
+    if HAS_D_MASK:
+        if all_valid:
+            row_max, row_arg = _doc_loop(
+                b_q, p_doc, stride_doc_tok, stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv,
+                stride_dinv_tok, t_lo, t_hi, o_k, m_k, smooth_scale, EVEN_K, False, NORMALIZE,
+                NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST,
+            )
+        else:
+            row_max, row_arg = _doc_loop(
+                b_q, p_doc, stride_doc_tok, stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv,
+                stride_dinv_tok, t_lo, t_hi, o_k, m_k, smooth_scale, EVEN_K, True, NORMALIZE,
+                NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST,
+            )
+    else:
+        row_max, row_arg = _doc_loop(
+            b_q, p_doc, stride_doc_tok, stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv,
+            stride_dinv_tok, t_lo, t_hi, o_k, m_k, smooth_scale, EVEN_K, False, NORMALIZE,
+            NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST,
+        )
+    return row_max, row_arg
+
+
+@triton.jit
+def _doc_loop(
     b_q,
     p_doc,
     stride_doc_tok,
@@ -185,15 +269,7 @@ def _doc_max(
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """The MaxSim inner loop: max (and lowest argmax) of ``b_q``'s rows over document tokens
-    ``[t_lo, t_hi)``. Every layout calls this one loop.
-
-    ``b_q [BLOCK_M, BLOCK_K]`` stays on chip; the document streams through in ``BLOCK_N`` tiles,
-    full tiles without bounds checks and the tail tile with them.
-    Returns ``row_max [BLOCK_M]`` (``-inf`` where no valid token) and ``row_arg [BLOCK_M]``
-    (int32, ``-1`` where no valid token; only meaningful when ``TRACK_ARGMAX``). With ``SMOOTH``,
-    ``row_max`` is ``log2 Σ_t exp2(s_t · smooth_scale)`` instead (``-inf`` where no valid token).
-    """
+    """:func:`_doc_max`'s tile loop for one masking mode."""
     if SMOOTH:
         acc_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     else:
@@ -285,6 +361,9 @@ def _maxsim_fwd_kernel(
     doc_row = (i_grp * Ncols + i_col) * Ld if PER_QUERY_DOCS else i_col * Ld
     p_dmask = DMask + doc_row
     p_dinv = DInv + doc_row
+    t_lo, t_hi, all_valid = 0, Ld, True
+    if HAS_D_MASK:
+        t_lo, t_hi, all_valid = _valid_span(p_dmask, 0, Ld, MASK_SCAN)
 
     acc = tl.zeros([QUERIES_PER_BLOCK], tl.float32)
     for chunk in range(0, Lq, LQ_TILE):
@@ -301,7 +380,7 @@ def _maxsim_fwd_kernel(
         )
         row_max, row_arg = _doc_max(
             b_q, p_doc, stride_d_tok, stride_d_dim, p_dmask, 1, p_dinv, 1,
-            0, Ld, o_k, m_k, smooth_scale, EVEN_K, HAS_D_MASK, NORMALIZE, NORM_FROM_TILES,
+            t_lo, t_hi, all_valid, o_k, m_k, smooth_scale, EVEN_K, HAS_D_MASK, NORMALIZE, NORM_FROM_TILES,
             SAVE_ARGMAX and not SMOOTH, SMOOTH, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST,
         )
         contrib = tl.where(row_max == float("-inf"), 0.0, row_max)

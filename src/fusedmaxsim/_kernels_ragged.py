@@ -59,7 +59,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._kernels import _doc_max, _dot
+from ._kernels import MASK_SCAN, _doc_max, _dot, _valid_span
 
 
 @triton.jit
@@ -153,6 +153,9 @@ def _maxsim_ragged_fwd_kernel(
     p_dmask = DMask + d_lo
     p_dinv = DInv + d_lo
     q_lo, q_len = _segment(CuQ, o_query, m_query, rows_q)  # [BLOCK_M], 0 for absent queries
+    t_lo, t_hi, all_valid = 0, d_len.to(tl.int32), True
+    if HAS_D_MASK:
+        t_lo, t_hi, all_valid = _valid_span(p_dmask, 0, d_len.to(tl.int32), MASK_SCAN)
 
     acc = tl.zeros([QUERIES_PER_BLOCK], tl.float32)
     for chunk in range(0, tl.max(q_len), LQ_TILE):
@@ -169,7 +172,7 @@ def _maxsim_ragged_fwd_kernel(
         )
         row_max, row_arg = _doc_max(
             b_q, p_doc, stride_d_tok, stride_d_dim, p_dmask, 1, p_dinv, 1,
-            0, d_len.to(tl.int32), o_k, m_k, 1.0, EVEN_K, HAS_D_MASK, NORMALIZE, False, SAVE_ARGMAX,
+            t_lo, t_hi, all_valid, o_k, m_k, 1.0, EVEN_K, HAS_D_MASK, NORMALIZE, False, SAVE_ARGMAX,
             False, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST,
         )
         contrib = tl.where(row_max == float("-inf"), 0.0, row_max)
