@@ -367,3 +367,32 @@ def test_nan_in_masked_tokens_reaches_no_gradient(backend, device, layout, strat
     assert_close_to_reference(out, ref, 1e-5, "scores")
     assert_close_to_reference(gq, rq, 1e-4, "grad_Q")
     assert_close_to_reference(gd, rd, 1e-4, "grad_D")
+
+
+@pytest.mark.parametrize("needs", ["both", "d_only"])
+@pytest.mark.parametrize("layout", ["cross", "candidates"])
+def test_unified_grad_d_through_column_chunks(device, layout, needs, monkeypatch):
+    """Past a size, the unified backward scatters grad_D through an fp32 buffer of a few columns
+    at a time and casts each chunk into grad_D: forced here down to two columns per chunk."""
+    from fusedmaxsim import _launch
+
+    Q, D, q_mask, d_mask = random_problem(layout, torch.float16, device)
+    assert _launch._scatter_chunk_cols(D, D.dtype) == D.shape[-3]  # small: one buffer
+    # A buffer as large as the 16-bit grad_D holds half its columns in fp32: 2 of 5 or 4.
+    monkeypatch.setattr(_launch, "_SCATTER_BUFFER_MAX_BYTES", 0)
+    monkeypatch.setattr(_launch, "_SCATTER_BUFFER_SHARE", 1)
+    assert _launch._scatter_chunk_cols(D, D.dtype) == 2
+    Q, D = leaf(Q), leaf(D)
+    Q.requires_grad_(needs == "both")
+    with settings.use_backend("triton"):
+        out = maxsim(Q, D, q_mask, d_mask, backward="unified")
+    grad = torch.randn_like(out)
+    (out * grad).sum().backward()
+    Q64, D64 = leaf(Q.detach().double()), leaf(D.detach().double())
+    Q64.requires_grad_(needs == "both")
+    (maxsim_ref(Q64, D64, q_mask, d_mask) * grad.double()).sum().backward()
+    assert_close_to_reference(D.grad, D64.grad, 1e-2, "grad_D")
+    if needs == "both":
+        assert_close_to_reference(Q.grad, Q64.grad, 1e-2, "grad_Q")
+    else:
+        assert Q.grad is None

@@ -16,6 +16,8 @@ import math
 import torch
 from torch import Tensor
 
+from ._configs import argmax_dtype
+
 __all__ = ["maxsim_fwd_blocked", "maxsim_bwd_blocked", "plan_blocks", "smooth_bwd_blocked"]
 
 _LOG2E = math.log2(math.e)
@@ -100,7 +102,7 @@ def maxsim_fwd_blocked(
     if tau:
         argmax = torch.full(saved_shape, float("inf"), dtype=ct, device=Q.device)
     else:
-        argmax = torch.full(saved_shape, -1, dtype=torch.int32, device=Q.device)
+        argmax = torch.full(saved_shape, -1, dtype=argmax_dtype(Ld), device=Q.device)
     if scores.numel() == 0 or Lq == 0 or Ld == 0:
         return scores if ct == torch.float64 else scores.float(), argmax
 

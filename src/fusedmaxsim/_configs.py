@@ -14,9 +14,13 @@ import functools
 import os
 from collections.abc import Iterator
 
+import torch
 import triton
 
-__all__ = ["FwdConfig", "BwdConfig", "fwd_config", "bwd_config", "forced_configs", "is_interpreter"]
+__all__ = [
+    "FwdConfig", "BwdConfig", "argmax_dtype", "fwd_config", "bwd_config", "forced_configs",
+    "is_interpreter",
+]
 
 
 def is_interpreter() -> bool:
@@ -70,6 +74,12 @@ def _pow2(n: int) -> int:
 
 def is_forced() -> bool:
     return _forced_fwd is not None or _forced_bwd is not None
+
+
+def argmax_dtype(Ld: int) -> torch.dtype:
+    """The saved argmax's dtype: int16 while every token index and the ``-1`` of "no valid token"
+    fit (half the bytes of int32 to keep until the backward and to read back there), else int32."""
+    return torch.int16 if Ld <= torch.iinfo(torch.int16).max else torch.int32
 
 
 def block_k_for(dim: int) -> int:

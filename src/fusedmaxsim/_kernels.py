@@ -33,9 +33,10 @@ Grid mapping
   loop, so one compiled kernel serves every query length of a bucket. Document tokens stream in
   ``BLOCK_N`` tiles through :func:`_doc_max`, the one MaxSim inner loop that every layout shares.
   The ``[Lq, Ld]`` similarity tile lives only in registers.
-* ``_maxsim_bwd_gather_kernel``: program ``(i, s-block, column split)`` gathers the winning document
-  rows for ``grad_Q`` (row-owned) and, in the "unified" strategy, scatters ``g · Q`` rows into an
-  fp32 ``grad_D`` buffer with atomics.
+* ``_maxsim_bwd_gather_kernel``: program ``(i, s-block, column split)`` of the columns
+  ``[col_base, col_end)`` gathers the winning document rows for ``grad_Q`` (row-owned) and, in the
+  "unified" strategy, scatters ``g · Q`` rows into an fp32 ``grad_D`` buffer with atomics (the
+  buffer's column 0 is ``col_base``: large ``grad_D`` goes through it in column chunks).
 * ``_maxsim_bwd_dd_kernel``: program ``(g, j, t-block)`` owns a tile of ``grad_D`` and adds
   ``onehot(A == t)ᵀ @ (g · Q)`` over blocks of the group's (query, token) rows. No atomics:
   bitwise reproducible. ``g · Q`` is rounded to the input dtype before the product, an error of
@@ -409,7 +410,7 @@ def _maxsim_fwd_kernel(
     tl.store(Out + o_out * Ncols + i_col, acc, mask=o_out < Nq)
 
 
-@triton.jit(do_not_specialize=["Nq", "Ncols", "Lq", "Ld", "cols_per_split"])
+@triton.jit(do_not_specialize=["Nq", "Ncols", "Lq", "Ld", "col_base", "col_end", "cols_per_split"])
 def _maxsim_bwd_gather_kernel(
     Grad,
     Q,
@@ -424,6 +425,8 @@ def _maxsim_bwd_gather_kernel(
     Lq,
     Ld,
     dim,
+    col_base,
+    col_end,
     cols_per_split,
     stride_g_seq,
     stride_g_col,
@@ -477,8 +480,8 @@ def _maxsim_bwd_gather_kernel(
             b_q = b_q * q_inv[:, None]
 
     acc = tl.zeros([BLOCK_S, BLOCK_K], tl.float32)
-    col_lo = i_split * cols_per_split
-    col_hi = tl.minimum(col_lo + cols_per_split, Ncols)
+    col_lo = col_base + i_split * cols_per_split
+    col_hi = tl.minimum(col_lo + cols_per_split, col_end)
     for col in range(col_lo, col_hi):
         g = tl.load(Grad + i_q * stride_g_seq + col * stride_g_col).to(tl.float32)
         idx = tl.load(Argmax + (i_q * Ncols + col) * Lq + o_s, mask=m_s, other=-1)
@@ -502,7 +505,7 @@ def _maxsim_bwd_gather_kernel(
             acc += g * b_d
         if SCATTER_GRAD_D:
             tl.atomic_add(
-                GradD + i_grp * stride_gd_grp + col * stride_gd_col + idx[:, None] * stride_gd_tok
+                GradD + i_grp * stride_gd_grp + (col - col_base) * stride_gd_col + idx[:, None] * stride_gd_tok
                 + o_k[None, :] * stride_gd_dim,
                 g * b_q,
                 mask=m_rows,

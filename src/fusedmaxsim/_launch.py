@@ -147,11 +147,11 @@ def launcher(kernel) -> _CachedLauncher:
 _NO_ARGMAX: dict = {}
 
 
-def _no_argmax(device: torch.device) -> Tensor:
-    """A shared empty int32 tensor: the argmax result when none is saved (no allocation per call)."""
-    found = _NO_ARGMAX.get(device)
+def _no_argmax(device: torch.device, dtype: torch.dtype) -> Tensor:
+    """A shared empty tensor: the argmax result when none is saved (no allocation per call)."""
+    found = _NO_ARGMAX.get((device, dtype))
     if found is None:
-        found = _NO_ARGMAX[device] = torch.empty((0,), dtype=torch.int32, device=device)
+        found = _NO_ARGMAX[device, dtype] = torch.empty((0,), dtype=dtype, device=device)
     return found
 
 
@@ -289,8 +289,12 @@ def maxsim_fwd(
     Nq, Lq, dim = Q.shape
     Ncols, Ld = D.shape[-3], D.shape[-2]
     scores = _empty((Nq, Ncols), torch.float32, Q.device)
-    saved_dtype = torch.float32 if tau else torch.int32
-    argmax = _empty((Nq, Ncols, Lq), saved_dtype, Q.device) if save_argmax else _no_argmax(Q.device)
+    saved_dtype = torch.float32 if tau else _configs.argmax_dtype(Ld)
+    argmax = (
+        _empty((Nq, Ncols, Lq), saved_dtype, Q.device)
+        if save_argmax
+        else _no_argmax(Q.device, saved_dtype)
+    )
     if scores.numel() == 0:
         return scores, argmax
     if Lq == 0 or Ld == 0:
@@ -321,6 +325,76 @@ def maxsim_fwd(
         )
     _launch_fwd(cfg, *operands)
     return scores, argmax
+
+
+# The unified backward's fp32 grad_D buffer: one buffer for all of grad_D up to this size; beyond
+# it, column chunks of at most an eighth of grad_D's own bytes (at least one column).
+_SCATTER_BUFFER_MAX_BYTES = 32 << 20
+_SCATTER_BUFFER_SHARE = 8
+
+
+def _scatter_chunk_cols(D: Tensor, d_dtype: torch.dtype) -> int:
+    """Columns per chunk of the fp32 atomic buffer of grad_D."""
+    Ncols = D.shape[-3]
+    if d_dtype == torch.float32 or D.numel() * 4 <= _SCATTER_BUFFER_MAX_BYTES:
+        return Ncols  # the buffer is the output, or small
+    column_bytes = D.numel() // Ncols * 4
+    budget = D.numel() * D.element_size() // _SCATTER_BUFFER_SHARE
+    return max(1, min(Ncols, budget // column_bytes))
+
+
+def _scatter_buffer(D: Tensor, n_cols: int) -> Tensor:
+    shape = list(D.shape)
+    shape[-3] = n_cols
+    return torch.zeros(shape, dtype=torch.float32, device=D.device)
+
+
+def _splits(cfg, Q: Tensor, n_cols: int) -> int:
+    """Column splits that give the gather grid about four programs per SM."""
+    programs = Q.shape[0] * _cdiv(Q.shape[1], cfg.block_s)
+    target = 4 * _sm_count(Q.device)
+    if programs >= target:
+        return 1
+    return max(1, min(n_cols, _cdiv(target, programs), _MAX_GRID_Y))
+
+
+def _launch_gather(
+    cfg, grad_scores, Q, D, argmax, q_inv, d_inv, per_query_docs, col_base, n_cols, splits,
+    grad_q, grad_d_buffer,
+) -> None:
+    """The gather kernel over columns ``[col_base, col_base + n_cols)``: ``grad_q`` (None: not
+    computed; fp32 and added atomically when ``splits > 1``) and the scatter of ``g · Q`` rows
+    into ``grad_d_buffer`` (None: none), whose column 0 is ``col_base``."""
+    Nq, Lq, dim = Q.shape
+    Ncols, Ld = D.shape[-3], D.shape[-2]
+    normalize = q_inv is not None
+    cols_per_split = _cdiv(n_cols, splits)
+    splits = _cdiv(n_cols, cols_per_split)
+    launcher(_maxsim_bwd_gather_kernel)(
+        (Nq * _cdiv(Lq, cfg.block_s), splits),
+        (
+            grad_scores, Q, D,
+            Q if q_inv is None else q_inv, D if d_inv is None else d_inv,
+            argmax,
+            Q if grad_q is None else grad_q,
+            D if grad_d_buffer is None else grad_d_buffer,
+            Nq, Ncols, Lq, Ld, dim, col_base, col_base + n_cols, cols_per_split,
+            *grad_scores.stride(),
+            *Q.stride(),
+            *_doc_strides(D, per_query_docs),
+            *(q_inv.stride() if normalize else (0, 0)),
+            *(_doc_strides(d_inv, per_query_docs) if normalize else (0, 0, 0)),
+            *(grad_q.stride() if grad_q is not None else (0, 0, 0)),
+            *(_doc_strides(grad_d_buffer, per_query_docs) if grad_d_buffer is not None else (0, 0, 0, 0)),
+        ),
+        constants(
+            PER_QUERY_DOCS=per_query_docs,
+            **gather_meta(
+                cfg, normalize=normalize, grad_q=grad_q is not None,
+                atomic_q=grad_q is not None and splits > 1, scatter_d=grad_d_buffer is not None,
+            ),
+        ),
+    )
 
 
 def maxsim_bwd(
@@ -359,61 +433,47 @@ def maxsim_bwd(
     cfg = _configs.bwd_config(
         Lq=Lq, dim=dim, elem_bytes=Q.element_size(), per_query_docs=per_query_docs
     )
-    n_sblocks = _cdiv(Lq, cfg.block_s)
-    unified = strategy == "unified"
-    splits = 1
-    # Splitting the documents over programs needs an fp32 grad_Q buffer (atomics, a zero fill and
-    # a cast): worth it only when the grid would otherwise leave the GPU idle on real work.
-    if unified and Nq * Ncols * Lq >= 1 << 20:
-        programs = Nq * n_sblocks
-        target = 4 * _sm_count(Q.device)
-        if programs < target:
-            splits = min(Ncols, _cdiv(target, programs), _MAX_GRID_Y)
-    cols_per_split = _cdiv(Ncols, splits)
-    splits = _cdiv(Ncols, cols_per_split)
-    atomic_q = splits > 1
+    scatter_d = strategy == "unified" and need_grad_d
+    chunk_cols = _scatter_chunk_cols(D, d_dtype) if scatter_d else Ncols
+    gather = functools.partial(
+        _launch_gather, cfg, grad_scores, Q, D, argmax, q_inv, d_inv, per_query_docs
+    )
 
     grad_q = empty
     if need_grad_q:
+        # Splitting the documents over programs needs an fp32 grad_Q buffer (atomics, a zero fill
+        # and a cast): worth it only when the grid would otherwise leave the GPU idle on real work.
+        splits = _splits(cfg, Q, Ncols) if strategy == "unified" and Nq * Ncols * Lq >= 1 << 20 else 1
+        atomic_q = splits > 1
         grad_q = (
             torch.zeros(Q.shape, dtype=torch.float32, device=Q.device)
             if atomic_q
             else _empty(Q.shape, q_dtype, Q.device)
         )
-    scatter_d = unified and need_grad_d
-    grad_d_acc = torch.zeros(D.shape, dtype=torch.float32, device=D.device) if scatter_d else None
-
-    if need_grad_q or scatter_d:
-        launcher(_maxsim_bwd_gather_kernel)(
-            (Nq * n_sblocks, splits),
-            (
-                grad_scores, Q, D,
-                Q if q_inv is None else q_inv, D if d_inv is None else d_inv,
-                argmax,
-                Q if grad_q.numel() == 0 else grad_q,
-                D if grad_d_acc is None else grad_d_acc,
-                Nq, Ncols, Lq, Ld, dim, cols_per_split,
-                *grad_scores.stride(),
-                *Q.stride(),
-                *_doc_strides(D, per_query_docs),
-                *(q_inv.stride() if normalize else (0, 0)),
-                *(_doc_strides(d_inv, per_query_docs) if normalize else (0, 0, 0)),
-                *(grad_q.stride() if need_grad_q else (0, 0, 0)),
-                *(_doc_strides(grad_d_acc, per_query_docs) if scatter_d else (0, 0, 0, 0)),
-            ),
-            constants(
-                PER_QUERY_DOCS=per_query_docs,
-                **gather_meta(
-                    cfg, normalize=normalize, grad_q=need_grad_q, atomic_q=atomic_q, scatter_d=scatter_d
-                ),
-            ),
-        )
-    if atomic_q and need_grad_q and grad_q.dtype != q_dtype:
-        grad_q = grad_q.to(q_dtype)
+        # One launch gathers grad_Q and scatters grad_D when one fp32 buffer holds all of grad_D.
+        fused = scatter_d and chunk_cols == Ncols
+        grad_d_acc = _scatter_buffer(D, Ncols) if fused else None
+        gather(0, Ncols, splits, grad_q, grad_d_acc)
+        if atomic_q and grad_q.dtype != q_dtype:
+            grad_q = grad_q.to(q_dtype)
+        if fused:
+            return grad_q, grad_d_acc if grad_d_acc.dtype == d_dtype else grad_d_acc.to(d_dtype)
 
     grad_d = empty
-    if need_grad_d and scatter_d:
-        grad_d = grad_d_acc if grad_d_acc.dtype == d_dtype else grad_d_acc.to(d_dtype)
+    if scatter_d:
+        # Column chunks through an fp32 buffer of at most `chunk_cols` columns, each cast into
+        # grad_D when complete: the buffer stays a fraction of grad_D however large D is.
+        buffer = _scatter_buffer(D, chunk_cols)
+        grad_d = buffer if chunk_cols == Ncols and buffer.dtype == d_dtype else None
+        if grad_d is None:
+            grad_d = _empty(D.shape, d_dtype, D.device)
+        for c0 in range(0, Ncols, chunk_cols):
+            n = min(chunk_cols, Ncols - c0)
+            if c0:
+                buffer.zero_()
+            gather(c0, n, _splits(cfg, Q, n), None, buffer)
+            if grad_d is not buffer:
+                grad_d.narrow(-3, c0, n).copy_(buffer.narrow(-3, 0, n))
     elif need_grad_d:
         grad_d = _empty(D.shape, d_dtype, D.device)
         groups = Nq if per_query_docs else 1

@@ -26,6 +26,7 @@ from ._launch import (
     _cdiv,
     _dot_precision,
     _empty,
+    _no_argmax,
     _sm_count,
     _upcast,
     constants,
@@ -56,17 +57,6 @@ def sorted_pairs(keys: Tensor, n: int) -> tuple[Tensor, Tensor]:
     return order, starts
 
 
-_NO_ARGMAX: dict = {}
-
-
-def _no_argmax(device: torch.device) -> Tensor:
-    """A shared empty int32 tensor: the argmax when none is saved (no allocation per call)."""
-    found = _NO_ARGMAX.get(device)
-    if found is None:
-        found = _NO_ARGMAX[device] = torch.empty(0, dtype=torch.int32, device=device)
-    return found
-
-
 def _row_query(cu_q: Tensor, rows: int) -> Tensor:
     """Query of every packed query row (``n_queries`` for rows outside every query)."""
     rows_idx = torch.arange(rows, device=cu_q.device, dtype=cu_q.dtype)
@@ -93,7 +83,7 @@ def ragged_fwd(
     else:
         out_shape, argmax_shape = (layout.n_queries, layout.n_cols), (layout.n_cols, rows_q)
     scores = _empty(out_shape, torch.float32, device)
-    argmax = _empty(argmax_shape, torch.int32, device) if save_argmax else _no_argmax(device)
+    argmax = _empty(argmax_shape, torch.int32, device) if save_argmax else _no_argmax(device, torch.int32)
     if scores.numel() == 0:
         return scores, argmax
 

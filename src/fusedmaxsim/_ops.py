@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from . import _blocked, settings
+from ._configs import argmax_dtype
 
 NORM_EPS = 1e-12  # F.normalize's default
 
@@ -85,7 +86,7 @@ def _(Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, 
     Ncols = D.shape[-3]
     out_dtype = torch.float64 if Q.dtype == torch.float64 else torch.float32
     scores = Q.new_empty((Nq, Ncols), dtype=out_dtype)
-    saved_dtype = torch.int32
+    saved_dtype = argmax_dtype(D.shape[-2])
     if tau:  # float64 always runs on the PyTorch path, which keeps float64 rows
         saved_dtype = torch.float64 if Q.dtype == torch.float64 else torch.float32
     argmax = Q.new_empty((Nq, Ncols, Lq) if save_argmax else (0,), dtype=saved_dtype)

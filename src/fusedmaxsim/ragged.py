@@ -389,7 +389,7 @@ def _cross_fwd_torch(layout, Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, bl
         )
         scores[:, c0:c1] = s
         if save_argmax:
-            argmax[c0:c1, q_rows] = a.permute(1, 0, 2)[:, qp.inside]
+            argmax[c0:c1, q_rows] = a.permute(1, 0, 2)[:, qp.inside].to(argmax.dtype)
     # As on the GPU: a sequence longer than its promised maximum scores NaN.
     broken = _too_long(len_q, layout.max_q)[:, None] | _too_long(len_d, layout.max_d)[None, :]
     return torch.where(broken, float("nan"), scores), argmax
@@ -477,7 +477,7 @@ def _pairs_fwd_torch(layout, Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, bl
         broken = broken | _too_long(blocks.len_d[pd], layout.max_d)
         scores[sl] = torch.where(broken, float("nan"), s[:, 0])
         if save_argmax:
-            argmax[sl, : blocks.width_q] = a[:, 0]
+            argmax[sl, : blocks.width_q] = a[:, 0].to(argmax.dtype)
     return scores, argmax
 
 
