@@ -1,14 +1,20 @@
 """Kernel-level probes behind benchmarks/NOTES.md sections 10-12: the normalize-from-tiles
 forward under forced tile configurations, the forward/backward split of the per-query candidate
-training shape, and the smooth max against colpali-engine's einsum + logsumexp. GPU times by
-``triton.testing.do_bench`` (median, ms).
+training shape, the smooth max against colpali-engine's einsum + logsumexp; and behind sections
+13-16: padded document masks, the forward tiles of small-query reranking, the unified backward's
+memory, and the first calls' split. GPU times by ``triton.testing.do_bench`` (median, ms).
 
-    PYTHONPATH=src python3 benchmarks/probe.py [normalize] [kd] [smooth]
+    PYTHONPATH=src python3 benchmarks/probe.py [normalize] [kd] [smooth] [masked] [rerank] [memory] [cold]
+        [small] [stages] [cold_profile]
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -114,11 +120,192 @@ def smooth_vs_naive() -> None:
         print(row)
 
 
+def masked() -> None:
+    """batch_colbert(_masked) and train_colbert(_masked): 256 (128) queries of 32 tokens against
+    as many documents of 300, bf16; masks: none, padding (lengths between 30 and 300, as the
+    suite draws them), the same lengths with holes inside."""
+    for n, train in ((256, False), (128, True)):
+        Q = torch.randn(n, 32, 128, device="cuda", dtype=torch.bfloat16)
+        D = torch.randn(n, 300, 128, device="cuda", dtype=torch.bfloat16)
+        lengths = torch.randint(30, 301, (n,), device="cuda")
+        padded = torch.arange(300, device="cuda") < lengths[:, None]
+        holes = padded & (torch.rand(n, 300, device="cuda") > 0.1)
+        g = torch.randn(n, n, device="cuda")
+        for name, mask in (("none", None), ("padded", padded), ("holes", holes)):
+            ref = maxsim_ref(Q.double(), D.double(), d_mask=mask)
+            err = relative_error(maxsim(Q, D, d_mask=mask), ref)
+            if train:
+                Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
+                ms = do_bench(lambda: maxsim(Qg, Dg, d_mask=mask).backward(g), warmup=10, rep=50,
+                              grad_to_none=[Qg, Dg])
+            else:
+                with torch.no_grad():
+                    ms = bench(lambda: maxsim(Q, D, d_mask=mask))
+            print(f"{'train' if train else 'batch'} {n} mask={name:6s} {ms:.4f} ms  err {err:.1e}")
+
+
+def rerank_tiles() -> None:
+    """Forward tiles of two reranking shapes (1 query against 1000 documents, bf16, no_grad)."""
+    sweeps = {
+        (32, 300): ((32, 64, 128), (2, 4), (2, 3, 4, 5)),
+        (128, 1024): ((64, 128), (4, 8), (2, 3, 4)),
+    }
+    for (lq, ld), (block_ns, warp_counts, stage_counts) in sweeps.items():
+        Q = torch.randn(1, lq, 128, device="cuda", dtype=torch.bfloat16)
+        D = torch.randn(1000, ld, 128, device="cuda", dtype=torch.bfloat16)
+        ref = maxsim_ref(Q.double(), D.double())
+        default = fwd_config(Lq=lq, dim=128, Nq=1, per_query_docs=False, elem_bytes=2)
+        with torch.no_grad():
+            print(f"Lq={lq} Ld={ld} default {default}: {bench(lambda: maxsim(Q, D)):.4f}")
+            results = []
+            for block_n in block_ns:
+                for warps in warp_counts:
+                    for stages in stage_counts:
+                        cfg = dataclasses.replace(default, block_n=block_n, num_warps=warps,
+                                                  num_stages=stages)
+                        with forced_configs(fwd=cfg):
+                            try:
+                                err = relative_error(maxsim(Q, D), ref)
+                                ms = bench(lambda: maxsim(Q, D))
+                            except Exception as exc:  # noqa: BLE001
+                                print(f"  bn={block_n} w={warps} s={stages}: {type(exc).__name__}")
+                                continue
+                        results.append((ms, block_n, warps, stages, err))
+            for ms, block_n, warps, stages, err in sorted(results)[:6]:
+                print(f"  bn={block_n:3d} w={warps} s={stages}: {ms:.4f} ms  err {err:.1e}")
+
+
+def memory() -> None:
+    """train_colpali (128 x 128 tokens against 128 x 1024, bf16): peak memory above the inputs
+    and time of a step, by backward strategy; "unified, one buffer" lifts the chunking."""
+    Q = torch.randn(128, 128, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    D = torch.randn(128, 1024, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(128, 128, device="cuda")
+    saved = _launch._SCATTER_BUFFER_MAX_BYTES
+    for name, strategy, limit in (("unified", "unified", saved), ("unified, one buffer", "unified", 1 << 40),
+                                  ("lowmem", "lowmem", saved)):
+        _launch._SCATTER_BUFFER_MAX_BYTES = limit
+        step = lambda: maxsim(Q, D, backward=strategy).backward(g)  # noqa: E731
+        step()
+        Q.grad = D.grad = None
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+        Q.grad = D.grad = None
+        ms = do_bench(step, warmup=10, rep=50, grad_to_none=[Q, D])
+        print(f"{name:20s} peak {peak:6.1f} MiB  step {ms:.4f} ms")
+    _launch._SCATTER_BUFFER_MAX_BYTES = saved
+
+
+_COLD_CHILD = """
+import sys, time, torch
+sys.path.insert(0, sys.argv[1])
+from fusedmaxsim import maxsim
+Q = torch.randn(128, 32, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+D = torch.randn(128, 300, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+g = torch.randn(128, 128, device="cuda")
+x = torch.randn(8, device="cuda", requires_grad=True)
+torch.cuda.synchronize()
+def timed(label, fn):
+    start = time.perf_counter()
+    result = fn()
+    torch.cuda.synchronize()
+    print(f"  {label:34s} {time.perf_counter() - start:.3f} s")
+    return result
+timed("first autograd backward, (2x).sum()", lambda: (x * 2).sum().backward())
+if sys.argv[2] == "split":
+    with torch.no_grad():
+        timed("forward, no grad", lambda: maxsim(Q, D))
+    out = timed("forward saving the argmax", lambda: maxsim(Q, D))
+    timed("backward", lambda: out.backward(g))
+else:
+    timed("forward + backward", lambda: maxsim(Q, D).backward(g))
+timed("second forward + backward", lambda: maxsim(Q, D).backward(g))
+"""
+
+
+def cold() -> None:
+    """First calls at train_colbert's shape in fresh processes with empty Triton caches."""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    for how in ("split", "step"):
+        with tempfile.TemporaryDirectory() as cache:
+            env = dict(os.environ, TRITON_CACHE_DIR=cache)
+            print(how)
+            run = subprocess.run([sys.executable, "-c", _COLD_CHILD, src, how], env=env,
+                                 capture_output=True, text=True, timeout=120)
+            print(run.stdout + run.stderr[-2000:])
+
+
+def small_tiles() -> None:
+    """The forward of one 32-token query per program, the default tiles against the former
+    (64-token tiles, 4 warps, 3 stages): reranking and per-query candidates, bf16, no_grad."""
+    old = FwdConfig(32, 1, 64, 128, 4, 3)
+    for name, q_shape, d_shape in (("rerank_colbert", (1, 32, 128), (1000, 300, 128)),
+                                   ("kd 64x32", (64, 32, 128), (64, 32, 300, 128)),
+                                   ("kd_colpali 32x16", (32, 32, 128), (32, 16, 1030, 128))):
+        Q = torch.randn(q_shape, device="cuda", dtype=torch.bfloat16)
+        D = torch.randn(d_shape, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            new_ms = bench(lambda: maxsim(Q, D))
+            with forced_configs(fwd=old):
+                old_ms = bench(lambda: maxsim(Q, D))
+        print(f"{name:18s} default {new_ms:.4f} ms, former tiles {old_ms:.4f} ms")
+
+
+def gather_stages() -> None:
+    """The unified backward (gather kernel only) with 1 and 2 pipeline stages."""
+    for name, nq, lq, nd, ld in (("train_colbert", 128, 32, 128, 300), ("train_colpali", 128, 128, 128, 1024)):
+        Q = torch.randn(nq, lq, 128, device="cuda", dtype=torch.bfloat16)
+        D = torch.randn(nd, ld, 128, device="cuda", dtype=torch.bfloat16)
+        g = torch.randn(nq, nd, device="cuda")
+        _, argmax = _launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32")
+        base = bwd_config(Lq=lq, dim=128, elem_bytes=2)
+        row = name
+        for stages in (1, 2):
+            with forced_configs(bwd=dataclasses.replace(base, num_stages=stages)):
+                ms = bench(lambda: _launch.maxsim_bwd(g, Q, D, argmax, None, None, True, True, "unified", False, "tf32"))
+            row += f" | stages {stages}: {ms:.4f} ms"
+        print(row)
+
+
+_COLD_PROFILE = """
+import cProfile, pstats, sys, torch
+sys.path.insert(0, sys.argv[1])
+from fusedmaxsim import maxsim
+Q = torch.randn(128, 32, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+D = torch.randn(128, 300, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+g = torch.randn(128, 128, device="cuda")
+(Q.sum() * 2).backward()
+torch.cuda.synchronize()
+profile = cProfile.Profile()
+profile.enable()
+maxsim(Q, D).backward(g)
+torch.cuda.synchronize()
+profile.disable()
+pstats.Stats(profile).sort_stats("cumulative").print_stats(28)
+"""
+
+
+def cold_profile() -> None:
+    """Where the first forward + backward's seconds go (cProfile, cumulative, fresh cache)."""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TRITON_CACHE_DIR=cache)
+        run = subprocess.run([sys.executable, "-c", _COLD_PROFILE, src], env=env,
+                             capture_output=True, text=True, timeout=120)
+        print(run.stdout[-9000:] + run.stderr[-2000:])
+
+
 if __name__ == "__main__":
     wanted = set(sys.argv[1:]) or {"normalize", "kd", "smooth"}
-    if "normalize" in wanted:
-        normalize_sweep()
-    if "kd" in wanted:
-        kd_split()
-    if "smooth" in wanted:
-        smooth_vs_naive()
+    for name, probe in (("normalize", normalize_sweep), ("kd", kd_split), ("smooth", smooth_vs_naive),
+                        ("masked", masked), ("rerank", rerank_tiles), ("memory", memory),
+                        ("cold", cold), ("small", small_tiles), ("stages", gather_stages),
+                        ("cold_profile", cold_profile)):
+        if name in wanted:
+            print(f"== {name}", flush=True)
+            probe()
+            sys.stdout.flush()

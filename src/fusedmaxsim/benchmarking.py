@@ -1021,7 +1021,8 @@ def run_cold_start(providers, device, timeout_s=60.0, progress=None, on_update=N
 
 def _cold_row(shape_name, mode, provider_key, **values) -> dict:
     row = {"shape": shape_name, "mode": mode, "provider": provider_key, "status": None,
-           "error": None, "import_s": None, "first_call_s": None, "second_call_s": None}
+           "error": None, "import_s": None, "torch_backward_s": None, "first_call_s": None,
+           "second_call_s": None}
     row.update(values)
     return row
 
@@ -1054,7 +1055,10 @@ def cold_start_child(argv) -> int:
     """Runs inside the fresh process of ``run_cold_start``: prints one JSON line.
 
     Imports and input creation happen before the clock starts; the first call's time is
-    compilation, autotuning and the call itself.
+    compilation, autotuning and the call itself. So does torch's own first ``backward(grad)``:
+    on a tensor gradient it imports ``torch.fx.experimental.symbolic_shapes`` (and sympy), a
+    one-time cost of torch that a trivial graph pays as well (1.5-4 s measured on the H200's
+    host); it is timed on a two-element graph and reported as ``torch_backward_s``.
     """
     provider_key, shape_name, mode, device_name = argv
     device = torch.device(device_name)
@@ -1065,11 +1069,20 @@ def cold_start_child(argv) -> int:
         importlib.import_module(provider.module)
     import_s = time.perf_counter() - start
     case = make_case(SHAPES_BY_NAME[shape_name], mode, device)
+    torch_backward_s = None
+    if case.training:
+        x = torch.ones(2, device=device, requires_grad=True)
+        sync()
+        start = time.perf_counter()
+        (x * 2).backward(torch.ones_like(x))
+        sync()
+        torch_backward_s = time.perf_counter() - start
     sync()
     score = provider.build(case)
     first = run_once(score, case, sync)[2]
     second = run_once(score, case, sync)[2]
-    print(json.dumps({"import_s": import_s, "first_call_s": first, "second_call_s": second}))
+    print(json.dumps({"import_s": import_s, "torch_backward_s": torch_backward_s,
+                      "first_call_s": first, "second_call_s": second}))
     return 0
 
 
@@ -1430,7 +1443,10 @@ def _memory_markdown(section: dict) -> list:
 def _cold_markdown(section: dict) -> list:
     lines = ["## Cold start", "",
              ("First call in a fresh process with an empty TRITON_CACHE_DIR (compilation and "
-              "autotuning included, imports excluded), seconds; the second call in brackets."),
+              "autotuning included, imports excluded), seconds; the second call in brackets. "
+              "Before a training call's clock starts, torch's own first `backward(grad)` runs on "
+              "a two-element graph (it imports sympy once per process); its seconds are the last "
+              "column."),
              ""]
     keys = list(dict.fromkeys(r["provider"] for r in section["rows"]))
     by = {(r["shape"], r["mode"], r["provider"]): r for r in section["rows"]}
@@ -1443,8 +1459,12 @@ def _cold_markdown(section: dict) -> list:
                 cells.append("–" if r is None else r["status"])
             else:
                 cells.append(f"{r['first_call_s']:.2f} ({r['second_call_s']:.4f})")
+        torch_s = [r.get("torch_backward_s") for r in section["rows"]
+                   if (r["shape"], r["mode"]) == (shape, mode) and r.get("torch_backward_s")]
+        cells.append(" / ".join(f"{t:.2f}" for t in torch_s) or "–")
         rows.append([shape, MODE_LABELS[mode], *cells])
-    lines += _table(["shape", "mode", *[PROVIDERS_BY_KEY[k].label for k in keys]], rows)
+    lines += _table(["shape", "mode", *[PROVIDERS_BY_KEY[k].label for k in keys],
+                     "torch's first backward(grad), excluded"], rows)
     errors = [r for r in section["rows"] if r["error"]]
     lines += [""] + [f"- {r['shape']} {r['provider']}: {r['status']}, {r['error']}"
                      for r in errors]
