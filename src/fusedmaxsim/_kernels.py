@@ -201,7 +201,6 @@ def _doc_max(
     m_k,
     smooth_scale,
     EVEN_K: tl.constexpr,
-    HAS_D_MASK: tl.constexpr,
     NORMALIZE: tl.constexpr,
     NORM_FROM_TILES: tl.constexpr,
     TRACK_ARGMAX: tl.constexpr,
@@ -215,30 +214,23 @@ def _doc_max(
     ``[t_lo, t_hi)``. Every layout calls this one loop.
 
     ``b_q [BLOCK_M, BLOCK_K]`` stays on chip; the document streams through in ``BLOCK_N`` tiles,
-    full tiles without bounds checks and the tail tile with them. With a document mask,
-    ``all_valid`` (from :func:`_valid_span`) says that every token of the span is valid, and the
-    loop then runs without reading the mask.
+    full tiles without bounds checks and the tail tile with them. ``all_valid``: the constant
+    ``True`` without a document mask; with one, :func:`_valid_span`'s run-time flag that every
+    token of the span is valid, in which case the loop runs without reading the mask.
     Returns ``row_max [BLOCK_M]`` (``-inf`` where no valid token) and ``row_arg [BLOCK_M]``
     (int32, ``-1`` where no valid token; only meaningful when ``TRACK_ARGMAX``). With ``SMOOTH``,
     ``row_max`` is ``log2 Σ_t exp2(s_t · smooth_scale)`` instead (``-inf`` where no valid token).
     """
-    if HAS_D_MASK:
-        if all_valid:
-            row_max, row_arg = _doc_loop(
-                b_q, p_doc, stride_doc_tok, stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv,
-                stride_dinv_tok, t_lo, t_hi, o_k, m_k, smooth_scale, EVEN_K, False, NORMALIZE,
-                NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST,
-            )
-        else:
-            row_max, row_arg = _doc_loop(
-                b_q, p_doc, stride_doc_tok, stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv,
-                stride_dinv_tok, t_lo, t_hi, o_k, m_k, smooth_scale, EVEN_K, True, NORMALIZE,
-                NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST,
-            )
-    else:
+    if all_valid:
         row_max, row_arg = _doc_loop(
             b_q, p_doc, stride_doc_tok, stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv,
             stride_dinv_tok, t_lo, t_hi, o_k, m_k, smooth_scale, EVEN_K, False, NORMALIZE,
+            NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST,
+        )
+    else:
+        row_max, row_arg = _doc_loop(
+            b_q, p_doc, stride_doc_tok, stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv,
+            stride_dinv_tok, t_lo, t_hi, o_k, m_k, smooth_scale, EVEN_K, True, NORMALIZE,
             NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST,
         )
     return row_max, row_arg
@@ -302,6 +294,31 @@ def _doc_loop(
             row_arg = tl.min(tl.where(acc_max == row_max[:, None], acc_arg, no_slot), axis=1)
             row_arg = tl.where((row_arg == no_slot) | (row_max == float("-inf")), -1, row_arg)
     return row_max, row_arg
+
+
+@triton.jit
+def _query_chunk(Q, QMask, row_offsets, mask_index, m_row, o_k, m_k, stride_q_dim, HAS_Q_MASK: tl.constexpr):
+    """A chunk of query rows on chip, with the rows that count (inside, and not masked; the
+    others are loaded as zeros). ``row_offsets``: each row's element offset in ``Q``;
+    ``mask_index``: its index in the contiguous query mask."""
+    m_valid = m_row
+    if HAS_Q_MASK:
+        m_valid = m_valid & (tl.load(QMask + mask_index, mask=m_row, other=0) != 0)
+    b_q = tl.load(
+        Q + row_offsets[:, None] + o_k[None, :] * stride_q_dim,
+        mask=m_valid[:, None] & m_k[None, :],
+        other=0.0,
+    )
+    return b_q, m_valid
+
+
+@triton.jit
+def _chunk_scores(row_max, m_valid, unit, q_inv, QUERIES_PER_BLOCK: tl.constexpr, LQ_TILE: tl.constexpr):
+    """Each query's part of a chunk's score: ``Σ unit · row_max · q_inv`` over its counted rows,
+    where a row without a valid document token adds 0."""
+    contrib = tl.where(row_max == float("-inf"), 0.0, row_max) * unit * q_inv
+    contrib = tl.where(m_valid, contrib, 0.0)
+    return tl.sum(tl.reshape(contrib, (QUERIES_PER_BLOCK, LQ_TILE)), axis=1)
 
 
 @triton.jit(do_not_specialize=["Nq", "Ncols", "Lq", "Ld"])
@@ -370,31 +387,25 @@ def _maxsim_fwd_kernel(
     for chunk in range(0, Lq, LQ_TILE):
         o_s = chunk + o_row_in_tile
         m_row = m_query & (o_s < Lq)
-        m_valid = m_row
-        if HAS_Q_MASK:
-            qm = tl.load(QMask + o_query * Lq + o_s, mask=m_row, other=0)
-            m_valid = m_valid & (qm != 0)
-        b_q = tl.load(
-            Q + o_query[:, None] * stride_q_seq + o_s[:, None] * stride_q_tok + o_k[None, :] * stride_q_dim,
-            mask=m_valid[:, None] & m_k[None, :],
-            other=0.0,
+        b_q, m_valid = _query_chunk(
+            Q, QMask, o_query * stride_q_seq + o_s * stride_q_tok, o_query * Lq + o_s, m_row, o_k,
+            m_k, stride_q_dim, HAS_Q_MASK,
         )
         row_max, row_arg = _doc_max(
             b_q, p_doc, stride_d_tok, stride_d_dim, p_dmask, 1, p_dinv, 1,
-            t_lo, t_hi, all_valid, o_k, m_k, smooth_scale, EVEN_K, HAS_D_MASK, NORMALIZE, NORM_FROM_TILES,
+            t_lo, t_hi, all_valid, o_k, m_k, smooth_scale, EVEN_K, NORMALIZE, NORM_FROM_TILES,
             SAVE_ARGMAX and not SMOOTH, SMOOTH, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST,
         )
-        contrib = tl.where(row_max == float("-inf"), 0.0, row_max)
+        unit = 1.0
         if SMOOTH:
-            contrib = contrib * smooth_unscale  # log2 units back to tau · logsumexp(s / tau)
+            unit = smooth_unscale  # log2 units back to tau · logsumexp(s / tau)
+        q_inv = 1.0
         if NORMALIZE:
             if NORM_FROM_TILES:
                 q_inv = _inverse_norm(b_q, NORM_EPS)
             else:
                 q_inv = tl.load(QInv + o_query * Lq + o_s, mask=m_valid, other=0.0)
-            contrib = contrib * q_inv
-        contrib = tl.where(m_valid, contrib, 0.0)
-        acc += tl.sum(tl.reshape(contrib, (QUERIES_PER_BLOCK, LQ_TILE)), axis=1)
+        acc += _chunk_scores(row_max, m_valid, unit, q_inv, QUERIES_PER_BLOCK, LQ_TILE)
         if SAVE_ARGMAX:
             if SMOOTH:
                 # The backward's softmax is exp2(y - row_max); +inf where nothing was added

@@ -59,7 +59,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._kernels import MASK_SCAN, _doc_max, _dot, _valid_span
+from ._kernels import MASK_SCAN, _chunk_scores, _doc_max, _dot, _query_chunk, _valid_span
 
 
 @triton.jit
@@ -162,24 +162,18 @@ def _maxsim_ragged_fwd_kernel(
         o_s = chunk + o_row_in_tile
         m_row = o_s < q_len
         o_row = q_lo + o_s  # packed query row
-        m_valid = m_row
-        if HAS_Q_MASK:
-            m_valid = m_valid & (tl.load(QMask + o_row, mask=m_row, other=0) != 0)
-        b_q = tl.load(
-            Q + o_row[:, None] * stride_q_tok + o_k[None, :] * stride_q_dim,
-            mask=m_valid[:, None] & m_k[None, :],
-            other=0.0,
+        b_q, m_valid = _query_chunk(
+            Q, QMask, o_row * stride_q_tok, o_row, m_row, o_k, m_k, stride_q_dim, HAS_Q_MASK
         )
         row_max, row_arg = _doc_max(
             b_q, p_doc, stride_d_tok, stride_d_dim, p_dmask, 1, p_dinv, 1,
-            t_lo, t_hi, all_valid, o_k, m_k, 1.0, EVEN_K, HAS_D_MASK, NORMALIZE, False, SAVE_ARGMAX,
+            t_lo, t_hi, all_valid, o_k, m_k, 1.0, EVEN_K, NORMALIZE, False, SAVE_ARGMAX,
             False, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST,
         )
-        contrib = tl.where(row_max == float("-inf"), 0.0, row_max)
+        q_inv = 1.0
         if NORMALIZE:
-            contrib = contrib * tl.load(QInv + o_row, mask=m_valid, other=0.0)
-        contrib = tl.where(m_valid, contrib, 0.0)
-        acc += tl.sum(tl.reshape(contrib, (QUERIES_PER_BLOCK, LQ_TILE)), axis=1)
+            q_inv = tl.load(QInv + o_row, mask=m_valid, other=0.0)
+        acc += _chunk_scores(row_max, m_valid, 1.0, q_inv, QUERIES_PER_BLOCK, LQ_TILE)
         if SAVE_ARGMAX:
             arg = tl.where(m_valid, row_arg, -1)
             if PAIRS:
