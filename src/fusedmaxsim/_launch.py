@@ -17,7 +17,6 @@ from torch import Tensor
 
 from . import _configs, settings
 from ._kernels import (
-    _drain_chunk_kernel,
     _inverse_norm_kernel,
     _maxsim_bwd_dd_kernel,
     _maxsim_bwd_gather_kernel,
@@ -329,11 +328,9 @@ def maxsim_fwd(
 
 
 # The unified backward's fp32 grad_D buffer: one buffer for all of grad_D up to this size; beyond
-# it, column chunks of at most a fifth of grad_D's own bytes (at least one column): about ten
-# chunks of two launches each, and a peak of grad_D, grad_Q and argmax plus 20% of grad_D.
+# it, column chunks of at most an eighth of grad_D's own bytes (at least one column).
 _SCATTER_BUFFER_MAX_BYTES = 32 << 20
-_SCATTER_BUFFER_SHARE = 5
-_DRAIN_BLOCK = 4096
+_SCATTER_BUFFER_SHARE = 8
 
 
 def _scatter_chunk_cols(D: Tensor, d_dtype: torch.dtype) -> int:
@@ -350,20 +347,6 @@ def _scatter_buffer(D: Tensor, n_cols: int) -> Tensor:
     shape = list(D.shape)
     shape[-3] = n_cols
     return torch.zeros(shape, dtype=torch.float32, device=D.device)
-
-
-def _drain_chunk(buffer: Tensor, grad_d: Tensor, c0: int, n_cols: int) -> None:
-    """Columns ``[c0, c0 + n_cols)`` of ``grad_d`` from the buffer's first ``n_cols``, which are
-    then zero again (``grad_d`` and ``buffer`` contiguous, columns on axis -3)."""
-    groups = buffer.numel() // (buffer.shape[-3] * buffer.shape[-2] * buffer.shape[-1])
-    n_elems = n_cols * buffer.shape[-2] * buffer.shape[-1]
-    out = grad_d.narrow(-3, c0, n_cols)
-    launcher(_drain_chunk_kernel)(
-        (_cdiv(n_elems, _DRAIN_BLOCK) * groups,),
-        (buffer, out, n_elems, buffer.stride(0) if groups > 1 else 0,
-         grad_d.stride(0) if groups > 1 else 0),
-        constants(BLOCK=_DRAIN_BLOCK, num_warps=4, num_stages=1),
-    )
 
 
 def _splits(cfg, Q: Tensor, n_cols: int) -> int:
@@ -481,14 +464,16 @@ def maxsim_bwd(
         # Column chunks through an fp32 buffer of at most `chunk_cols` columns, each cast into
         # grad_D when complete: the buffer stays a fraction of grad_D however large D is.
         buffer = _scatter_buffer(D, chunk_cols)
-        if chunk_cols == Ncols and buffer.dtype == d_dtype:
-            gather(0, Ncols, _splits(cfg, Q, Ncols), None, buffer)
-            return grad_q, buffer
-        grad_d = _empty(D.shape, d_dtype, D.device)
+        grad_d = buffer if chunk_cols == Ncols and buffer.dtype == d_dtype else None
+        if grad_d is None:
+            grad_d = _empty(D.shape, d_dtype, D.device)
         for c0 in range(0, Ncols, chunk_cols):
             n = min(chunk_cols, Ncols - c0)
+            if c0:
+                buffer.zero_()
             gather(c0, n, _splits(cfg, Q, n), None, buffer)
-            _drain_chunk(buffer, grad_d, c0, n)
+            if grad_d is not buffer:
+                grad_d.narrow(-3, c0, n).copy_(buffer.narrow(-3, 0, n))
     elif need_grad_d:
         grad_d = _empty(D.shape, d_dtype, D.device)
         groups = Nq if per_query_docs else 1
