@@ -19,9 +19,11 @@ Semantics shared by every function here
 * Any strides are accepted, no copies made. Empty batches return empty outputs without a launch;
   ``Lq = 0`` or ``Ld = 0`` score 0.
 * Gradients come in the input dtype, and only those that are needed are computed. The argmax is
-  saved only when a gradient will be needed (nothing under ``no_grad`` / ``inference_mode``).
+  saved only when a gradient will be needed (nothing under ``no_grad`` / ``inference_mode``), as
+  int16 while ``Ld < 32768`` and int32 beyond.
 * ``backward=``: ``"unified"`` (one pass, fp32 atomics for ``grad_D``: the fastest when many queries
-  share each document, but it holds an fp32 copy of ``grad_D``), ``"lowmem"`` (every gradient row
+  share each document; past 32 MiB its fp32 buffer holds an eighth of ``grad_D`` at a time, column
+  chunk after column chunk), ``"lowmem"`` (every gradient row
   owned by one program: no atomics, bitwise reproducible, gradients written directly in the input
   dtype), ``"auto"`` or ``None``: lowmem for per-query candidates, for small problems
   (``Nq·Nd·Lq·Ld·d <= 2**32``, where the host's time decides) and under
