@@ -23,7 +23,7 @@ from ._kernels import (
     _maxsim_fwd_kernel,
 )
 
-__all__ = ["maxsim_fwd", "maxsim_bwd", "inverse_norms", "launcher"]
+__all__ = ["maxsim_fwd", "maxsim_bwd", "grads_without_launch", "inverse_norms", "launcher"]
 
 _MAX_GRID_Y = 65535
 
@@ -397,6 +397,21 @@ def _launch_gather(
     )
 
 
+def grads_without_launch(
+    Q: Tensor, D: Tensor, need_grad_q: bool, need_grad_d: bool, fp32_out: bool
+) -> tuple[Tensor, Tensor] | None:
+    """The gradients when no kernel has to run, else None: empty tensors for those not asked for
+    when neither is, zeros when the problem is empty (a zero-sized axis)."""
+    empty = Q.new_empty((0,))
+    if not (need_grad_q or need_grad_d):
+        return empty, empty
+    if Q.numel() and D.numel():
+        return None
+    gq = torch.zeros(Q.shape, dtype=torch.float32 if fp32_out else Q.dtype, device=Q.device)
+    gd = torch.zeros(D.shape, dtype=torch.float32 if fp32_out else D.dtype, device=D.device)
+    return gq if need_grad_q else empty, gd if need_grad_d else empty
+
+
 def maxsim_bwd(
     grad_scores: Tensor,
     Q: Tensor,
@@ -416,6 +431,9 @@ def maxsim_bwd(
     ``"lowmem"`` (row-owned ``grad_Q`` and document-owned ``grad_D``; no atomics, bitwise
     reproducible, written directly in the output dtype). With ``fp32_out`` the gradients are fp32.
     """
+    trivial = grads_without_launch(Q, D, need_grad_q, need_grad_d, fp32_out)
+    if trivial is not None:
+        return trivial
     per_query_docs = D.dim() == 4
     Nq, Lq, dim = Q.shape
     Ncols, Ld = D.shape[-3], D.shape[-2]
@@ -423,12 +441,6 @@ def maxsim_bwd(
     q_dtype = torch.float32 if fp32_out else Q.dtype
     d_dtype = torch.float32 if fp32_out else D.dtype
     empty = Q.new_empty((0,))
-    if not (need_grad_q or need_grad_d):
-        return empty, empty
-    if Nq * Ncols * Lq * Ld * dim == 0:
-        gq = torch.zeros(Q.shape, dtype=q_dtype, device=Q.device) if need_grad_q else empty
-        gd = torch.zeros(D.shape, dtype=d_dtype, device=D.device) if need_grad_d else empty
-        return gq, gd
 
     cfg = _configs.bwd_config(
         Lq=Lq, dim=dim, elem_bytes=Q.element_size(), per_query_docs=per_query_docs

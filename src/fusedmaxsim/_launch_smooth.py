@@ -20,6 +20,7 @@ from ._launch import (
     _empty,
     _upcast,
     constants,
+    grads_without_launch,
     launcher,
     smooth_scales,
 )
@@ -39,16 +40,15 @@ def smooth_bwd(
     fp32_out: bool,
     fp32_precision: str,
 ) -> tuple[Tensor, Tensor]:
+    trivial = grads_without_launch(Q, D, need_grad_q, need_grad_d, fp32_out)
+    if trivial is not None:
+        return trivial
     per_query_docs = D.dim() == 4
     Nq, Lq, dim = Q.shape
     Ncols, Ld = D.shape[-3], D.shape[-2]
     empty = Q.new_empty((0,))
     q_dtype = torch.float32 if fp32_out else Q.dtype
     d_dtype = torch.float32 if fp32_out else D.dtype
-    if Nq * Ncols * Lq * Ld * dim == 0:
-        gq = torch.zeros(Q.shape, dtype=q_dtype, device=Q.device) if need_grad_q else empty
-        gd = torch.zeros(D.shape, dtype=d_dtype, device=D.device) if need_grad_d else empty
-        return gq, gd
     cfg = _configs.smooth_bwd_config(Lq, dim)
     dm = _as_bytes(d_mask)
     row_lse = row_lse.contiguous()
