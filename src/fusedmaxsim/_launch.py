@@ -469,23 +469,23 @@ def maxsim_bwd(
         if atomic_q and grad_q.dtype != q_dtype:
             grad_q = grad_q.to(q_dtype)
         if fused:
-            return grad_q, grad_d_acc if grad_d_acc.dtype == d_dtype else grad_d_acc.to(d_dtype)
+            return grad_q, grad_d_acc.to(d_dtype)
 
     grad_d = empty
     if scatter_d:
-        # Column chunks through an fp32 buffer of at most `chunk_cols` columns, each cast into
-        # grad_D when complete: the buffer stays a fraction of grad_D however large D is.
         buffer = _scatter_buffer(D, chunk_cols)
-        grad_d = buffer if chunk_cols == Ncols and buffer.dtype == d_dtype else None
-        if grad_d is None:
-            grad_d = _empty(D.shape, d_dtype, D.device)
+        if chunk_cols == Ncols:
+            gather(0, Ncols, _splits(cfg, Q, Ncols), None, buffer)
+            return grad_q, buffer.to(d_dtype)
+        # Column chunks through an fp32 buffer of `chunk_cols` columns, each cast into grad_D
+        # when complete: the buffer stays a fraction of grad_D however large D is.
+        grad_d = _empty(D.shape, d_dtype, D.device)
         for c0 in range(0, Ncols, chunk_cols):
             n = min(chunk_cols, Ncols - c0)
             if c0:
                 buffer.zero_()
             gather(c0, n, _splits(cfg, Q, n), None, buffer)
-            if grad_d is not buffer:
-                grad_d.narrow(-3, c0, n).copy_(buffer.narrow(-3, 0, n))
+            grad_d.narrow(-3, c0, n).copy_(buffer.narrow(-3, 0, n))
     elif need_grad_d:
         grad_d = _empty(D.shape, d_dtype, D.device)
         groups = Nq if per_query_docs else 1

@@ -5,10 +5,9 @@ Every error names the argument and the shapes, and is raised before anything is 
 
 from __future__ import annotations
 
-import math
-
 import dataclasses
 import importlib.util
+import math
 
 import torch
 from torch import Tensor
