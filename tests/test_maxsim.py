@@ -381,6 +381,7 @@ def test_unified_grad_d_through_column_chunks(device, layout, needs, monkeypatch
     # A buffer as large as the 16-bit grad_D holds half its columns in fp32: 2 of 5 or 4.
     monkeypatch.setattr(_launch, "_SCATTER_BUFFER_MAX_BYTES", 0)
     monkeypatch.setattr(_launch, "_SCATTER_BUFFER_SHARE", 1)
+    monkeypatch.setattr(_launch, "_DRAIN_BLOCK", 64)  # several blocks per group and chunk
     assert _launch._scatter_chunk_cols(D, D.dtype) == 2
     Q, D = leaf(Q), leaf(D)
     Q.requires_grad_(needs == "both")

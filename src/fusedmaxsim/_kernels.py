@@ -41,6 +41,8 @@ Grid mapping
   ``onehot(A == t)ᵀ @ (g · Q)`` over blocks of the group's (query, token) rows. No atomics:
   bitwise reproducible. ``g · Q`` is rounded to the input dtype before the product, an error of
   the same size as writing the gradient in that dtype.
+* ``_drain_chunk_kernel``: casts a finished column chunk of that buffer into ``grad_D`` and
+  clears it for the next chunk.
 * ``_inverse_norm_kernel``: program = a block of token rows; ``1 / max(‖x‖, eps)`` in fp32, each
   token read once (the norms are computed once per token, never per tile).
 
@@ -639,3 +641,20 @@ def _inverse_norm_kernel(
         other=0.0,
     )
     tl.store(Out + o_r, _inverse_norm(x, EPS), mask=m_r)
+
+
+@triton.jit(do_not_specialize=["n_elems", "stride_buf_grp", "stride_out_grp"])
+def _drain_chunk_kernel(Buf, Out, n_elems, stride_buf_grp, stride_out_grp, BLOCK: tl.constexpr):
+    """``Out[g, :n] = Buf[g, :n]`` in ``Out``'s dtype, and ``Buf[g, :n] = 0`` for the next chunk:
+    one pass (and one launch) instead of a cast and a zero fill. Program = a block of one group
+    (blocks of a group consecutive); the ``n_elems`` elements of a group are contiguous on both
+    sides."""
+    pid = tl.program_id(0).to(tl.int64)
+    blocks = tl.cdiv(n_elems, BLOCK)
+    g = pid // blocks
+    o = (pid % blocks) * BLOCK + tl.arange(0, BLOCK)
+    m = o < n_elems
+    p_buf = Buf + g * stride_buf_grp + o
+    x = tl.load(p_buf, mask=m)
+    tl.store(Out + g * stride_out_grp + o, x.to(Out.dtype.element_ty), mask=m)
+    tl.store(p_buf, tl.zeros_like(x), mask=m)

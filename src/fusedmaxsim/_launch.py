@@ -17,6 +17,7 @@ from torch import Tensor
 
 from . import _configs, settings
 from ._kernels import (
+    _drain_chunk_kernel,
     _inverse_norm_kernel,
     _maxsim_bwd_dd_kernel,
     _maxsim_bwd_gather_kernel,
@@ -328,9 +329,11 @@ def maxsim_fwd(
 
 
 # The unified backward's fp32 grad_D buffer: one buffer for all of grad_D up to this size; beyond
-# it, column chunks of at most an eighth of grad_D's own bytes (at least one column).
+# it, column chunks of at most a fifth of grad_D's own bytes (at least one column): about ten
+# chunks of two launches each, and a peak of grad_D, grad_Q and argmax plus 20% of grad_D.
 _SCATTER_BUFFER_MAX_BYTES = 32 << 20
-_SCATTER_BUFFER_SHARE = 8
+_SCATTER_BUFFER_SHARE = 5
+_DRAIN_BLOCK = 4096
 
 
 def _scatter_chunk_cols(D: Tensor, d_dtype: torch.dtype) -> int:
@@ -347,6 +350,20 @@ def _scatter_buffer(D: Tensor, n_cols: int) -> Tensor:
     shape = list(D.shape)
     shape[-3] = n_cols
     return torch.zeros(shape, dtype=torch.float32, device=D.device)
+
+
+def _drain_chunk(buffer: Tensor, grad_d: Tensor, c0: int, n_cols: int) -> None:
+    """Columns ``[c0, c0 + n_cols)`` of ``grad_d`` from the buffer's first ``n_cols``, which are
+    then zero again (``grad_d`` and ``buffer`` contiguous, columns on axis -3)."""
+    groups = buffer.numel() // (buffer.shape[-3] * buffer.shape[-2] * buffer.shape[-1])
+    n_elems = n_cols * buffer.shape[-2] * buffer.shape[-1]
+    out = grad_d.narrow(-3, c0, n_cols)
+    launcher(_drain_chunk_kernel)(
+        (_cdiv(n_elems, _DRAIN_BLOCK) * groups,),
+        (buffer, out, n_elems, buffer.stride(0) if groups > 1 else 0,
+         grad_d.stride(0) if groups > 1 else 0),
+        constants(BLOCK=_DRAIN_BLOCK, num_warps=4, num_stages=1),
+    )
 
 
 def _splits(cfg, Q: Tensor, n_cols: int) -> int:
@@ -477,15 +494,14 @@ def maxsim_bwd(
         if chunk_cols == Ncols:
             gather(0, Ncols, _splits(cfg, Q, Ncols), None, buffer)
             return grad_q, buffer.to(d_dtype)
-        # Column chunks through an fp32 buffer of `chunk_cols` columns, each cast into grad_D
-        # when complete: the buffer stays a fraction of grad_D however large D is.
+        # Column chunks through an fp32 buffer of `chunk_cols` columns, each drained into grad_D
+        # when complete (cast, and the buffer cleared for the next chunk, in one launch): the
+        # buffer stays a fraction of grad_D however large D is.
         grad_d = _empty(D.shape, d_dtype, D.device)
         for c0 in range(0, Ncols, chunk_cols):
             n = min(chunk_cols, Ncols - c0)
-            if c0:
-                buffer.zero_()
             gather(c0, n, _splits(cfg, Q, n), None, buffer)
-            grad_d.narrow(-3, c0, n).copy_(buffer.narrow(-3, 0, n))
+            _drain_chunk(buffer, grad_d, c0, n)
     elif need_grad_d:
         grad_d = _empty(D.shape, d_dtype, D.device)
         groups = Nq if per_query_docs else 1

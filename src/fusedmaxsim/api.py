@@ -22,7 +22,7 @@ Semantics shared by every function here
   saved only when a gradient will be needed (nothing under ``no_grad`` / ``inference_mode``), as
   int16 while ``Ld < 32768`` and int32 beyond.
 * ``backward=``: ``"unified"`` (one pass, fp32 atomics for ``grad_D``: the fastest when many queries
-  share each document; past 32 MiB its fp32 buffer holds an eighth of ``grad_D`` at a time, column
+  share each document; past 32 MiB its fp32 buffer holds a fifth of ``grad_D`` at a time, column
   chunk after column chunk), ``"lowmem"`` (every gradient row
   owned by one program: no atomics, bitwise reproducible, gradients written directly in the input
   dtype), ``"auto"`` or ``None``: lowmem for per-query candidates, for small problems
