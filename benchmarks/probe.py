@@ -5,7 +5,7 @@ training shape, the smooth max against colpali-engine's einsum + logsumexp; and 
 memory, and the first calls' split. GPU times by ``triton.testing.do_bench`` (median, ms).
 
     PYTHONPATH=src python3 benchmarks/probe.py [normalize] [kd] [smooth] [masked] [rerank] [memory] [cold]
-        [small] [stages] [cold_profile]
+        [small] [stages] [cold_profile] [steps]
 """
 
 from __future__ import annotations
@@ -203,6 +203,60 @@ def memory() -> None:
         relative_error(a, b) for a, b in zip(grads["unified"], grads["lowmem"])))
 
 
+def training_steps() -> None:
+    """Where a training step's time goes, for the suite's training shapes and every installed
+    provider: do_bench's median (the suite's timer), the host's time to issue one step (N steps
+    issued back to back before one synchronize, divided by N: the GPU never waits for the
+    host less than this), the wall time per step, and the GPU's kernel time per step (profiler).
+    Ours also lists its kernels."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from fusedmaxsim import benchmarking as bm
+
+    names = ("train_colbert", "train_colbert_masked", "train_colpali", "train_small_batch",
+             "train_kd", "train_kd_colpali")
+    for name in names:
+        shape = bm.SHAPES_BY_NAME[name]
+        case = bm.make_case(shape, "training", "cuda")
+        for key in ("fusedmaxsim", "lik", "flash"):
+            provider = bm.PROVIDERS_BY_KEY[key]
+            if bm.provider_unavailable(provider, torch.device("cuda")):
+                continue
+            step = bm.make_step(provider.build(case), case)
+            for _ in range(5):
+                case.reset_grads()
+                step()
+            torch.cuda.synchronize()
+            ms = do_bench(lambda: (case.reset_grads(), step()), warmup=25, rep=100)
+            n = 50
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(n):
+                case.reset_grads()
+                step()
+            issued = (time.perf_counter() - start) / n * 1e3
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - start) / n * 1e3
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(20):
+                    case.reset_grads()
+                    step()
+                torch.cuda.synchronize()
+            kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
+            gpu = sum(e.device_time_total for e in kernels) / 20 / 1e3
+            print(f"{name:22s} {key:12s} do_bench {ms:.3f}  issue {issued:.3f}  wall {wall:.3f}  "
+                  f"gpu {gpu:.3f} ms/step", flush=True)
+            if key == "fusedmaxsim":
+                for e in sorted(kernels, key=lambda e: -e.device_time_total)[:8]:
+                    print(f"    {e.count / 20:5.1f}x {e.device_time_total / e.count / 1e3:.4f} ms  "
+                          f"{e.key[:70]}")
+        case.reset_grads()
+        del case
+        torch.cuda.empty_cache()
+
+
 _COLD_CHILD = """
 import sys, time, torch
 sys.path.insert(0, sys.argv[1])
@@ -307,7 +361,7 @@ if __name__ == "__main__":
     for name, probe in (("normalize", normalize_sweep), ("kd", kd_split), ("smooth", smooth_vs_naive),
                         ("masked", masked), ("rerank", rerank_tiles), ("memory", memory),
                         ("cold", cold), ("small", small_tiles), ("stages", gather_stages),
-                        ("cold_profile", cold_profile)):
+                        ("cold_profile", cold_profile), ("steps", training_steps)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()

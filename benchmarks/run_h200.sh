@@ -6,10 +6,11 @@
 #   OUT=/some/dir bash benchmarks/run_h200.sh
 #   STAGES="tests check ragged e2e" OUT=/some/dir bash benchmarks/run_h200.sh
 #
-# STAGES picks and orders the stages (default: tests check suite cold memory report). Two more
-# are off by default: `ragged` (benchmarks/bench_ragged.py) and `e2e` (the PyLate fine-tune of
-# benchmarks/train_pylate_e2e.py, which needs its wheels in .whl/e2e/ and the fp16 model that
-# `train_pylate_e2e.py --export-model .whl/minilm-fp16` writes).
+# STAGES picks and orders the stages (default: tests check suite cold memory report); GPU_TESTS
+# narrows the tests (pytest arguments). Three more stages are off by default: `probe`
+# (benchmarks/probe.py with the sections named in PROBES), `ragged` (benchmarks/bench_ragged.py)
+# and `e2e` (the PyLate fine-tune of benchmarks/train_pylate_e2e.py, which needs its wheels in
+# .whl/e2e/ and the fp16 model that `train_pylate_e2e.py --export-model .whl/minilm-fp16` writes).
 #
 # Each stage has a time cap, writes its own log, and cannot stop the stages after it; the caps
 # also respect a budget for the whole session (SESSION_S, default 510 s). The records are
@@ -90,6 +91,14 @@ if ! python3 -c "import pytest" 2>/dev/null; then
     fi
 fi
 
+# pytest-xdist spreads the GPU tests over processes (most of their time is compiling kernels).
+XDIST=()
+if ! python3 -c "import xdist" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-xdist .whl/pytest/pytest_xdist-*.whl .whl/pytest/execnet-*.whl >>"$RUN_LOG" 2>&1 &&
+        export PYTHONPATH="$PYTHONPATH:/tmp/site-xdist"
+fi
+python3 -c "import xdist" 2>/dev/null && XDIST=(-n "${TEST_WORKERS:-8}")
+
 BENCH=(python3 benchmarks/bench_maxsim.py --out "$RESULTS" --peers --warmup-ms 25 --rep-ms 100)
 
 # The end-to-end fine-tune needs PyLate and the versions of its dependencies it was written
@@ -108,7 +117,12 @@ export OUT
 
 for name in $STAGES; do
     case $name in
-    tests) stage "gpu tests" 240 "$OUT/gpu_tests.log" python3 -m pytest -m gpu -q -rf -p no:cacheprovider ;;
+    tests)
+        # GPU_TESTS: pytest arguments (default: every test marked gpu).
+        stage "gpu tests" "${TESTS_CAP:-240}" "$OUT/gpu_tests.log" python3 -m pytest -q -rf -p no:cacheprovider \
+            "${XDIST[@]}" ${GPU_TESTS:--m gpu}
+        ;;
+    probe) stage "probe" "${PROBE_CAP:-240}" "$OUT/probe.log" python3 benchmarks/probe.py ${PROBES:-memory} ;;
     check) stage "check" 150 "$OUT/check.log" python3 -m fusedmaxsim check ;;
     suite)
         # The suite gets what the later stages leave (SUITE_RESERVE, default 150 s: cold start
