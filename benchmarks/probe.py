@@ -5,7 +5,7 @@ training shape, the smooth max against colpali-engine's einsum + logsumexp; and 
 memory, and the first calls' split. GPU times by ``triton.testing.do_bench`` (median, ms).
 
     PYTHONPATH=src python3 benchmarks/probe.py [normalize] [kd] [smooth] [masked] [rerank] [memory] [cold]
-        [small] [stages] [cold_profile] [steps]
+        [small] [stages] [cold_profile] [steps] [host]
 """
 
 from __future__ import annotations
@@ -257,6 +257,79 @@ def training_steps() -> None:
         torch.cuda.empty_cache()
 
 
+def host_costs() -> None:
+    """The host's side of the training rows: the issue time of single launches (N calls back to
+    back, no synchronize), the CUDA runtime calls of one step (profiler, CPU side: a
+    synchronize, an allocation or a copy shows here), and a cProfile of ours, for shapes whose
+    host times differ (train_colbert with and without its document mask, the two kd shapes)."""
+    import cProfile
+    import io
+    import pstats
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from fusedmaxsim import benchmarking as bm
+
+    def issue_us(fn, n=400):
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        spent = (time.perf_counter() - start) / n * 1e6
+        torch.cuda.synchronize()
+        return spent
+
+    x = torch.zeros(256, device="cuda")
+    Q = torch.randn(32, 32, 128, device="cuda", dtype=torch.bfloat16)
+    D = torch.randn(32, 180, 128, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(32, 32, device="cuda")
+    _, argmax = _launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32")
+    buf = torch.zeros(4, 180, 128, device="cuda")
+    out = torch.empty(32, 180, 128, device="cuda", dtype=torch.bfloat16)
+    for label, fn in (
+        ("x.zero_() (one torch kernel)", lambda: x.zero_()),
+        ("torch.empty 32x180x128 bf16", lambda: torch.empty(32, 180, 128, device="cuda")),
+        ("_launch.maxsim_fwd, no argmax", lambda: _launch.maxsim_fwd(Q, D, None, None, None, None, False, "tf32")),
+        ("_launch._drain_chunk", lambda: _launch._drain_chunk(buf, out, 0, 4)),
+        ("_launch.maxsim_bwd lowmem (2 kernels)",
+         lambda: _launch.maxsim_bwd(g, Q, D, argmax, None, None, True, True, "lowmem", False, "tf32")),
+    ):
+        print(f"  issue {issue_us(fn):7.1f} us  {label}", flush=True)
+
+    for name in ("train_colbert", "train_colbert_masked", "train_kd", "train_kd_colpali", "train_colpali"):
+        case = bm.make_case(bm.SHAPES_BY_NAME[name], "training", "cuda")
+        step = bm.make_step(bm.PROVIDERS_BY_KEY["fusedmaxsim"].build(case), case)
+        for _ in range(5):
+            case.reset_grads()
+            step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(20):
+                case.reset_grads()
+                step()
+            torch.cuda.synchronize()
+        print(f"== {name}: CUDA runtime calls per step (CPU side)")
+        for e in sorted(prof.key_averages(), key=lambda e: -e.cpu_time_total):
+            if e.key.startswith("cu") and e.count >= 20:
+                print(f"    {e.count / 20:5.1f}x {e.cpu_time_total / 20:8.1f} us  {e.key[:60]}")
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(200):
+            case.reset_grads()
+            step()
+        torch.cuda.synchronize()
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(14)
+        body = text.getvalue()
+        print(body[body.find("ncalls"):][:2600], flush=True)
+        del case
+        torch.cuda.empty_cache()
+
+
 _COLD_CHILD = """
 import sys, time, torch
 sys.path.insert(0, sys.argv[1])
@@ -361,7 +434,7 @@ if __name__ == "__main__":
     for name, probe in (("normalize", normalize_sweep), ("kd", kd_split), ("smooth", smooth_vs_naive),
                         ("masked", masked), ("rerank", rerank_tiles), ("memory", memory),
                         ("cold", cold), ("small", small_tiles), ("stages", gather_stages),
-                        ("cold_profile", cold_profile), ("steps", training_steps)):
+                        ("cold_profile", cold_profile), ("steps", training_steps), ("host", host_costs)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()
