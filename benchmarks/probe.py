@@ -61,11 +61,18 @@ def normalize_sweep() -> None:
 
 
 def kd_split() -> None:
-    """train_kd_colpali: 32 queries of 32 tokens, 16 candidates of 1030 tokens each, bf16."""
-    Q = torch.randn(32, 32, 128, device="cuda", dtype=torch.bfloat16)
-    D = torch.randn(32, 16, 1030, 128, device="cuda", dtype=torch.bfloat16)
-    g = torch.randn(32, 16, device="cuda")
-    print("fwd config", fwd_config(Lq=32, dim=128, Nq=32, per_query_docs=True, elem_bytes=2))
+    """train_kd_colpali (32 queries of 32 tokens, 16 candidates of 1030 tokens each) and train_kd
+    (64 queries, 32 candidates of 300), bf16: the forward and the backward's kernels apart."""
+    for nq, k, ld in ((32, 16, 1030), (64, 32, 300)):
+        print(f"-- {nq} queries x {k} candidates of {ld} tokens")
+        _kd_split(nq, k, ld)
+
+
+def _kd_split(nq: int, k: int, ld: int) -> None:
+    Q = torch.randn(nq, 32, 128, device="cuda", dtype=torch.bfloat16)
+    D = torch.randn(nq, k, ld, 128, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(nq, k, device="cuda")
+    print("fwd config", fwd_config(Lq=32, dim=128, Nq=nq, per_query_docs=True, elem_bytes=2))
     print("bwd config", bwd_config(Lq=32, dim=128, elem_bytes=2, per_query_docs=True))
     print(f"fwd no argmax   {bench(lambda: _launch.maxsim_fwd(Q, D, None, None, None, None, False, 'tf32')):.4f}")
     print(f"fwd with argmax {bench(lambda: _launch.maxsim_fwd(Q, D, None, None, None, None, True, 'tf32')):.4f}")

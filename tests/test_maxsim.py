@@ -397,3 +397,27 @@ def test_unified_grad_d_through_column_chunks(device, layout, needs, monkeypatch
         assert_close_to_reference(Q.grad, Q64.grad, 1e-2, "grad_Q")
     else:
         assert Q.grad is None
+
+
+@pytest.mark.parametrize("Lq", [5, 20])  # rows in one block of 16 (loaded once), or in two
+@pytest.mark.parametrize("Nq, K", [(4, 4), (3, 3)])  # 3 tiles a program, or 2 then 1
+def test_lowmem_grad_d_of_candidates_over_several_token_tiles(device, Nq, K, Lq, monkeypatch):
+    """Per-query candidates: a program of the document-owned grad_D writes several token tiles
+    (75 tokens: tiles of 32, the last partial), its rows loaded once when they fit one block.
+    Four SMs on every device, so 16 or 9 documents get 3 or 2 tiles a program."""
+    from fusedmaxsim import _launch
+
+    monkeypatch.setattr(_launch, "_sm_count", lambda device: 4)
+    Q = leaf(torch.randn(Nq, Lq, 96, device=device, dtype=torch.float16))
+    D = leaf(torch.randn(Nq, K, 75, 96, device=device, dtype=torch.float16))
+    q_mask = masks_with_holes((Nq, Lq), device)
+    d_mask = masks_with_holes((Nq, K, 75), device)
+    with settings.use_backend("triton"), forced_configs(bwd=BwdConfig(16, 32, 16, 128, 4, 1)):
+        out = maxsim(Q, D, q_mask, d_mask, backward="lowmem")
+        grad = torch.randn_like(out)
+        out.backward(grad)
+    clean_q = leaf(torch.where(q_mask[..., None], Q.detach(), 0.0).double())
+    clean_d = leaf(torch.where(d_mask[..., None], D.detach(), 0.0).double())
+    maxsim_ref(clean_q, clean_d, q_mask, d_mask).backward(grad.double())
+    assert_close_to_reference(Q.grad, clean_q.grad, 1e-2, "grad_Q")
+    assert_close_to_reference(D.grad, clean_d.grad, 1e-2, "grad_D")

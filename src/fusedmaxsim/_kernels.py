@@ -37,8 +37,9 @@ Grid mapping
   ``[col_base, col_end)`` gathers the winning document rows for ``grad_Q`` (row-owned) and, in the
   "unified" strategy, scatters ``g · Q`` rows into an fp32 ``grad_D`` buffer with atomics (the
   buffer's column 0 is ``col_base``: large ``grad_D`` goes through it in column chunks).
-* ``_maxsim_bwd_dd_kernel``: program ``(g, j, t-block)`` owns a tile of ``grad_D`` and adds
-  ``onehot(A == t)ᵀ @ (g · Q)`` over blocks of the group's (query, token) rows. No atomics:
+* ``_maxsim_bwd_dd_kernel``: program ``(g, j, t-blocks)`` owns tiles of ``grad_D`` and adds
+  ``onehot(A == t)ᵀ @ (g · Q)`` over blocks of the group's (query, token) rows; per-query
+  candidates load their rows once for several tiles. No atomics:
   bitwise reproducible. ``g · Q`` is rounded to the input dtype before the product, an error of
   the same size as writing the gradient in that dtype.
 * ``_drain_chunk_kernel``: casts a finished column chunk of that buffer into ``grad_D`` and
@@ -534,7 +535,40 @@ def _maxsim_bwd_gather_kernel(
             tl.store(p_gq, acc.to(GradQ.dtype.element_ty), mask=m_gq)
 
 
-@triton.jit(do_not_specialize=["Nq", "Ncols", "Lq", "Ld"])
+@triton.jit
+def _dd_rows(
+    Grad, Q, QInv, Argmax, r0, r_hi, i_col, Ncols, Lq, o_k, m_k,
+    stride_g_seq, stride_g_col, stride_q_seq, stride_q_tok, stride_q_dim,
+    stride_qinv_seq, stride_qinv_tok,
+    NORMALIZE: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """Rows ``[r0, r0 + BLOCK_R)`` (below ``r_hi``) of the flattened (query, query token) pairs:
+    their winning document tokens and ``g · Q`` rounded to the input dtype."""
+    o_r = r0 + tl.arange(0, BLOCK_R)
+    m_r = o_r < r_hi
+    o_q = (o_r // Lq).to(tl.int64)
+    o_s = o_r % Lq
+    idx = tl.load(Argmax + (o_q * Ncols + i_col) * Lq + o_s, mask=m_r, other=-1)
+    g = tl.load(Grad + o_q * stride_g_seq + i_col * stride_g_col, mask=m_r, other=0.0).to(tl.float32)
+    if NORMALIZE:
+        g = g * tl.load(QInv + o_q * stride_qinv_seq + o_s * stride_qinv_tok, mask=m_r, other=0.0)
+    b_q = tl.load(
+        Q + o_q[:, None] * stride_q_seq + o_s[:, None] * stride_q_tok + o_k[None, :] * stride_q_dim,
+        mask=(m_r & (idx >= 0))[:, None] & m_k[None, :],
+        other=0.0,
+    )
+    return idx, (b_q.to(tl.float32) * g[:, None]).to(Q.dtype.element_ty)  # [BLOCK_R, BLOCK_K]
+
+
+@triton.jit
+def _dd_product(o_t, idx, b_w, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``onehot(idx == t)ᵀ @ b_w`` for the tokens ``o_t``: the one-hot is built transposed,
+    ``[BLOCK_T, BLOCK_R]``, so the product needs no layout shuffle."""
+    onehot_t = tl.where(o_t[:, None] == idx[None, :], 1.0, 0.0).to(b_w.dtype)
+    return _dot(onehot_t, b_w, DOT_PRECISION, UPCAST)
+
+
+@triton.jit(do_not_specialize=["Nq", "Ncols", "Lq", "Ld", "tiles_per_program"])
 def _maxsim_bwd_dd_kernel(
     Grad,
     Q,
@@ -546,6 +580,7 @@ def _maxsim_bwd_dd_kernel(
     Lq,
     Ld,
     dim,
+    tiles_per_program,
     stride_g_seq,
     stride_g_col,
     stride_q_seq,
@@ -558,6 +593,7 @@ def _maxsim_bwd_dd_kernel(
     stride_gd_tok,
     stride_gd_dim,
     PER_QUERY_DOCS: tl.constexpr,
+    ROWS_IN_ONE_BLOCK: tl.constexpr,
     NORMALIZE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -569,15 +605,16 @@ def _maxsim_bwd_dd_kernel(
 
     The rows are the group's (query, query token) pairs, flattened so that one product covers
     ``BLOCK_R`` of them whatever the query length. ``g · Q`` is rounded to the input dtype
-    before the product (the one-hot side is exact).
+    before the product (the one-hot side is exact). A program writes ``tiles_per_program``
+    consecutive token tiles; with ``ROWS_IN_ONE_BLOCK`` (per-query candidates, ``Lq <= BLOCK_R``)
+    it loads its rows once for all of them.
     """
     pid = tl.program_id(0).to(tl.int64)
     i_grp = pid // Ncols
     i_col = pid % Ncols
-    i_tb = tl.program_id(1).to(tl.int64)
+    tb_lo = tl.program_id(1).to(tl.int64) * tiles_per_program
+    tb_hi = tl.minimum(tb_lo + tiles_per_program, tl.cdiv(Ld, BLOCK_T))
 
-    o_t = i_tb * BLOCK_T + tl.arange(0, BLOCK_T)
-    m_t = o_t < Ld
     o_k = tl.arange(0, BLOCK_K)
     m_k = o_k < dim
     if PER_QUERY_DOCS:
@@ -586,33 +623,32 @@ def _maxsim_bwd_dd_kernel(
     else:
         r_lo = 0
         r_hi = Nq * Lq
+    p_out = GradD + i_grp * stride_gd_grp + i_col * stride_gd_col + o_k[None, :] * stride_gd_dim
 
-    acc = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
-    for r0 in range(r_lo, r_hi, BLOCK_R):
-        o_r = r0 + tl.arange(0, BLOCK_R)
-        m_r = o_r < r_hi
-        o_q = (o_r // Lq).to(tl.int64)
-        o_s = o_r % Lq
-        idx = tl.load(Argmax + (o_q * Ncols + i_col) * Lq + o_s, mask=m_r, other=-1)
-        g = tl.load(Grad + o_q * stride_g_seq + i_col * stride_g_col, mask=m_r, other=0.0).to(tl.float32)
-        if NORMALIZE:
-            g = g * tl.load(QInv + o_q * stride_qinv_seq + o_s * stride_qinv_tok, mask=m_r, other=0.0)
-        b_q = tl.load(
-            Q + o_q[:, None] * stride_q_seq + o_s[:, None] * stride_q_tok + o_k[None, :] * stride_q_dim,
-            mask=(m_r & (idx >= 0))[:, None] & m_k[None, :],
-            other=0.0,
+    if ROWS_IN_ONE_BLOCK:
+        idx, b_w = _dd_rows(
+            Grad, Q, QInv, Argmax, r_lo, r_hi, i_col, Ncols, Lq, o_k, m_k,
+            stride_g_seq, stride_g_col, stride_q_seq, stride_q_tok, stride_q_dim,
+            stride_qinv_seq, stride_qinv_tok, NORMALIZE, BLOCK_R,
         )
-        b_w = (b_q.to(tl.float32) * g[:, None]).to(Q.dtype.element_ty)  # [BLOCK_R, BLOCK_K]
-        # Built transposed, [BLOCK_T, BLOCK_R], so the product needs no layout shuffle.
-        onehot_t = tl.where(o_t[:, None] == idx[None, :], 1.0, 0.0).to(Q.dtype.element_ty)
-        acc += _dot(onehot_t, b_w, DOT_PRECISION, UPCAST)
-
-    tl.store(
-        GradD + i_grp * stride_gd_grp + i_col * stride_gd_col + o_t[:, None] * stride_gd_tok
-        + o_k[None, :] * stride_gd_dim,
-        acc.to(GradD.dtype.element_ty),
-        mask=m_t[:, None] & m_k[None, :],
-    )
+        for i_tb in range(tb_lo, tb_hi):
+            o_t = i_tb * BLOCK_T + tl.arange(0, BLOCK_T)
+            acc = _dd_product(o_t, idx, b_w, DOT_PRECISION, UPCAST)
+            tl.store(p_out + o_t[:, None] * stride_gd_tok, acc.to(GradD.dtype.element_ty),
+                     mask=(o_t < Ld)[:, None] & m_k[None, :])
+    else:
+        for i_tb in range(tb_lo, tb_hi):
+            o_t = i_tb * BLOCK_T + tl.arange(0, BLOCK_T)
+            acc = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
+            for r0 in range(r_lo, r_hi, BLOCK_R):
+                idx, b_w = _dd_rows(
+                    Grad, Q, QInv, Argmax, r0, r_hi, i_col, Ncols, Lq, o_k, m_k,
+                    stride_g_seq, stride_g_col, stride_q_seq, stride_q_tok, stride_q_dim,
+                    stride_qinv_seq, stride_qinv_tok, NORMALIZE, BLOCK_R,
+                )
+                acc += _dd_product(o_t, idx, b_w, DOT_PRECISION, UPCAST)
+            tl.store(p_out + o_t[:, None] * stride_gd_tok, acc.to(GradD.dtype.element_ty),
+                     mask=(o_t < Ld)[:, None] & m_k[None, :])
 
 
 @triton.jit(do_not_specialize=["n_rows"])

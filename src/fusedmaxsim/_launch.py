@@ -391,6 +391,16 @@ def _splits(cfg, Q: Tensor, n_cols: int) -> int:
     return max(1, min(n_cols, _cdiv(target, programs), _MAX_GRID_Y))
 
 
+def _dd_tiles_per_program(cfg, Q: Tensor, documents: int, Ld: int, rows_in_one_block: bool) -> int:
+    """Token tiles per program of the document-owned grad_D: one, unless the program's rows are
+    loaded once for all its tiles; then as many as keep about four programs per SM."""
+    tiles = _cdiv(Ld, cfg.block_t)
+    if not rows_in_one_block or tiles <= 1:
+        return 1
+    splits = _cdiv(4 * _sm_count(Q.device), documents)
+    return _cdiv(tiles, min(tiles, splits))
+
+
 def _launch_gather(
     cfg, grad_scores, Q, D, argmax, q_inv, d_inv, per_query_docs, col_base, n_cols, splits,
     grad_q, grad_d_buffer,
@@ -521,11 +531,13 @@ def maxsim_bwd(
     elif need_grad_d:
         grad_d = _empty(D.shape, d_dtype, D.device)
         groups = Nq if per_query_docs else 1
+        rows_in_one_block = per_query_docs and Lq <= cfg.block_r
+        tiles_per_program = _dd_tiles_per_program(cfg, Q, groups * Ncols, Ld, rows_in_one_block)
         launcher(_maxsim_bwd_dd_kernel)(
-            (groups * Ncols, _cdiv(Ld, cfg.block_t)),
+            (groups * Ncols, _cdiv(_cdiv(Ld, cfg.block_t), tiles_per_program)),
             (
                 grad_scores, Q, Q if q_inv is None else q_inv, argmax, grad_d,
-                Nq, Ncols, Lq, Ld, dim,
+                Nq, Ncols, Lq, Ld, dim, tiles_per_program,
                 *grad_scores.stride(),
                 *Q.stride(),
                 *(q_inv.stride() if normalize else (0, 0)),
@@ -533,6 +545,7 @@ def maxsim_bwd(
             ),
             constants(
                 PER_QUERY_DOCS=per_query_docs,
+                ROWS_IN_ONE_BLOCK=rows_in_one_block,
                 NORMALIZE=normalize,
                 BLOCK_T=cfg.block_t,
                 BLOCK_R=cfg.block_r,
