@@ -36,6 +36,20 @@ def _seed():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _cpu_suite_semantics_on_a_gpu(request):
+    """On a machine with CUDA, the tests written for the interpreter (those not marked ``gpu``)
+    run on the GPU as they do on CPU: tensors they create without a device land on CUDA, and
+    fp32 is exact (the interpreter's products are IEEE fp32; the GPU default is TF32)."""
+    if not ON_GPU or "gpu" in request.keywords:
+        yield
+        return
+    from fusedmaxsim import settings
+
+    with torch.device("cuda"), settings.use_fp32_precision("ieee"):
+        yield
+
+
 @pytest.fixture
 def device():
     return DEVICE

@@ -161,7 +161,8 @@ def maxsim_bwd_blocked(
     fp32_out: bool,
     block_bytes: int,
 ) -> tuple[Tensor, Tensor]:
-    """Gradients from the saved argmax: a gather for ``grad_Q`` and an ``index_add_`` for ``grad_D``."""
+    """Gradients from the saved argmax: a gather for ``grad_Q`` and an accumulating
+    ``index_put_`` (deterministic on every device) for ``grad_D``."""
     per_query_docs = D.dim() == 4
     Nq, Lq, dim = Q.shape
     Ncols, Ld = D.shape[-3], D.shape[-2]
@@ -198,7 +199,8 @@ def maxsim_bwd_blocked(
                     flat = (grp * Ncols if per_query_docs else 0) + col
                     flat = (flat * Ld + tok)[hit]
                     src = (g.unsqueeze(-1) * q_rows.unsqueeze(1))[hit]
-                    grad_d_rows.index_add_(0, flat, src)
+                    # Sorted on CUDA, so deterministic (index_add_ would use atomics there).
+                    grad_d_rows.index_put_((flat,), src, accumulate=True)
     return _out_grads(grad_q, grad_d, Q, D, need_grad_q, need_grad_d, fp32_out, ct)
 
 

@@ -495,11 +495,12 @@ def _pairs_bwd_torch(layout, grad, Q, D, argmax, q_inv, d_inv, need_q, need_d, b
             argmax[sl, : blocks.width_q].unsqueeze(1), qp.inv,
             None if dp.inv is None else dp.inv.unsqueeze(1), need_q, need_d, True, block_bytes,
         )
-        # Pairs share queries and documents: their gradients add up.
+        # Pairs share queries and documents: their gradients add up (index_put_ with
+        # accumulate sorts the indices on CUDA: deterministic, where index_add_ uses atomics).
         if need_q:
-            grad_q.index_add_(0, qp.rows[qp.inside], gq[qp.inside])
+            grad_q.index_put_((qp.rows[qp.inside],), gq[qp.inside], accumulate=True)
         if need_d:
-            grad_d.index_add_(0, dp.rows[dp.inside], gd[:, 0][dp.inside])
+            grad_d.index_put_((dp.rows[dp.inside],), gd[:, 0][dp.inside], accumulate=True)
     return grad_q, grad_d
 
 
