@@ -64,7 +64,7 @@ def loop_reference(Q, D, cu_q, cu_d, q_mask=None, d_mask=None, normalize=False, 
 def check_packed(fn, Q, D, cu_q, cu_d, *, pairs=None, q_mask=None, d_mask=None, normalize=False,
                  backward=None, tol=None, **kwargs):
     """Scores and both gradients (a random grad_output, then a stride-0 one) against float64."""
-    index = (torch.tensor(pairs[0]), torch.tensor(pairs[1])) if pairs else ()
+    index = (torch.tensor(pairs[0], device=Q.device), torch.tensor(pairs[1], device=Q.device)) if pairs else ()
     return compare_with_float64(
         lambda q, d: fn(q, d, cu_q, cu_d, *index, q_mask=q_mask, d_mask=d_mask,
                         normalize=normalize, backward=backward, **kwargs),
@@ -211,14 +211,15 @@ FORCED = [
 
 
 @pytest.mark.parametrize("fwd,bwd,strategy", FORCED)
-def test_forced_tile_paths(fwd, bwd, strategy):
+def test_forced_tile_paths(fwd, bwd, strategy, device):
     lq, ld = [19, 0, 33], [33, 1, 17]
-    Q, D = packed(lq, dim=64), packed(ld, dim=64)
-    q_mask = torch.rand(sum(lq)) > 0.2
+    Q, D = packed(lq, dim=64).to(device), packed(ld, dim=64).to(device)
+    q_mask = (torch.rand(sum(lq)) > 0.2).to(device)
+    cu_q, cu_d = offsets(lq).to(device), offsets(ld).to(device)
     with settings.use_backend("triton"), forced_configs(fwd, bwd):
-        check_packed(maxsim_varlen, Q, D, offsets(lq), offsets(ld), q_mask=q_mask, backward=strategy)
+        check_packed(maxsim_varlen, Q, D, cu_q, cu_d, q_mask=q_mask, backward=strategy)
         check_packed(
-            score_pairs_packed, Q, D, offsets(lq), offsets(ld), pairs=([0, 2, 2, 1], [0, 0, 2, 1]),
+            score_pairs_packed, Q, D, cu_q, cu_d, pairs=([0, 2, 2, 1], [0, 0, 2, 1]),
             q_mask=q_mask, backward=strategy,
         )
 
@@ -331,14 +332,15 @@ def test_lowmem_backward_is_bitwise_reproducible(backend, fn):
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
 
 
-def test_deterministic_mode_picks_lowmem_and_refuses_unified():
-    Q, D = leaf(packed(Q_LENGTHS)), leaf(packed(D_LENGTHS))
+def test_deterministic_mode_picks_lowmem_and_refuses_unified(device):
+    Q, D = leaf(packed(Q_LENGTHS).to(device)), leaf(packed(D_LENGTHS).to(device))
+    cu_q, cu_d = offsets(Q_LENGTHS).to(device), offsets(D_LENGTHS).to(device)
     torch.use_deterministic_algorithms(True)
     try:
         with settings.use_backend("triton"):
-            maxsim_varlen(Q, D, offsets(Q_LENGTHS), offsets(D_LENGTHS)).sum().backward()
+            maxsim_varlen(Q, D, cu_q, cu_d).sum().backward()
             with pytest.raises(RuntimeError, match="not deterministic"):
-                maxsim_varlen(Q, D, offsets(Q_LENGTHS), offsets(D_LENGTHS), backward="unified").sum().backward()
+                maxsim_varlen(Q, D, cu_q, cu_d, backward="unified").sum().backward()
     finally:
         torch.use_deterministic_algorithms(False)
 
