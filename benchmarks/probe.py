@@ -272,22 +272,11 @@ def host_costs() -> None:
     import cProfile
     import io
     import pstats
-    import time
 
+    from profile_host import wall_us
     from torch.profiler import ProfilerActivity, profile
 
     from fusedmaxsim import benchmarking as bm
-
-    def issue_us(fn, n=400):
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(n):
-            fn()
-        spent = (time.perf_counter() - start) / n * 1e6
-        torch.cuda.synchronize()
-        return spent
 
     x = torch.zeros(256, device="cuda")
     Q = torch.randn(32, 32, 128, device="cuda", dtype=torch.bfloat16)
@@ -304,7 +293,7 @@ def host_costs() -> None:
         ("_launch.maxsim_bwd lowmem (2 kernels)",
          lambda: _launch.maxsim_bwd(g, Q, D, argmax, None, None, True, True, "lowmem", False, "tf32")),
     ):
-        print(f"  issue {issue_us(fn):7.1f} us  {label}", flush=True)
+        print(f"  issue {wall_us(fn, issue_only=True):7.1f} us  {label}", flush=True)
 
     for name in ("train_colbert", "train_colbert_masked", "train_kd", "train_kd_colpali", "train_colpali"):
         case = bm.make_case(bm.SHAPES_BY_NAME[name], "training", "cuda")
