@@ -70,6 +70,18 @@ def leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone().requires_grad_(True)
 
 
+def assert_backward_bitwise_reproducible(backward_of, Q, D, runs: int = 2) -> None:
+    """``backward_of(q, d)`` (a forward and its backward on fresh leaves) gives bitwise equal
+    gradients of Q and D in every one of ``runs`` runs."""
+    grads = []
+    for _ in range(runs):
+        q, d = leaf(Q), leaf(D)
+        backward_of(q, d)
+        grads.append((q.grad, d.grad))
+    for q_grad, d_grad in grads[1:]:
+        assert torch.equal(q_grad, grads[0][0]) and torch.equal(d_grad, grads[0][1])
+
+
 def compare_with_float64(call, ref_call, Q, D, tol, *, inference=True):
     """Scores and both gradients (a random grad_output, then the stride-0 one that
     ``loss.sum().backward()`` passes) of ``call(Q, D)`` against ``ref_call(Q64, D64)`` in

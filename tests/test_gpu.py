@@ -7,7 +7,13 @@ scores and gradients alike, as the main peer's tests enforce.
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import check_against_reference, compiled_and_eager_step, leaf, masks_with_holes
+from helpers import (
+    assert_backward_bitwise_reproducible,
+    check_against_reference,
+    compiled_and_eager_step,
+    leaf,
+    masks_with_holes,
+)
 
 from fusedmaxsim import maxsim, maxsim_pairs, settings
 from fusedmaxsim.reference import maxsim_ref
@@ -76,13 +82,10 @@ def test_nan_and_fully_masked_on_gpu():
 def test_lowmem_is_bitwise_reproducible_on_gpu():
     Q = torch.randn(64, 32, 128, device="cuda", dtype=torch.bfloat16)
     D = torch.randn(64, 300, 128, device="cuda", dtype=torch.bfloat16)
-    grads = []
-    for _ in range(3):
-        q, d = leaf(Q), leaf(D)
-        maxsim(q, d, backward="lowmem").backward(torch.ones(64, 64, device="cuda"))
-        grads.append((q.grad, d.grad))
-    for q_grad, d_grad in grads[1:]:
-        assert torch.equal(q_grad, grads[0][0]) and torch.equal(d_grad, grads[0][1])
+    assert_backward_bitwise_reproducible(
+        lambda q, d: maxsim(q, d, backward="lowmem").backward(torch.ones(64, 64, device="cuda")),
+        Q, D, runs=3,
+    )
 
 
 @pytest.mark.parametrize(

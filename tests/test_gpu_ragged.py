@@ -9,7 +9,7 @@ Bounds are ``max|out − ref| / max|ref|`` against the float64 per-segment loop:
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import leaf
+from helpers import assert_backward_bitwise_reproducible, leaf
 from test_ragged import check_packed, loop_reference
 
 from fusedmaxsim import maxsim
@@ -152,17 +152,15 @@ def test_lowmem_is_bitwise_reproducible_on_gpu(fn):
     Q, D = tokens(lq, 128, torch.bfloat16), tokens(ld, 128, torch.bfloat16)
     pq = torch.randint(0, len(lq), (256,), device="cuda")
     pd = torch.randint(0, len(ld), (256,), device="cuda")
-    grads = []
-    for _ in range(3):
-        q, d = leaf(Q), leaf(D)
+
+    def backward_of(q, d):
         if fn == "varlen":
             out = maxsim_varlen(q, d, offsets(lq), offsets(ld), backward="lowmem")
         else:
             out = score_pairs_packed(q, d, offsets(lq), offsets(ld), pq, pd, backward="lowmem")
         out.backward(torch.linspace(-1, 1, out.numel(), device="cuda").view(out.shape))
-        grads.append((q.grad, d.grad))
-    for q_grad, d_grad in grads[1:]:
-        assert torch.equal(q_grad, grads[0][0]) and torch.equal(d_grad, grads[0][1])
+
+    assert_backward_bitwise_reproducible(backward_of, Q, D, runs=3)
 
 
 def test_varlen_equals_dense_maxsim_on_equal_lengths():

@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers import (
     LAYOUTS,
+    assert_backward_bitwise_reproducible,
     check_against_reference,
     compiled_and_eager_step,
     leaf,
@@ -201,12 +202,9 @@ def test_pairs_equal_the_diagonal_of_the_cross_product(backend, device):
 
 def test_lowmem_backward_is_bitwise_reproducible(backend, device):
     Q, D, q_mask, d_mask = random_problem("cross", torch.float32, device)
-    grads = []
-    for _ in range(2):
-        q, d = leaf(Q), leaf(D)
-        maxsim(q, d, q_mask, d_mask, backward="lowmem").sum().backward()
-        grads.append((q.grad, d.grad))
-    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+    assert_backward_bitwise_reproducible(
+        lambda q, d: maxsim(q, d, q_mask, d_mask, backward="lowmem").sum().backward(), Q, D
+    )
 
 
 def test_deterministic_mode_picks_lowmem_and_refuses_unified(device):

@@ -7,7 +7,7 @@ d = 40 is not a power of two, so every tail mask runs.
 
 import pytest
 import torch
-from helpers import compare_with_float64, leaf
+from helpers import assert_backward_bitwise_reproducible, compare_with_float64, leaf
 
 from fusedmaxsim import maxsim, settings
 from fusedmaxsim._configs import BwdConfig, FwdConfig, forced_configs
@@ -319,17 +319,16 @@ def test_non_contiguous_packed_tokens(backend):
 @pytest.mark.parametrize("fn", ["varlen", "pairs"])
 def test_lowmem_backward_is_bitwise_reproducible(backend, fn):
     Q, D = packed(Q_LENGTHS), packed(D_LENGTHS)
-    grads = []
-    for _ in range(2):
-        q, d = leaf(Q), leaf(D)
+
+    def backward_of(q, d):
         if fn == "varlen":
             out = maxsim_varlen(q, d, offsets(Q_LENGTHS), offsets(D_LENGTHS), backward="lowmem")
         else:
             out = score_pairs_packed(q, d, offsets(Q_LENGTHS), offsets(D_LENGTHS), torch.tensor(PAIRS[0]),
                                      torch.tensor(PAIRS[1]), backward="lowmem")
         out.backward(torch.linspace(-1, 1, out.numel()).reshape(out.shape))
-        grads.append((q.grad, d.grad))
-    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+    assert_backward_bitwise_reproducible(backward_of, Q, D)
 
 
 def test_deterministic_mode_picks_lowmem_and_refuses_unified(device):

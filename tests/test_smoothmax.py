@@ -5,7 +5,13 @@ forward and gradients against the float64 reference on both paths, with the max'
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import LAYOUTS, check_against_reference, leaf, random_problem
+from helpers import (
+    LAYOUTS,
+    assert_backward_bitwise_reproducible,
+    check_against_reference,
+    leaf,
+    random_problem,
+)
 
 from fusedmaxsim import maxsim, maxsim_pairs, settings
 from fusedmaxsim.reference import maxsim_ref
@@ -93,12 +99,9 @@ def test_large_similarities_do_not_overflow(backend, device):
 
 def test_backward_is_bitwise_reproducible(backend, device):
     Q, D, q_mask, d_mask = random_problem("cross", torch.float32, device)
-    grads = []
-    for _ in range(2):
-        q, d = leaf(Q), leaf(D)
-        maxsim(q, d, q_mask, d_mask, reduction="smoothmax").sum().backward()
-        grads.append((q.grad, d.grad))
-    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+    assert_backward_bitwise_reproducible(
+        lambda q, d: maxsim(q, d, q_mask, d_mask, reduction="smoothmax").sum().backward(), Q, D
+    )
 
 
 def test_pairs_equal_the_diagonal(backend, device):

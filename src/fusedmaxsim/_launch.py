@@ -239,6 +239,19 @@ def gather_meta(cfg, *, normalize: bool, grad_q: bool, atomic_q: bool, scatter_d
     )
 
 
+def owned_tile_meta(cfg, dtype: torch.dtype, fp32_precision: str) -> dict:
+    """The constexprs and launch options of the kernels that own ``grad_D`` token tiles and build
+    them with products (the document-owned backwards, dense and packed, and the smooth max's)."""
+    return dict(
+        BLOCK_T=cfg.block_t,
+        BLOCK_K=cfg.block_k,
+        DOT_PRECISION=_dot_precision(dtype, fp32_precision),
+        UPCAST=_upcast(dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
 def _launch_fwd(
     cfg, Q, D, qm, dm, q_inv, d_inv, scores, argmax, save_argmax, fp32_precision, norm_from_tiles,
     tau,
@@ -547,13 +560,8 @@ def maxsim_bwd(
                 PER_QUERY_DOCS=per_query_docs,
                 ROWS_IN_ONE_BLOCK=rows_in_one_block,
                 NORMALIZE=normalize,
-                BLOCK_T=cfg.block_t,
                 BLOCK_R=cfg.block_r,
-                BLOCK_K=cfg.block_k,
-                DOT_PRECISION=_dot_precision(Q.dtype, fp32_precision),
-                UPCAST=_upcast(Q.dtype),
-                num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages,
+                **owned_tile_meta(cfg, Q.dtype, fp32_precision),
             ),
         )
     return grad_q, grad_d

@@ -24,15 +24,14 @@ from ._kernels_ragged import (
 from ._launch import (
     _as_bytes,
     _cdiv,
-    _dot_precision,
     _empty,
     _no_argmax,
     _sm_count,
-    _upcast,
     constants,
     fwd_meta,
     gather_meta,
     launcher,
+    owned_tile_meta,
 )
 
 __all__ = ["ragged_bwd", "ragged_fwd", "sorted_pairs"]
@@ -247,12 +246,7 @@ def ragged_bwd(
             args,
             PAIRS=pairs,
             NORMALIZE=normalize,
-            BLOCK_T=cfg.block_t,
             BLOCK_R=block_r,
-            BLOCK_K=cfg.block_k,
-            DOT_PRECISION=_dot_precision(Q.dtype, fp32_precision),
-            UPCAST=_upcast(Q.dtype),
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            **owned_tile_meta(cfg, Q.dtype, fp32_precision),
         )
     return grad_q, grad_d

@@ -16,12 +16,11 @@ from ._launch import (
     _as_bytes,
     _cdiv,
     _doc_strides,
-    _dot_precision,
     _empty,
-    _upcast,
     constants,
     grads_without_launch,
     launcher,
+    owned_tile_meta,
     smooth_scales,
 )
 
@@ -59,12 +58,7 @@ def smooth_bwd(
             HAS_D_MASK=dm is not None,
             PER_QUERY_DOCS=per_query_docs,
             BLOCK_S=cfg.block_s,
-            BLOCK_T=cfg.block_t,
-            BLOCK_K=cfg.block_k,
-            DOT_PRECISION=_dot_precision(Q.dtype, fp32_precision),
-            UPCAST=_upcast(Q.dtype),
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            **owned_tile_meta(cfg, Q.dtype, fp32_precision),
         )
 
     def args(out: Tensor) -> tuple:
