@@ -5,7 +5,7 @@ training shape, the smooth max against colpali-engine's einsum + logsumexp; and 
 memory, and the first calls' split. GPU times by ``triton.testing.do_bench`` (median, ms).
 
     PYTHONPATH=src python3 benchmarks/probe.py [normalize] [kd] [smooth] [masked] [rerank] [memory] [cold]
-        [small] [stages] [cold_profile] [steps] [host]
+        [small] [stages] [cold_profile] [steps] [host] [fwd_tiles]
 """
 
 from __future__ import annotations
@@ -425,12 +425,92 @@ def cold_profile() -> None:
         print(run.stdout[-9000:] + run.stderr[-2000:])
 
 
+def _forward_shapes():
+    """The forward-bound rows of the suite: (name, Q, D, d_mask, save_argmax), bf16."""
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+
+    lengths = torch.randint(30, 301, (256,), device="cuda")
+    padded = torch.arange(300, device="cuda") < lengths[:, None]
+    return (
+        ("train_colpali fwd", rand(128, 128, 128), rand(128, 1024, 128), None, True),
+        ("train_colbert fwd", rand(128, 32, 128), rand(128, 300, 128), None, True),
+        ("batch_colbert", rand(256, 32, 128), rand(256, 300, 128), None, False),
+        ("batch_colbert_masked", rand(256, 32, 128), rand(256, 300, 128), padded, False),
+        ("rerank_colpali_1030", rand(1, 1030, 128), rand(1000, 1030, 128), None, False),
+        ("rerank_colpali", rand(1, 128, 128), rand(1000, 1024, 128), None, False),
+        ("longquery", rand(4, 2048, 128), rand(64, 1024, 128), None, False),
+        ("longdoc", rand(16, 32, 128), rand(32, 8192, 128), None, False),
+        ("kd_colpali fwd", rand(32, 32, 128), rand(32, 16, 1030, 128), None, True),
+    )
+
+
+def _tile_variants(base: FwdConfig, Nq: int, Lq: int, per_query_docs: bool) -> list:
+    """The default tiles, and variants that keep the slot accumulators out of local memory:
+    32-token document tiles (4 or 8 warps, 8 warps capped at 128 registers so that two programs
+    share an SM), and 256-row query blocks (two warp groups sharing each document tile)."""
+    rows = base.lq_tile * base.queries_per_block
+    variants = [base]
+    for block_n, warps, stages, regs in ((32, 4, 3, None), (32, 4, 4, None), (32, 8, 3, 128),
+                                         (32, 8, 4, 128), (64, 8, 3, None), (64, 8, 2, 128)):
+        variants.append(dataclasses.replace(base, block_n=block_n, num_warps=warps,
+                                            num_stages=stages, max_registers=regs))
+    if rows == 128:
+        doubled = None
+        if base.lq_tile == 128 and Lq >= 256:
+            doubled = dataclasses.replace(base, lq_tile=256)
+        elif not per_query_docs and Nq >= 2 * base.queries_per_block:
+            doubled = dataclasses.replace(base, queries_per_block=2 * base.queries_per_block)
+        if doubled is not None:
+            for stages in (3, 4):
+                variants.append(dataclasses.replace(doubled, block_n=32, num_warps=8,
+                                                    num_stages=stages, max_registers=None))
+    return variants
+
+
+def forward_tiles() -> None:
+    """Forward tiles against the default on the forward-bound rows (GPU time, ms), each checked
+    first: scores within 1e-6 of the default's, the same argmax; the default against float64 on
+    a slice of the queries."""
+    for name, Q, D, d_mask, save_argmax in _forward_shapes():
+        per_query_docs = D.dim() == 4
+        Nq, Lq = Q.shape[0], Q.shape[1]
+        base = fwd_config(Lq=Lq, dim=128, Nq=Nq, per_query_docs=per_query_docs, elem_bytes=2)
+
+        def run():
+            return _launch.maxsim_fwd(Q, D, None, d_mask, None, None, save_argmax, "tf32")
+
+        with forced_configs(fwd=base):
+            want_scores, want_arg = run()
+        n = min(Nq, 4)
+        ref = maxsim_ref(Q[:n].double(), (D[:n] if per_query_docs else D[:64]).double(),
+                         d_mask=None if d_mask is None else d_mask[:64])
+        got = want_scores[:n] if per_query_docs else want_scores[:n, :64]
+        print(f"-- {name}: default {base}, error against float64 {relative_error(got, ref):.1e}")
+        for cfg in _tile_variants(base, Nq, Lq, per_query_docs):
+            label = (f"rows {cfg.lq_tile}x{cfg.queries_per_block} bn {cfg.block_n} w {cfg.num_warps} "
+                     f"s {cfg.num_stages} regs {cfg.max_registers}")
+            with forced_configs(fwd=cfg):
+                try:
+                    scores, arg = run()
+                    err = relative_error(scores, want_scores)
+                    same_arg = bool(torch.equal(arg, want_arg))
+                    ms = bench(run)
+                except Exception as exc:  # noqa: BLE001
+                    print(f"  {label}: {type(exc).__name__}: {str(exc)[:80]}")
+                    continue
+            verdict = "" if err < 1e-6 and same_arg else "  PARITY FAILED"
+            print(f"  {label}: {ms:.4f} ms  (vs default {err:.0e}, argmax same {same_arg}){verdict}",
+                  flush=True)
+
+
 if __name__ == "__main__":
     wanted = set(sys.argv[1:]) or {"normalize", "kd", "smooth"}
     for name, probe in (("normalize", normalize_sweep), ("kd", kd_split), ("smooth", smooth_vs_naive),
                         ("masked", masked), ("rerank", rerank_tiles), ("memory", memory),
                         ("cold", cold), ("small", small_tiles), ("stages", gather_stages),
-                        ("cold_profile", cold_profile), ("steps", training_steps), ("host", host_costs)):
+                        ("cold_profile", cold_profile), ("steps", training_steps), ("host", host_costs),
+                        ("fwd_tiles", forward_tiles)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()

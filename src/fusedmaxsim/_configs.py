@@ -39,6 +39,9 @@ class FwdConfig:
     block_k: int  # embedding dim, padded to a power of two
     num_warps: int
     num_stages: int
+    # ptxas's register cap per thread (None: its own choice); two 8-warp programs fit on one SM
+    # at 128 registers.
+    max_registers: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

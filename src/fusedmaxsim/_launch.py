@@ -222,6 +222,7 @@ def fwd_meta(
         UPCAST=_upcast(dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **({} if cfg.max_registers is None else {"maxnreg": cfg.max_registers}),
     )
 
 
