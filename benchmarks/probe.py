@@ -427,22 +427,29 @@ def cold_profile() -> None:
 
 
 def _forward_shapes():
-    """The forward-bound rows of the suite: (name, Q, D, d_mask, save_argmax), bf16."""
+    """Forward-bound rows of the suite, and small grids of long documents:
+    (name, Q, D, d_mask, save_argmax, normalize), bf16."""
     def rand(*shape):
         return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
 
     lengths = torch.randint(30, 301, (256,), device="cuda")
     padded = torch.arange(300, device="cuda") < lengths[:, None]
     return (
-        ("train_colpali fwd", rand(128, 128, 128), rand(128, 1024, 128), None, True),
-        ("train_colbert fwd", rand(128, 32, 128), rand(128, 300, 128), None, True),
-        ("batch_colbert", rand(256, 32, 128), rand(256, 300, 128), None, False),
-        ("batch_colbert_masked", rand(256, 32, 128), rand(256, 300, 128), padded, False),
-        ("rerank_colpali_1030", rand(1, 1030, 128), rand(1000, 1030, 128), None, False),
-        ("rerank_colpali", rand(1, 128, 128), rand(1000, 1024, 128), None, False),
-        ("longquery", rand(4, 2048, 128), rand(64, 1024, 128), None, False),
-        ("longdoc", rand(16, 32, 128), rand(32, 8192, 128), None, False),
-        ("kd_colpali fwd", rand(32, 32, 128), rand(32, 16, 1030, 128), None, True),
+        ("train_colpali fwd", rand(128, 128, 128), rand(128, 1024, 128), None, True, False),
+        ("train_colbert fwd", rand(128, 32, 128), rand(128, 300, 128), None, True, False),
+        ("batch_colbert", rand(256, 32, 128), rand(256, 300, 128), None, False, False),
+        ("batch_colbert_masked", rand(256, 32, 128), rand(256, 300, 128), padded, False, False),
+        ("rerank_colpali_1030", rand(1, 1030, 128), rand(1000, 1030, 128), None, False, False),
+        ("rerank_colpali", rand(1, 128, 128), rand(1000, 1024, 128), None, False, False),
+        ("rerank_colpali_norm", rand(1, 128, 128), rand(1000, 1024, 128), None, False, True),
+        ("longquery", rand(4, 2048, 128), rand(64, 1024, 128), None, False, False),
+        ("longdoc", rand(16, 32, 128), rand(32, 8192, 128), None, False, False),
+        ("kd_colpali fwd", rand(32, 32, 128), rand(32, 16, 1030, 128), None, True, False),
+        ("small grid: 1x32 vs 100x8192", rand(1, 32, 128), rand(100, 8192, 128), None, False, False),
+        ("small grid: 1x128 vs 64x4096", rand(1, 128, 128), rand(64, 4096, 128), None, False, False),
+        ("small grid: 8x32 vs 64x2048", rand(8, 32, 128), rand(64, 2048, 128), None, False, False),
+        ("small grid: 4x128 vs 32x4096 train", rand(4, 128, 128), rand(32, 4096, 128), None, True, False),
+        ("mid grid: 16x32 vs 256x2048", rand(16, 32, 128), rand(256, 2048, 128), None, False, False),
     )
 
 
@@ -453,7 +460,8 @@ def _tile_variants(base: FwdConfig, Nq: int, Lq: int, per_query_docs: bool) -> l
     rows = base.lq_tile * base.queries_per_block
     variants = [base]
     for block_n, warps, stages, regs in ((32, 4, 3, None), (32, 4, 4, None), (32, 8, 3, 128),
-                                         (32, 8, 4, 128), (64, 8, 3, None), (64, 8, 2, 128)):
+                                         (32, 8, 4, 128), (64, 8, 3, None), (64, 8, 4, None),
+                                         (64, 8, 2, 128), (32, 8, 3, None)):
         variants.append(dataclasses.replace(base, block_n=block_n, num_warps=warps,
                                             num_stages=stages, max_registers=regs))
     if rows == 128:
@@ -473,21 +481,24 @@ def forward_tiles() -> None:
     """Forward tiles against the default on the forward-bound rows (GPU time, ms), each checked
     first: scores within 1e-6 of the default's, the same argmax; the default against float64 on
     a slice of the queries."""
-    for name, Q, D, d_mask, save_argmax in _forward_shapes():
+    for name, Q, D, d_mask, save_argmax, normalize in _forward_shapes():
         per_query_docs = D.dim() == 4
         Nq, Lq = Q.shape[0], Q.shape[1]
         base = fwd_config(Lq=Lq, dim=128, Nq=Nq, per_query_docs=per_query_docs, elem_bytes=2)
 
         def run():
-            return _launch.maxsim_fwd(Q, D, None, d_mask, None, None, save_argmax, "tf32")
+            return _launch.maxsim_fwd(Q, D, None, d_mask, None, None, save_argmax, "tf32",
+                                      norm_from_tiles=normalize)
 
         with forced_configs(fwd=base):
             want_scores, want_arg = run()
         n = min(Nq, 4)
         ref = maxsim_ref(Q[:n].double(), (D[:n] if per_query_docs else D[:64]).double(),
-                         d_mask=None if d_mask is None else d_mask[:64])
+                         d_mask=None if d_mask is None else d_mask[:64], normalize=normalize)
         got = want_scores[:n] if per_query_docs else want_scores[:n, :64]
-        print(f"-- {name}: default {base}, error against float64 {relative_error(got, ref):.1e}")
+        programs = D.shape[-3] * -(-Nq // base.queries_per_block)
+        print(f"-- {name}: {programs} programs, default {base}, error against float64 "
+              f"{relative_error(got, ref):.1e}")
         for cfg in _tile_variants(base, Nq, Lq, per_query_docs):
             label = (f"rows {cfg.lq_tile}x{cfg.queries_per_block} bn {cfg.block_n} w {cfg.num_warps} "
                      f"s {cfg.num_stages} regs {cfg.max_registers}")
