@@ -1,5 +1,7 @@
 """Tile heuristics, forced configurations and the opt-in autotuning's selection."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -64,3 +66,47 @@ def test_query_tiles_bucket_lengths(Lq, bucket):
     cfg = _configs.fwd_config(Lq=Lq, dim=64, Nq=3, per_query_docs=False, elem_bytes=4)
     assert cfg.lq_tile == min(bucket, cap)
     assert cfg == _configs.fwd_config(Lq=bucket, dim=64, Nq=3, per_query_docs=False, elem_bytes=4)
+
+
+def _gpu_default(Lq=32, Nq=64, per_query_docs=False):
+    return _configs._fwd_heuristic(Lq, 128, Nq, per_query_docs, 2, False)
+
+
+def test_few_programs_take_two_warp_groups_with_64_token_tiles():
+    base = _gpu_default()
+    cfg = _configs.fwd_variant(base, few_programs=True, save_argmax=True, norm_from_tiles=False,
+                               per_query_docs=False, elem_bytes=2)
+    assert (cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.max_registers) == (64, 8, 4, None)
+    assert (cfg.lq_tile, cfg.queries_per_block) == (base.lq_tile, base.queries_per_block)
+
+
+@pytest.mark.parametrize("save_argmax,norm_from_tiles,per_query_docs,changed", [
+    (True, False, False, True),  # training forward of the cross product: spill-free tiles
+    (False, True, False, True),  # inference normalizing from the tiles
+    (False, False, False, False),  # plain inference keeps the default
+    (True, False, True, False),  # per-query candidates keep the default (measured slower)
+])
+def test_spill_free_tiles_where_the_default_spills(save_argmax, norm_from_tiles, per_query_docs, changed):
+    base = _gpu_default(Lq=128, per_query_docs=per_query_docs)
+    cfg = _configs.fwd_variant(base, few_programs=False, save_argmax=save_argmax,
+                               norm_from_tiles=norm_from_tiles, per_query_docs=per_query_docs,
+                               elem_bytes=2)
+    if changed:
+        assert (cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.max_registers) == (32, 8, 4, 128)
+    else:
+        assert cfg == base
+
+
+def test_variants_only_for_the_measured_inputs():
+    for base, elem_bytes in ((_configs._fwd_heuristic(32, 128, 64, False, 4, False), 4),
+                             (_configs._fwd_heuristic(32, 320, 64, False, 2, False), 2)):
+        for few in (True, False):
+            assert _configs.fwd_variant(base, few_programs=few, save_argmax=True, norm_from_tiles=True,
+                                        per_query_docs=False, elem_bytes=elem_bytes) == base
+
+
+def test_autotune_candidates_keep_the_register_cap_only_with_its_own_tiles():
+    base = dataclasses.replace(_gpu_default(), num_warps=8, max_registers=128)
+    for cfg in fwd_candidates(base):
+        if cfg.max_registers is not None:
+            assert (cfg.block_n, cfg.num_warps, cfg.num_stages) == (base.block_n, 8, base.num_stages)

@@ -29,6 +29,10 @@ SHAPES = {
     "cross-packed-lq5": ((37, 5, 64), (9, 77, 64)),
     "candidates": ((6, 33, 128), (6, 5, 200, 128)),
     "cross-d320": ((4, 20, 320), (6, 50, 320)),
+    # More programs than SMs: the spill-free tiles of the argmax-saving and normalizing forwards
+    # (the shapes above have fewer: two warp groups a program).
+    "cross-colbert-many-programs": ((64, 32, 128), (40, 200, 128)),
+    "cross-colpali-many-programs": ((6, 128, 128), (200, 90, 128)),
 }
 
 

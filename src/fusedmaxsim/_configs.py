@@ -89,10 +89,48 @@ def block_k_for(dim: int) -> int:
     return max(16, triton.next_power_of_2(dim))
 
 
-def fwd_config(*, Lq: int, dim: int, Nq: int, per_query_docs: bool, elem_bytes: int) -> FwdConfig:
+def fwd_config(
+    *, Lq: int, dim: int, Nq: int, per_query_docs: bool, elem_bytes: int,
+    save_argmax: bool = False, norm_from_tiles: bool = False, n_cols: int | None = None,
+    sm_count: int = 0,
+) -> FwdConfig:
+    """The forward's tiles. With ``n_cols`` (the grid's document columns) and ``sm_count``, the
+    dense forward's measured variants apply (:func:`fwd_variant`)."""
     if _forced_fwd is not None:
         return _forced_fwd
-    return _fwd_heuristic(_pow2(Lq), dim, _pow2(Nq), per_query_docs, elem_bytes, INTERPRETER)
+    cfg = _fwd_heuristic(_pow2(Lq), dim, _pow2(Nq), per_query_docs, elem_bytes, INTERPRETER)
+    if n_cols is None or INTERPRETER:
+        return cfg
+    programs = n_cols * -(-Nq // cfg.queries_per_block)
+    return fwd_variant(
+        cfg, few_programs=programs <= sm_count, save_argmax=save_argmax,
+        norm_from_tiles=norm_from_tiles, per_query_docs=per_query_docs, elem_bytes=elem_bytes,
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def fwd_variant(
+    cfg: FwdConfig, *, few_programs: bool, save_argmax: bool, norm_from_tiles: bool,
+    per_query_docs: bool, elem_bytes: int,
+) -> FwdConfig:
+    """Two measured departures from the default tiles (16-bit inputs, d <= 128, on the H200;
+    benchmarks/NOTES.md section 20):
+
+    * at most one program per SM (a few long documents): two warp groups a program, 64-token
+      tiles, 4 stages, 1.2-2x faster there. This is the one case where ``Nq`` and the number of
+      documents choose the compiled kernel: crossing the line compiles a second one, once.
+    * the forward that saves the argmax (cross product) and the one that normalizes from the
+      tiles: the default tiles spill there (the similarity, slot-max and slot-argmax tiles alone
+      take 192 registers a thread at 4 warps); 8 warps of 32-token tiles capped at 128 registers
+      (two programs per SM) do not, 2-14% faster.
+    """
+    if elem_bytes != 2 or cfg.block_k > 128:
+        return cfg
+    if few_programs:
+        return dataclasses.replace(cfg, block_n=64, num_warps=8, num_stages=4, max_registers=None)
+    if (save_argmax and not per_query_docs) or norm_from_tiles:
+        return dataclasses.replace(cfg, block_n=32, num_warps=8, num_stages=4, max_registers=128)
+    return cfg
 
 
 @functools.lru_cache(maxsize=1024)
@@ -143,7 +181,8 @@ def fwd_candidates(base: FwdConfig) -> list[FwdConfig]:
     for block_n, warps, stages in ((64, 4, 2), (64, 4, 3), (64, 4, 4), (32, 4, 4), (64, 8, 3), (128, 8, 3)):
         if base.block_k > 128 and block_n > 32:
             continue
-        variants.append(dataclasses.replace(base, block_n=block_n, num_warps=warps, num_stages=stages))
+        variants.append(dataclasses.replace(base, block_n=block_n, num_warps=warps, num_stages=stages,
+                                            max_registers=None))
     if base.queries_per_block > 1:
         variants.append(dataclasses.replace(base, queries_per_block=base.queries_per_block // 2))
     unique: list[FwdConfig] = []

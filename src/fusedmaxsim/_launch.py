@@ -334,7 +334,10 @@ def maxsim_fwd(
         return scores, argmax
 
     cfg = _configs.fwd_config(
-        Lq=Lq, dim=dim, Nq=Nq, per_query_docs=per_query_docs, elem_bytes=Q.element_size()
+        Lq=Lq, dim=dim, Nq=Nq, per_query_docs=per_query_docs, elem_bytes=Q.element_size(),
+        # The smooth max keeps the default tiles: its variants were not measured.
+        save_argmax=save_argmax, norm_from_tiles=norm_from_tiles, n_cols=None if tau else Ncols,
+        sm_count=_sm_count(Q.device),
     )
     qm, dm = _as_bytes(q_mask), _as_bytes(d_mask)
     q_inv = None if q_inv is None else q_inv.contiguous()
