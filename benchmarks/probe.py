@@ -5,12 +5,13 @@ training shape, the smooth max against colpali-engine's einsum + logsumexp; and 
 memory, and the first calls' split. GPU times by ``triton.testing.do_bench`` (median, ms).
 
     PYTHONPATH=src python3 benchmarks/probe.py [normalize] [kd] [smooth] [masked] [rerank] [memory] [cold]
-        [small] [stages] [cold_profile] [steps] [host] [fwd_tiles]
+        [small] [stages] [cold_profile] [steps] [host] [fwd_tiles] [launch]
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import subprocess
 import sys
@@ -522,13 +523,54 @@ def forward_tiles() -> None:
                   flush=True)
 
 
+def launch_paths() -> None:
+    """The host's side of the smallest rows, every provider in one process: issue time (calls
+    back to back, no synchronize), wall time and do_bench for ours with the cached launch, ours
+    through Triton's own launch path (FUSEDMAXSIM_TRITON_FAST_LAUNCH=0), and the peers."""
+    from profile_host import wall_us
+
+    from fusedmaxsim import benchmarking as bm
+
+    def ours_with_triton_launch(build):
+        def built(case):
+            os.environ["FUSEDMAXSIM_TRITON_FAST_LAUNCH"] = "0"
+            _launch._launchers.clear()
+            return build(case)
+        return built
+
+    for name, mode in (("rerank_colbert", "inference"), ("small_batch", "inference"),
+                       ("train_small_batch", "training"), ("train_colbert", "training")):
+        case = bm.make_case(bm.SHAPES_BY_NAME[name], mode, "cuda")
+        print(f"-- {name}")
+        for key in ("fusedmaxsim", "fusedmaxsim-triton-launch", "lik", "flash", "naive"):
+            provider = bm.PROVIDERS_BY_KEY.get(key.split("-")[0])
+            if provider.module and importlib.util.find_spec(provider.module) is None:
+                continue
+            build = ours_with_triton_launch(provider.build) if key.endswith("launch") else provider.build
+            step = bm.make_step(build(case), case)
+            grads = [case.Q, case.D] if case.training else None
+
+            def call():
+                if grads:
+                    case.reset_grads()
+                step()
+            issue = wall_us(call, issue_only=True)
+            wall = wall_us(call)
+            ms = do_bench(step, warmup=25, rep=100, grad_to_none=grads)
+            print(f"  {key:26s} issue {issue:6.1f} us  wall {wall:6.1f} us  do_bench {ms:.4f} ms",
+                  flush=True)
+            os.environ.pop("FUSEDMAXSIM_TRITON_FAST_LAUNCH", None)
+            _launch._launchers.clear()
+        del case
+
+
 if __name__ == "__main__":
     wanted = set(sys.argv[1:]) or {"normalize", "kd", "smooth"}
     for name, probe in (("normalize", normalize_sweep), ("kd", kd_split), ("smooth", smooth_vs_naive),
                         ("masked", masked), ("rerank", rerank_tiles), ("memory", memory),
                         ("cold", cold), ("small", small_tiles), ("stages", gather_stages),
                         ("cold_profile", cold_profile), ("steps", training_steps), ("host", host_costs),
-                        ("fwd_tiles", forward_tiles)):
+                        ("fwd_tiles", forward_tiles), ("launch", launch_paths)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()

@@ -253,45 +253,67 @@ def owned_tile_meta(cfg, dtype: torch.dtype, fp32_precision: str) -> dict:
     )
 
 
+@functools.lru_cache(maxsize=1024)
+def _fwd_constants(
+    cfg, dtype, dim, per_query_docs, norm_from_tiles, smooth, has_q_mask, has_d_mask, normalize,
+    save_argmax, fp32_precision,
+) -> Constants:
+    return constants(
+        PER_QUERY_DOCS=per_query_docs,
+        NORM_FROM_TILES=norm_from_tiles,
+        SMOOTH=smooth,
+        **fwd_meta(
+            cfg, dtype, dim, has_q_mask=has_q_mask, has_d_mask=has_d_mask, normalize=normalize,
+            save_argmax=save_argmax, fp32_precision=fp32_precision,
+        ),
+    )
+
+
 def _launch_fwd(
     cfg, Q, D, qm, dm, q_inv, d_inv, scores, argmax, save_argmax, fp32_precision, norm_from_tiles,
     tau,
 ) -> None:
     """One forward launch (several for huge query batches) with tiles ``cfg``."""
-    per_query_docs = D.dim() == 4
+    d_shape = D.shape
+    per_query_docs = len(d_shape) == 4
     Nq, Lq, dim = Q.shape
-    Ncols, Ld = D.shape[-3], D.shape[-2]
+    Ncols, Ld = d_shape[-3], d_shape[-2]
     qpb = cfg.queries_per_block
     smooth_scale, smooth_unscale = smooth_scales(tau) if tau else (1.0, 1.0)
-    consts = constants(
-        PER_QUERY_DOCS=per_query_docs,
-        NORM_FROM_TILES=norm_from_tiles,
-        SMOOTH=bool(tau),
-        **fwd_meta(
-            cfg, Q.dtype, dim, has_q_mask=qm is not None, has_d_mask=dm is not None,
-            normalize=norm_from_tiles or q_inv is not None, save_argmax=save_argmax,
-            fp32_precision=fp32_precision,
-        ),
+    consts = _fwd_constants(
+        cfg, Q.dtype, dim, per_query_docs, norm_from_tiles, bool(tau), qm is not None,
+        dm is not None, norm_from_tiles or q_inv is not None, save_argmax, fp32_precision,
     )
+    doc_strides = D.stride() if per_query_docs else (0, *D.stride())
+    kernel = launcher(_maxsim_fwd_kernel)
     # Grid axis 1 holds at most 65535 blocks: larger query batches go in slices.
     step = _MAX_GRID_Y * qpb
+    if Nq <= step:
+        kernel(
+            (Ncols, _cdiv(Nq, qpb)),
+            (
+                Q, D, Q if qm is None else qm, D if dm is None else dm,
+                Q if q_inv is None else q_inv, D if d_inv is None else d_inv, scores, argmax,
+                Nq, Ncols, Lq, Ld, dim, *Q.stride(), *doc_strides, smooth_scale, smooth_unscale,
+            ),
+            consts,
+        )
+        return
     for q0 in range(0, Nq, step):
         sl = slice(q0, min(Nq, q0 + step))
-        whole = q0 == 0 and Nq <= step
-        Qs = Q if whole else Q[sl]
-        Ds = D[sl] if per_query_docs and not whole else D
-        qms = qm if qm is None or whole else qm[sl]
-        dms = dm[sl] if dm is not None and per_query_docs and not whole else dm
-        qis = q_inv if q_inv is None or whole else q_inv[sl]
-        dis = d_inv[sl] if d_inv is not None and per_query_docs and not whole else d_inv
-        out = scores if whole else scores[sl]
-        arg = argmax[sl] if save_argmax and not whole else argmax
+        Qs = Q[sl]
+        Ds = D[sl] if per_query_docs else D
+        qms = None if qm is None else qm[sl]
+        dms = dm[sl] if dm is not None and per_query_docs else dm
+        qis = None if q_inv is None else q_inv[sl]
+        dis = d_inv[sl] if d_inv is not None and per_query_docs else d_inv
         n = Qs.shape[0]
-        launcher(_maxsim_fwd_kernel)(
+        kernel(
             (Ncols, _cdiv(n, qpb)),
             (
                 Qs, Ds, Qs if qms is None else qms, Ds if dms is None else dms,
-                Qs if qis is None else qis, Ds if dis is None else dis, out, arg,
+                Qs if qis is None else qis, Ds if dis is None else dis, scores[sl],
+                argmax[sl] if save_argmax else argmax,
                 n, Ncols, Lq, Ld, dim, *Qs.stride(), *_doc_strides(Ds, per_query_docs),
                 smooth_scale, smooth_unscale,
             ),
@@ -316,17 +338,19 @@ def maxsim_fwd(
     where no backward needs the inverse norms afterwards. ``tau > 0``: the smooth max
     ``tau · logsumexp(s / tau)`` instead of the max, and in place of the argmax the fp32
     log2-sum-exp2 of each row (``+inf`` where the row adds nothing), which its backward reads."""
-    per_query_docs = D.dim() == 4
+    d_shape = D.shape
+    per_query_docs = len(d_shape) == 4
     Nq, Lq, dim = Q.shape
-    Ncols, Ld = D.shape[-3], D.shape[-2]
-    scores = _empty((Nq, Ncols), torch.float32, Q.device)
+    Ncols, Ld = d_shape[-3], d_shape[-2]
+    device = Q.device
+    scores = _empty((Nq, Ncols), torch.float32, device)
     saved_dtype = torch.float32 if tau else _configs.argmax_dtype(Ld)
     argmax = (
-        _empty((Nq, Ncols, Lq), saved_dtype, Q.device)
+        _empty((Nq, Ncols, Lq), saved_dtype, device)
         if save_argmax
-        else _no_argmax(Q.device, saved_dtype)
+        else _no_argmax(device, saved_dtype)
     )
-    if scores.numel() == 0:
+    if not (Nq and Ncols):
         return scores, argmax
     if Lq == 0 or Ld == 0:
         scores.zero_()
@@ -337,15 +361,18 @@ def maxsim_fwd(
         Lq=Lq, dim=dim, Nq=Nq, per_query_docs=per_query_docs, elem_bytes=Q.element_size(),
         # The smooth max keeps the default tiles: its variants were not measured.
         save_argmax=save_argmax, norm_from_tiles=norm_from_tiles, n_cols=None if tau else Ncols,
-        sm_count=_sm_count(Q.device),
+        sm_count=_sm_count(device),
     )
-    qm, dm = _as_bytes(q_mask), _as_bytes(d_mask)
-    q_inv = None if q_inv is None else q_inv.contiguous()
-    d_inv = None if d_inv is None else d_inv.contiguous()
+    qm = None if q_mask is None else _as_bytes(q_mask)
+    dm = None if d_mask is None else _as_bytes(d_mask)
+    if q_inv is not None:
+        q_inv = q_inv.contiguous()
+    if d_inv is not None:
+        d_inv = d_inv.contiguous()
     operands = (
         Q, D, qm, dm, q_inv, d_inv, scores, argmax, save_argmax, fp32_precision, norm_from_tiles, tau
     )
-    if Q.is_cuda and not _configs.is_forced() and settings.autotune():
+    if device.type == "cuda" and not _configs.is_forced() and settings.autotune():
         from triton.testing import do_bench
 
         key = (
@@ -447,13 +474,29 @@ def _launch_gather(
             *(grad_q.stride() if grad_q is not None else (0, 0, 0)),
             *(_doc_strides(grad_d_buffer, per_query_docs) if grad_d_buffer is not None else (0, 0, 0, 0)),
         ),
-        constants(
-            PER_QUERY_DOCS=per_query_docs,
-            **gather_meta(
-                cfg, normalize=normalize, grad_q=grad_q is not None,
-                atomic_q=grad_q is not None and splits > 1, scatter_d=grad_d_buffer is not None,
-            ),
+        _gather_constants(
+            cfg, per_query_docs, normalize, grad_q is not None,
+            grad_q is not None and splits > 1, grad_d_buffer is not None,
         ),
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def _gather_constants(cfg, per_query_docs, normalize, grad_q, atomic_q, scatter_d) -> Constants:
+    return constants(
+        PER_QUERY_DOCS=per_query_docs,
+        **gather_meta(cfg, normalize=normalize, grad_q=grad_q, atomic_q=atomic_q, scatter_d=scatter_d),
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def _dd_constants(cfg, per_query_docs, rows_in_one_block, normalize, dtype, fp32_precision) -> Constants:
+    return constants(
+        PER_QUERY_DOCS=per_query_docs,
+        ROWS_IN_ONE_BLOCK=rows_in_one_block,
+        NORMALIZE=normalize,
+        BLOCK_R=cfg.block_r,
+        **owned_tile_meta(cfg, dtype, fp32_precision),
     )
 
 
@@ -462,11 +505,11 @@ def grads_without_launch(
 ) -> tuple[Tensor, Tensor] | None:
     """The gradients when no kernel has to run, else None: empty tensors for those not asked for
     when neither is, zeros when the problem is empty (a zero-sized axis)."""
-    empty = Q.new_empty((0,))
     if not (need_grad_q or need_grad_d):
-        return empty, empty
+        return Q.new_empty((0,)), Q.new_empty((0,))
     if Q.numel() and D.numel():
         return None
+    empty = Q.new_empty((0,))
     gq = torch.zeros(Q.shape, dtype=torch.float32 if fp32_out else Q.dtype, device=Q.device)
     gd = torch.zeros(D.shape, dtype=torch.float32 if fp32_out else D.dtype, device=D.device)
     return gq if need_grad_q else empty, gd if need_grad_d else empty
@@ -500,7 +543,6 @@ def maxsim_bwd(
     normalize = q_inv is not None
     q_dtype = torch.float32 if fp32_out else Q.dtype
     d_dtype = torch.float32 if fp32_out else D.dtype
-    empty = Q.new_empty((0,))
 
     cfg = _configs.bwd_config(
         Lq=Lq, dim=dim, elem_bytes=Q.element_size(), per_query_docs=per_query_docs
@@ -511,7 +553,7 @@ def maxsim_bwd(
         _launch_gather, cfg, grad_scores, Q, D, argmax, q_inv, d_inv, per_query_docs
     )
 
-    grad_q = empty
+    grad_q = None
     if need_grad_q:
         # Splitting the documents over programs needs an fp32 grad_Q buffer (atomics, a zero fill
         # and a cast): worth it only when the grid would otherwise leave the GPU idle on real work.
@@ -529,14 +571,14 @@ def maxsim_bwd(
         if atomic_q and grad_q.dtype != q_dtype:
             grad_q = grad_q.to(q_dtype)
         if fused:
-            return grad_q, grad_d_acc.to(d_dtype)
+            return grad_q, grad_d_acc.to(d_dtype)  # grad_Q was needed: not None
 
-    grad_d = empty
+    grad_d = None
     if scatter_d:
         buffer = _scatter_buffer(D, chunk_cols)
         if chunk_cols == Ncols:
             gather(0, Ncols, _splits(cfg, Q, Ncols), None, buffer)
-            return grad_q, buffer.to(d_dtype)
+            return _or_empty(grad_q, Q), buffer.to(d_dtype)
         # Column chunks through an fp32 buffer of `chunk_cols` columns, each drained into grad_D
         # when complete (cast, and the buffer cleared for the next chunk, in one launch): the
         # buffer stays a fraction of grad_D however large D is.
@@ -560,15 +602,14 @@ def maxsim_bwd(
                 *(q_inv.stride() if normalize else (0, 0)),
                 *_doc_strides(grad_d, per_query_docs),
             ),
-            constants(
-                PER_QUERY_DOCS=per_query_docs,
-                ROWS_IN_ONE_BLOCK=rows_in_one_block,
-                NORMALIZE=normalize,
-                BLOCK_R=cfg.block_r,
-                **owned_tile_meta(cfg, Q.dtype, fp32_precision),
-            ),
+            _dd_constants(cfg, per_query_docs, rows_in_one_block, normalize, Q.dtype, fp32_precision),
         )
-    return grad_q, grad_d
+    return _or_empty(grad_q, Q), _or_empty(grad_d, Q)
+
+
+def _or_empty(grad: Tensor | None, like: Tensor) -> Tensor:
+    """A gradient nobody asked for is an empty tensor (the registered op returns tensors only)."""
+    return like.new_empty((0,)) if grad is None else grad
 
 
 def inverse_norms(x: Tensor, eps: float) -> Tensor:

@@ -123,8 +123,10 @@ def canonical(Q: object, D: object, q_mask: object, d_mask: object) -> Problem:
             raise ValueError(
                 f"the per-query candidate layout needs D.shape[0] == Nq: D {_shape(D)}, Q {_shape(Q)}"
             )
-    q_mask = _check_mask("q_mask", q_mask, _shape(Q)[:-1], "Q", Q.device)
-    d_mask = _check_mask("d_mask", d_mask, _shape(D)[:-1], "D", D.device)
+    if q_mask is not None:
+        q_mask = _check_mask("q_mask", q_mask, _shape(Q)[:-1], "Q", Q.device)
+    if d_mask is not None:
+        d_mask = _check_mask("d_mask", d_mask, _shape(D)[:-1], "D", D.device)
     Q, D = promote_pair(Q, D)
     squeeze_q, squeeze_d = Q.dim() == 2, D.dim() == 2
     if squeeze_q:
