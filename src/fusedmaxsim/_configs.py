@@ -117,7 +117,7 @@ def fwd_variant(
     benchmarks/NOTES.md section 20):
 
     * at most one program per SM (a few long documents): two warp groups a program, 64-token
-      tiles, 4 stages, 1.2-2x faster there. This is the one case where ``Nq`` and the number of
+      tiles, 4 stages, 1.1-2x faster there. This is the one case where ``Nq`` and the number of
       documents choose the compiled kernel: crossing the line compiles a second one, once.
     * the forward that saves the argmax (cross product) and the one that normalizes from the
       tiles: the default tiles spill there (the similarity, slot-max and slot-argmax tiles alone
