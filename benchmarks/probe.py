@@ -5,7 +5,7 @@ training shape, the smooth max against colpali-engine's einsum + logsumexp; and 
 memory, and the first calls' split. GPU times by ``triton.testing.do_bench`` (median, ms).
 
     PYTHONPATH=src python3 benchmarks/probe.py [normalize] [kd] [smooth] [masked] [rerank] [memory] [cold]
-        [small] [stages] [cold_profile] [steps] [host] [fwd_tiles] [launch]
+        [small] [stages] [cold_profile] [steps] [host] [fwd_tiles] [launch] [chunks]
 """
 
 from __future__ import annotations
@@ -564,13 +564,42 @@ def launch_paths() -> None:
         del case
 
 
+def query_chunks() -> None:
+    """Query chunk height for queries just past a multiple of 128 rows (1030 tokens: nine
+    128-row chunks hold 1152 rows, 12% of them padding; seventeen 64-row chunks hold 1088)."""
+    Q = torch.randn(1, 1030, 128, device="cuda", dtype=torch.bfloat16)
+    D = torch.randn(1000, 1030, 128, device="cuda", dtype=torch.bfloat16)
+    base = fwd_config(Lq=1030, dim=128, Nq=1, per_query_docs=False, elem_bytes=2)
+
+    def run():
+        return _launch.maxsim_fwd(Q, D, None, None, None, None, False, "tf32")
+
+    with forced_configs(fwd=base):
+        want = run()[0]
+    print(f"default {base}")
+    for lq_tile, block_n, warps, stages in ((128, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 4),
+                                            (64, 128, 4, 3), (64, 64, 8, 3), (64, 32, 4, 4)):
+        cfg = dataclasses.replace(base, lq_tile=lq_tile, block_n=block_n, num_warps=warps,
+                                  num_stages=stages)
+        with forced_configs(fwd=cfg):
+            try:
+                err = relative_error(run()[0], want)
+                ms = bench(run)
+            except Exception as exc:  # noqa: BLE001
+                print(f"  rows {lq_tile} bn {block_n} w {warps} s {stages}: {type(exc).__name__}")
+                continue
+        print(f"  rows {lq_tile} bn {block_n} w {warps} s {stages}: {ms:.4f} ms  (vs default {err:.0e})",
+              flush=True)
+
+
 if __name__ == "__main__":
     wanted = set(sys.argv[1:]) or {"normalize", "kd", "smooth"}
     for name, probe in (("normalize", normalize_sweep), ("kd", kd_split), ("smooth", smooth_vs_naive),
                         ("masked", masked), ("rerank", rerank_tiles), ("memory", memory),
                         ("cold", cold), ("small", small_tiles), ("stages", gather_stages),
                         ("cold_profile", cold_profile), ("steps", training_steps), ("host", host_costs),
-                        ("fwd_tiles", forward_tiles), ("launch", launch_paths)):
+                        ("fwd_tiles", forward_tiles), ("launch", launch_paths),
+                        ("chunks", query_chunks)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()

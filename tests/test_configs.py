@@ -110,3 +110,12 @@ def test_autotune_candidates_keep_the_register_cap_only_with_its_own_tiles():
     for cfg in fwd_candidates(base):
         if cfg.max_registers is not None:
             assert (cfg.block_n, cfg.num_warps, cfg.num_stages) == (base.block_n, 8, base.num_stages)
+
+
+def test_measured_tile_variants_only_on_hopper():
+    from fusedmaxsim import _launch
+
+    assert not _launch._measured_tiles(torch.device("cpu"))
+    if torch.cuda.is_available():
+        major = torch.cuda.get_device_capability()[0]
+        assert _launch._measured_tiles(torch.device("cuda")) == (torch.version.hip is None and major == 9)

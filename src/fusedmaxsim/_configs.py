@@ -95,7 +95,8 @@ def fwd_config(
     sm_count: int = 0,
 ) -> FwdConfig:
     """The forward's tiles. With ``n_cols`` (the grid's document columns) and ``sm_count``, the
-    dense forward's measured variants apply (:func:`fwd_variant`)."""
+    dense forward's measured variants apply (:func:`fwd_variant`); the launcher passes them on
+    Hopper GPUs only, where they were measured."""
     if _forced_fwd is not None:
         return _forced_fwd
     cfg = _fwd_heuristic(_pow2(Lq), dim, _pow2(Nq), per_query_docs, elem_bytes, INTERPRETER)

@@ -191,6 +191,19 @@ def _sm_count(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@functools.lru_cache(maxsize=None)
+def _hopper_index(device_index: int) -> bool:
+    return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] == 9
+
+
+def _measured_tiles(device: torch.device) -> bool:
+    """Whether the forward's measured tile variants apply: NVIDIA Hopper (sm_90), where they were
+    measured; elsewhere the default tiles stay."""
+    if device.type != "cuda":
+        return False
+    return _hopper_index(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def _doc_strides(t: Tensor | None, per_query_docs: bool) -> tuple[int, ...]:
     """Strides of a document-side tensor as (group, column, token[, dim]); group stride 0 = shared."""
     if t is None:
@@ -360,8 +373,8 @@ def maxsim_fwd(
     cfg = _configs.fwd_config(
         Lq=Lq, dim=dim, Nq=Nq, per_query_docs=per_query_docs, elem_bytes=Q.element_size(),
         # The smooth max keeps the default tiles: its variants were not measured.
-        save_argmax=save_argmax, norm_from_tiles=norm_from_tiles, n_cols=None if tau else Ncols,
-        sm_count=_sm_count(device),
+        save_argmax=save_argmax, norm_from_tiles=norm_from_tiles,
+        n_cols=Ncols if not tau and _measured_tiles(device) else None, sm_count=_sm_count(device),
     )
     qm = None if q_mask is None else _as_bytes(q_mask)
     dm = None if d_mask is None else _as_bytes(d_mask)
