@@ -2,7 +2,10 @@
 forward under forced tile configurations, the forward/backward split of the per-query candidate
 training shape, the smooth max against colpali-engine's einsum + logsumexp; and behind sections
 13-16: padded document masks, the forward tiles of small-query reranking, the unified backward's
-memory, and the first calls' split. GPU times by ``triton.testing.do_bench`` (median, ms).
+memory, and the first calls' split; behind sections 18-21: the training rows' host and GPU
+time, the forward's tile variants (registers, spills, parity, time), the host's side of a launch
+for every provider, and the query chunk height. GPU times by ``triton.testing.do_bench``
+(median, ms).
 
     PYTHONPATH=src python3 benchmarks/probe.py [normalize] [kd] [smooth] [masked] [rerank] [memory] [cold]
         [small] [stages] [cold_profile] [steps] [host] [fwd_tiles] [launch] [chunks]
