@@ -419,3 +419,25 @@ def test_lowmem_grad_d_of_candidates_over_several_token_tiles(device, Nq, K, Lq,
     maxsim_ref(clean_q, clean_d, q_mask, d_mask).backward(grad.double())
     assert_close_to_reference(Q.grad, clean_q.grad, 1e-2, "grad_Q")
     assert_close_to_reference(D.grad, clean_d.grad, 1e-2, "grad_D")
+
+
+@pytest.mark.parametrize("strategy", ["unified", "lowmem"])
+@pytest.mark.parametrize("need_q,need_d", [(True, True), (True, False), (False, True), (False, False)])
+def test_launcher_returns_an_empty_tensor_for_each_gradient_not_asked_for(device, strategy, need_q, need_d):
+    """The backward launcher's contract, which the registered op relies on (its outputs are
+    tensors): a gradient nobody asked for is an empty tensor of Q's dtype, the others are whole."""
+    from fusedmaxsim import _launch
+
+    Q = torch.randn(3, 7, 32, device=device)
+    D = torch.randn(4, 13, 32, device=device)
+    _, argmax = _launch.maxsim_fwd(Q, D, None, None, None, None, True, "ieee")
+    grad_scores = torch.randn(3, 4, device=device)
+    gq, gd = _launch.maxsim_bwd(grad_scores, Q, D, argmax, None, None, need_q, need_d, strategy,
+                                False, "ieee")
+    Q64, D64 = leaf(Q.double()), leaf(D.double())
+    rq, rd = torch.autograd.grad(maxsim_ref(Q64, D64), (Q64, D64), grad_scores.double())
+    for got, ref, needed in ((gq, rq, need_q), (gd, rd, need_d)):
+        if needed:
+            assert_close_to_reference(got, ref, 1e-4, "gradient")
+        else:
+            assert got.shape == (0,) and got.dtype == Q.dtype
