@@ -625,20 +625,17 @@ def _maxsim_bwd_dd_kernel(
         r_hi = Nq * Lq
     p_out = GradD + i_grp * stride_gd_grp + i_col * stride_gd_col + o_k[None, :] * stride_gd_dim
 
-    if ROWS_IN_ONE_BLOCK:
+    if ROWS_IN_ONE_BLOCK:  # loaded once, for every tile of the program
         idx, b_w = _dd_rows(
             Grad, Q, QInv, Argmax, r_lo, r_hi, i_col, Ncols, Lq, o_k, m_k,
             stride_g_seq, stride_g_col, stride_q_seq, stride_q_tok, stride_q_dim,
             stride_qinv_seq, stride_qinv_tok, NORMALIZE, BLOCK_R,
         )
-        for i_tb in range(tb_lo, tb_hi):
-            o_t = i_tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    for i_tb in range(tb_lo, tb_hi):
+        o_t = i_tb * BLOCK_T + tl.arange(0, BLOCK_T)
+        if ROWS_IN_ONE_BLOCK:
             acc = _dd_product(o_t, idx, b_w, DOT_PRECISION, UPCAST)
-            tl.store(p_out + o_t[:, None] * stride_gd_tok, acc.to(GradD.dtype.element_ty),
-                     mask=(o_t < Ld)[:, None] & m_k[None, :])
-    else:
-        for i_tb in range(tb_lo, tb_hi):
-            o_t = i_tb * BLOCK_T + tl.arange(0, BLOCK_T)
+        else:
             acc = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
             for r0 in range(r_lo, r_hi, BLOCK_R):
                 idx, b_w = _dd_rows(
@@ -647,8 +644,8 @@ def _maxsim_bwd_dd_kernel(
                     stride_qinv_seq, stride_qinv_tok, NORMALIZE, BLOCK_R,
                 )
                 acc += _dd_product(o_t, idx, b_w, DOT_PRECISION, UPCAST)
-            tl.store(p_out + o_t[:, None] * stride_gd_tok, acc.to(GradD.dtype.element_ty),
-                     mask=(o_t < Ld)[:, None] & m_k[None, :])
+        tl.store(p_out + o_t[:, None] * stride_gd_tok, acc.to(GradD.dtype.element_ty),
+                 mask=(o_t < Ld)[:, None] & m_k[None, :])
 
 
 @triton.jit(do_not_specialize=["n_rows"])

@@ -185,10 +185,14 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return _num_sms(_device_index(device))
 
 
 @functools.lru_cache(maxsize=None)
@@ -199,9 +203,7 @@ def _hopper_index(device_index: int) -> bool:
 def _measured_tiles(device: torch.device) -> bool:
     """Whether the forward's measured tile variants apply: NVIDIA Hopper (sm_90), where they were
     measured; elsewhere the default tiles stay."""
-    if device.type != "cuda":
-        return False
-    return _hopper_index(device.index if device.index is not None else torch.cuda.current_device())
+    return device.type == "cuda" and _hopper_index(_device_index(device))
 
 
 def _doc_strides(t: Tensor | None, per_query_docs: bool) -> tuple[int, ...]:
@@ -297,7 +299,6 @@ def _launch_fwd(
         cfg, Q.dtype, dim, per_query_docs, norm_from_tiles, bool(tau), qm is not None,
         dm is not None, norm_from_tiles or q_inv is not None, save_argmax, fp32_precision,
     )
-    doc_strides = D.stride() if per_query_docs else (0, *D.stride())
     kernel = launcher(_maxsim_fwd_kernel)
     # Grid axis 1 holds at most 65535 blocks: larger query batches go in slices.
     step = _MAX_GRID_Y * qpb
@@ -307,7 +308,8 @@ def _launch_fwd(
             (
                 Q, D, Q if qm is None else qm, D if dm is None else dm,
                 Q if q_inv is None else q_inv, D if d_inv is None else d_inv, scores, argmax,
-                Nq, Ncols, Lq, Ld, dim, *Q.stride(), *doc_strides, smooth_scale, smooth_unscale,
+                Nq, Ncols, Lq, Ld, dim, *Q.stride(), *_doc_strides(D, per_query_docs),
+                smooth_scale, smooth_unscale,
             ),
             consts,
         )
@@ -566,35 +568,35 @@ def maxsim_bwd(
         _launch_gather, cfg, grad_scores, Q, D, argmax, q_inv, d_inv, per_query_docs
     )
 
-    grad_q = None
-    if need_grad_q:
+    # One fp32 buffer for all of grad_D: one launch gathers grad_Q (when asked for) and scatters
+    # grad_D, and grad_D is that buffer cast.
+    one_buffer = scatter_d and chunk_cols == Ncols
+    grad_q = grad_d = None
+    if need_grad_q or one_buffer:
         # Splitting the documents over programs needs an fp32 grad_Q buffer (atomics, a zero fill
-        # and a cast): worth it only when the grid would otherwise leave the GPU idle on real work.
-        splits = _splits(cfg, Q, Ncols) if strategy == "unified" and Nq * Ncols * Lq >= 1 << 20 else 1
-        atomic_q = splits > 1
-        grad_q = (
-            torch.zeros(Q.shape, dtype=torch.float32, device=Q.device)
-            if atomic_q
-            else _empty(Q.shape, q_dtype, Q.device)
-        )
-        # One launch gathers grad_Q and scatters grad_D when one fp32 buffer holds all of grad_D.
-        fused = scatter_d and chunk_cols == Ncols
-        grad_d_acc = _scatter_buffer(D, Ncols) if fused else None
-        gather(0, Ncols, splits, grad_q, grad_d_acc)
+        # and a cast): where grad_Q is computed, worth it only when the grid would otherwise
+        # leave the GPU idle on real work.
+        split = strategy == "unified" and (not need_grad_q or Nq * Ncols * Lq >= 1 << 20)
+        splits = _splits(cfg, Q, Ncols) if split else 1
+        atomic_q = need_grad_q and splits > 1
+        if need_grad_q:
+            grad_q = (
+                torch.zeros(Q.shape, dtype=torch.float32, device=Q.device)
+                if atomic_q
+                else _empty(Q.shape, q_dtype, Q.device)
+            )
+        buffer = _scatter_buffer(D, Ncols) if one_buffer else None
+        gather(0, Ncols, splits, grad_q, buffer)
         if atomic_q and grad_q.dtype != q_dtype:
             grad_q = grad_q.to(q_dtype)
-        if fused:
-            return grad_q, grad_d_acc.to(d_dtype)  # grad_Q was needed: not None
-
-    grad_d = None
-    if scatter_d:
-        buffer = _scatter_buffer(D, chunk_cols)
-        if chunk_cols == Ncols:
-            gather(0, Ncols, _splits(cfg, Q, Ncols), None, buffer)
+        if one_buffer:
             return _or_empty(grad_q, Q), buffer.to(d_dtype)
+
+    if scatter_d:
         # Column chunks through an fp32 buffer of `chunk_cols` columns, each drained into grad_D
         # when complete (cast, and the buffer cleared for the next chunk, in one launch): the
         # buffer stays a fraction of grad_D however large D is.
+        buffer = _scatter_buffer(D, chunk_cols)
         grad_d = _empty(D.shape, d_dtype, D.device)
         for c0 in range(0, Ncols, chunk_cols):
             n = min(chunk_cols, Ncols - c0)
