@@ -1,0 +1,127 @@
+"""Registers, local memory (spills) and instruction counts of the Triton kernels, compiled offline
+for sm_90 (no GPU needed): the forward under the tile variants of ``benchmarks/NOTES.md`` section
+20, and the document-owned grad_D kernel. Prints a markdown record with the Triton version and
+git sha.
+
+    python benchmarks/compile_report.py > benchmarks/results/offline/<date>_<sha>/compile_report.md
+
+Pointers are declared 16-byte aligned and the unit strides as the constant 1, as a launch on
+contiguous inputs specializes them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from fusedmaxsim._kernels import _maxsim_bwd_dd_kernel, _maxsim_fwd_kernel  # noqa: E402
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+ALIGNED_INTS = ("dim", "stride_q_seq", "stride_q_tok", "stride_d_grp", "stride_d_col", "stride_d_tok",
+                "stride_gd_grp", "stride_gd_col", "stride_gd_tok")
+POINTER_TYPES = {"Q": "*bf16", "D": "*bf16", "GradD": "*bf16", "Grad": "*fp32", "QInv": "*fp32",
+                 "DInv": "*fp32", "Out": "*fp32", "Argmax": "*i16", "QMask": "*u8", "DMask": "*u8"}
+
+
+def compile_sm90(kernel, constants: dict, num_warps: int, num_stages: int, maxnreg=None):
+    signature, attrs = {}, {}
+    constants = dict(constants)
+    for i, name in enumerate(kernel.arg_names):
+        if name in constants:
+            signature[name] = "constexpr"
+            continue
+        if name.endswith("_dim") and name.startswith("stride"):
+            signature[name], constants[name] = "constexpr", 1
+            continue
+        param = kernel.params[i]
+        if param.is_constexpr:
+            raise ValueError(f"no value for constexpr {name}")
+        if name in POINTER_TYPES:
+            signature[name] = POINTER_TYPES[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name.startswith("smooth"):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+            if name in ALIGNED_INTS:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    source = ASTSource(kernel, signature, {(kernel.arg_names.index(k),): v for k, v in constants.items()},
+                       attrs)
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def resources(compiled) -> tuple[int, int, int]:
+    """(registers, local-memory bytes a thread, SASS instructions)."""
+    path = Path("/tmp") / f"fusedmaxsim_compile_report_{os.getpid()}.cubin"
+    path.write_bytes(compiled.asm["cubin"])
+    try:
+        usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-resource-usage", str(path)],
+                               capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-sass", str(path)],
+                              capture_output=True, text=True, check=True).stdout
+    finally:
+        path.unlink()
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
+    instructions = len([ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)])
+    return regs, stack, instructions
+
+
+def forward_rows():
+    base = dict(HAS_Q_MASK=False, HAS_D_MASK=False, NORMALIZE=False, NORM_FROM_TILES=False,
+                SAVE_ARGMAX=False, SMOOTH=False, PER_QUERY_DOCS=False, BLOCK_K=128, EVEN_K=True,
+                DOT_PRECISION="tf32", UPCAST=False)
+    modes = {"argmax": dict(SAVE_ARGMAX=True), "inference": {},
+             "normalize from tiles": dict(NORMALIZE=True, NORM_FROM_TILES=True)}
+    tiles = [  # (query rows x queries, block_n, warps, stages, maxnreg)
+        ((128, 1), 64, 4, 3, None), ((32, 4), 64, 4, 2, None), ((128, 1), 32, 4, 3, None),
+        ((128, 1), 32, 8, 4, 128), ((32, 4), 32, 8, 4, 128), ((128, 1), 64, 8, 4, None),
+        ((32, 4), 64, 8, 4, None),
+    ]
+    for mode, extra in modes.items():
+        for (lq_tile, qpb), block_n, warps, stages, maxnreg in tiles:
+            constants = dict(base, **extra, LQ_TILE=lq_tile, QUERIES_PER_BLOCK=qpb, BLOCK_N=block_n)
+            compiled = compile_sm90(_maxsim_fwd_kernel, constants, warps, stages, maxnreg)
+            label = f"{lq_tile}x{qpb} rows, {block_n}-token tiles, {warps} warps, {stages} stages"
+            yield "forward", mode, label, maxnreg, *resources(compiled)
+
+
+def grad_d_rows():
+    for per_query_docs, rows_in_one_block, block_r in ((False, False, 128), (True, False, 32),
+                                                       (True, True, 32)):
+        constants = dict(PER_QUERY_DOCS=per_query_docs, ROWS_IN_ONE_BLOCK=rows_in_one_block,
+                         NORMALIZE=False, BLOCK_T=64, BLOCK_R=block_r, BLOCK_K=128,
+                         DOT_PRECISION="tf32", UPCAST=False)
+        compiled = compile_sm90(_maxsim_bwd_dd_kernel, constants, 4, 2)
+        mode = ("candidates" if per_query_docs else "cross") + (", rows once" if rows_in_one_block else "")
+        yield "grad_D (lowmem)", mode, f"64-token tiles, {block_r} rows a product, 4 warps", None, \
+            *resources(compiled)
+
+
+def main() -> None:
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent).stdout.strip() or "unknown"
+    print("# Offline compile report (sm_90)\n")
+    print(f"- triton {triton.__version__}, target sm_90 (no GPU), git: {sha}")
+    print("- command: `python benchmarks/compile_report.py`; bf16 inputs, d = 128\n")
+    print("| kernel | mode | tiles | register cap | registers | local memory B/thread | SASS instructions |")
+    print("|---|---|---|---|---|---|---|")
+    for row in (*forward_rows(), *grad_d_rows()):
+        kernel, mode, label, maxnreg, regs, stack, instructions = row
+        print(f"| {kernel} | {mode} | {label} | {maxnreg or '–'} | {regs} | {stack} | {instructions} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""The Python side of a call, with every Triton launch replaced by a no-op: what the package's own
+layers cost the host per call, apart from the launch itself and the GPU. Runs on a CPU under the
+Triton interpreter (so that CPU tensors take the Triton path), for the source tree given.
+
+    TRITON_INTERPRET=1 FUSEDMAXSIM_BACKEND=triton python benchmarks/host_python.py [SRC_DIR]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).resolve().parents[1] / "src"))
+
+import torch  # noqa: E402
+
+from fusedmaxsim import _launch, maxsim  # noqa: E402
+
+
+class _NoLaunch:
+    def __call__(self, grid, args, constants):
+        pass
+
+
+def per_call_us(fn, n: int) -> float:
+    for _ in range(n // 20):
+        fn()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - start) / n * 1e6
+
+
+def main() -> None:
+    _launch.launcher = lambda kernel: _NoLaunch()
+    Q = torch.randn(32, 32, 128, dtype=torch.bfloat16)
+    D = torch.randn(32, 180, 128, dtype=torch.bfloat16)
+    g = torch.randn(32, 32)
+    Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
+    x = torch.randn(32, 32, requires_grad=True)
+    _, argmax = _launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32")
+
+    def forward():
+        with torch.no_grad():
+            maxsim(Q, D)
+
+    def step():
+        Qg.grad = Dg.grad = None
+        maxsim(Qg, Dg).backward(g)
+
+    def trivial_graph():
+        x.grad = None
+        (x * 2).backward(g)
+
+    rows = (
+        ("no_grad forward, 32 x 32 queries and documents", forward, 5000),
+        ("backward launcher, lowmem (2 launches)",
+         lambda: _launch.maxsim_bwd(g, Q, D, argmax, None, None, True, True, "lowmem", False, "tf32"), 5000),
+        ("training step (forward + backward)", step, 2000),
+        ("torch alone: (x * 2).backward(g)", trivial_graph, 2000),
+    )
+    print(f"torch {torch.__version__}, source {sys.path[0]}")
+    for label, fn, n in rows:
+        print(f"  {per_call_us(fn, n):7.1f} us  {label}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
