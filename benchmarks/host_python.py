@@ -13,9 +13,9 @@ from pathlib import Path
 
 sys.path.insert(0, sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).resolve().parents[1] / "src"))
 
-import torch  # noqa: E402
+import torch
 
-from fusedmaxsim import _launch, maxsim  # noqa: E402
+from fusedmaxsim import _launch, maxsim
 
 
 class _NoLaunch:
