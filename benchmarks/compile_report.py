@@ -81,7 +81,7 @@ def resources(compiled) -> tuple[int, int, int]:
 def forward_rows():
     base = dict(HAS_Q_MASK=False, HAS_D_MASK=False, NORMALIZE=False, NORM_FROM_TILES=False,
                 SAVE_ARGMAX=False, SMOOTH=False, PER_QUERY_DOCS=False, BLOCK_K=128, EVEN_K=True,
-                DOT_PRECISION="tf32", UPCAST=False)
+                DOT_PRECISION="tf32", UPCAST=False, QUERY_IN_REGISTERS=False)
     modes = {"argmax": dict(SAVE_ARGMAX=True), "inference": {},
              "normalize from tiles": dict(NORMALIZE=True, NORM_FROM_TILES=True)}
     tiles = [  # (query rows x queries, block_n, warps, stages, maxnreg)

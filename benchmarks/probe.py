@@ -4,11 +4,12 @@ training shape, the smooth max against colpali-engine's einsum + logsumexp; and 
 13-16: padded document masks, the forward tiles of small-query reranking, the unified backward's
 memory, and the first calls' split; behind sections 18-21: the training rows' host and GPU
 time, the forward's tile variants (registers, spills, parity, time), the host's side of a launch
-for every provider, and the query chunk height. GPU times by ``triton.testing.do_bench``
+for every provider, and the query chunk height; behind section 22: the query tile in registers. GPU times by ``triton.testing.do_bench``
 (median, ms).
 
     PYTHONPATH=src python3 benchmarks/probe.py [normalize] [kd] [smooth] [masked] [rerank] [memory] [cold]
         [small] [stages] [cold_profile] [steps] [host] [fwd_tiles] [launch] [chunks]
+        [query_registers]
 """
 
 from __future__ import annotations
@@ -481,14 +482,44 @@ def _tile_variants(base: FwdConfig, Nq: int, Lq: int, per_query_docs: bool) -> l
     return variants
 
 
-def forward_tiles() -> None:
+def _query_register_variants(chosen: FwdConfig, Nq: int, Lq: int, per_query_docs: bool) -> list:
+    """The tiles the library chooses, and the query tile in registers under those tiles and
+    under the spill-free 8- and 4-warp tiles (registers per ``benchmarks/compile_report.py``)."""
+    variants = [chosen, dataclasses.replace(chosen, query_in_registers=True)]
+    for block_n, warps, stages, regs in ((64, 8, 3, None), (64, 8, 4, None), (32, 8, 4, None),
+                                         (32, 8, 4, 128), (32, 4, 3, None)):
+        variants.append(dataclasses.replace(chosen, block_n=block_n, num_warps=warps,
+                                            num_stages=stages, max_registers=regs,
+                                            query_in_registers=True))
+    unique = []
+    for cfg in variants:
+        if cfg not in unique:
+            unique.append(cfg)
+    return unique
+
+
+def query_registers() -> None:
+    """The query tile in registers for the Hopper products (benchmarks/NOTES.md section 22),
+    against the tiles the library chooses; checked and timed as ``forward_tiles`` does."""
+    forward_tiles(_query_register_variants, chosen=True)
+
+
+def forward_tiles(variants=None, chosen: bool = False) -> None:
     """Forward tiles against the default on the forward-bound rows (GPU time, ms), each checked
     first: scores within 1e-6 of the default's, the same argmax; the default against float64 on
-    a slice of the queries."""
+    a slice of the queries. ``chosen``: the reference is the tiles the library picks on this GPU
+    (its measured variants included), not the heuristic's default."""
+    variants = variants or _tile_variants
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     for name, Q, D, d_mask, save_argmax, normalize in _forward_shapes():
         per_query_docs = D.dim() == 4
         Nq, Lq = Q.shape[0], Q.shape[1]
-        base = fwd_config(Lq=Lq, dim=128, Nq=Nq, per_query_docs=per_query_docs, elem_bytes=2)
+        extra = {}
+        if chosen:
+            extra = dict(save_argmax=save_argmax, norm_from_tiles=normalize,
+                         n_cols=D.shape[-3], sm_count=sm_count)
+        base = fwd_config(Lq=Lq, dim=128, Nq=Nq, per_query_docs=per_query_docs, elem_bytes=2,
+                          **extra)
 
         def run():
             return _launch.maxsim_fwd(Q, D, None, d_mask, None, None, save_argmax, "tf32",
@@ -503,9 +534,9 @@ def forward_tiles() -> None:
         programs = D.shape[-3] * -(-Nq // base.queries_per_block)
         print(f"-- {name}: {programs} programs, default {base}, error against float64 "
               f"{relative_error(got, ref):.1e}")
-        for cfg in _tile_variants(base, Nq, Lq, per_query_docs):
+        for cfg in variants(base, Nq, Lq, per_query_docs):
             label = (f"rows {cfg.lq_tile}x{cfg.queries_per_block} bn {cfg.block_n} w {cfg.num_warps} "
-                     f"s {cfg.num_stages} regs {cfg.max_registers}")
+                     f"s {cfg.num_stages} regs {cfg.max_registers} q-in-regs {cfg.query_in_registers:d}")
             compiled = _launch.launcher(_maxsim_fwd_kernel).compiled
             known = set(compiled)
             with forced_configs(fwd=cfg):
@@ -602,7 +633,7 @@ if __name__ == "__main__":
                         ("cold", cold), ("small", small_tiles), ("stages", gather_stages),
                         ("cold_profile", cold_profile), ("steps", training_steps), ("host", host_costs),
                         ("fwd_tiles", forward_tiles), ("launch", launch_paths),
-                        ("chunks", query_chunks)):
+                        ("chunks", query_chunks), ("query_registers", query_registers)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()

@@ -4,6 +4,8 @@ Shapes are odd on purpose (Lq=7, Ld=13, d=96): nothing is a multiple of a tile, 
 mask in the kernels is exercised.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import (
@@ -317,6 +319,8 @@ FORCED = [
     pytest.param(FwdConfig(16, 1, 16, 64, 4, 1), BwdConfig(16, 16, 16, 64, 4, 1), 40, id="chunked-Lq40"),
     pytest.param(FwdConfig(16, 2, 16, 64, 4, 1), BwdConfig(16, 16, 16, 64, 4, 1), 7, id="packed-2-queries"),
     pytest.param(FwdConfig(16, 4, 32, 64, 4, 1), BwdConfig(32, 32, 32, 64, 4, 1), 13, id="packed-4-queries"),
+    pytest.param(FwdConfig(16, 2, 16, 64, 4, 1, query_in_registers=True), BwdConfig(16, 16, 16, 64, 4, 1), 40,
+                 id="query-in-registers"),
 ]
 
 
@@ -329,13 +333,32 @@ def test_forced_tile_paths(device, fwd, bwd, Lq, layout):
     q_mask = masks_with_holes(Q.shape[:-1], device)
     d_mask = masks_with_holes(D.shape[:-1], device)
     if layout == "candidates":
-        fwd = FwdConfig(fwd.lq_tile, 1, fwd.block_n, fwd.block_k, fwd.num_warps, fwd.num_stages)
+        fwd = dataclasses.replace(fwd, queries_per_block=1)
     with settings.use_backend("triton"), forced_configs(fwd, bwd):
         chunked = check_against_reference(Q, D, q_mask, d_mask, backward="lowmem")
         check_against_reference(Q, D, q_mask, d_mask, backward="unified")
     with settings.use_backend("triton"):
         unchunked = maxsim(Q, D, q_mask, d_mask)
     torch.testing.assert_close(chunked, unchunked, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["cross", "candidates"])
+def test_query_tile_in_registers_changes_no_bit(device, layout):
+    """The query tile routed through a product with a zero operand (so that Hopper's products
+    read it from registers) is the same tile: scores and argmax bit for bit, 16-bit inputs."""
+    from fusedmaxsim import _launch
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16  # the interpreter's bf16 dot is wrong
+    Q = torch.randn(3, 70 if device == "cuda" else 20, 64, device=device).to(dtype)
+    D = torch.randn(*((3, 2) if layout == "candidates" else (5,)), 45, 64, device=device).to(dtype)
+    rows = 64 if device == "cuda" else 16
+    base = FwdConfig(rows, 1, 16 if device != "cuda" else 32, 64, 4, 1 if device != "cuda" else 2)
+    outputs = []
+    for in_registers in (False, True):
+        with forced_configs(dataclasses.replace(base, query_in_registers=in_registers)):
+            outputs.append(_launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32"))
+    assert torch.equal(outputs[0][0], outputs[1][0])
+    assert torch.equal(outputs[0][1], outputs[1][1])
 
 
 def test_torch_compile_fullgraph_matches_eager(backend, device):

@@ -207,6 +207,8 @@ def test_maxsim_padded_matches_a_loop_and_pack_padded_agrees(backend):
 FORCED = [
     pytest.param(FwdConfig(16, 1, 16, 64, 4, 1), BwdConfig(16, 16, 16, 64, 4, 1), "unified", id="chunked"),
     pytest.param(FwdConfig(16, 2, 16, 64, 4, 1), BwdConfig(16, 16, 32, 64, 4, 1), "lowmem", id="two-queries"),
+    pytest.param(FwdConfig(16, 2, 16, 64, 4, 1, query_in_registers=True), BwdConfig(16, 16, 32, 64, 4, 1),
+                 "unified", id="query-in-registers"),
 ]
 
 

@@ -42,6 +42,9 @@ class FwdConfig:
     # ptxas's register cap per thread (None: its own choice); two 8-warp programs fit on one SM
     # at 128 registers.
     max_registers: int | None = None
+    # Hopper products read the query tile from registers instead of shared memory (16-bit
+    # inputs, at least 64 rows a block).
+    query_in_registers: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

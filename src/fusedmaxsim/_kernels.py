@@ -84,6 +84,18 @@ def _inverse_norm(x, EPS: tl.constexpr):
 
 
 @triton.jit
+def _in_product_layout(b_q):
+    """``b_q`` unchanged in value, produced by a tensor-core product: Triton then feeds it to
+    every Hopper product of the loop from registers, where by default it reads the loop-invariant
+    query tile from shared memory again for every document tile. A product with a 16-deep zero
+    operand costs 1/8 of one query-by-query product, once per query chunk; adding it to zero is
+    exact."""
+    zero_a = tl.zeros([b_q.shape[0], 16], b_q.dtype)
+    zero_b = tl.zeros([16, b_q.shape[1]], b_q.dtype)
+    return tl.dot(zero_a, zero_b, acc=b_q.to(tl.float32)).to(b_q.dtype)
+
+
+@triton.jit
 def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
@@ -212,6 +224,7 @@ def _doc_max(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    QUERY_IN_REGISTERS: tl.constexpr,
 ):
     """The MaxSim inner loop: max (and lowest argmax) of ``b_q``'s rows over document tokens
     ``[t_lo, t_hi)``. Every layout calls this one loop.
@@ -223,7 +236,12 @@ def _doc_max(
     Returns ``row_max [BLOCK_M]`` (``-inf`` where no valid token) and ``row_arg [BLOCK_M]``
     (int32, ``-1`` where no valid token; only meaningful when ``TRACK_ARGMAX``). With ``SMOOTH``,
     ``row_max`` is ``log2 Σ_t exp2(s_t · smooth_scale)`` instead (``-inf`` where no valid token).
+    ``QUERY_IN_REGISTERS``: keep ``b_q`` in registers for the products (16-bit inputs, at least
+    64 rows: Hopper's warp-group products), which leaves shared memory's bandwidth to the
+    document tiles.
     """
+    if QUERY_IN_REGISTERS and not UPCAST:
+        b_q = _in_product_layout(b_q)
     if all_valid:
         row_max, row_arg = _doc_loop(
             b_q, p_doc, stride_doc_tok, stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv,
@@ -362,6 +380,7 @@ def _maxsim_fwd_kernel(
     EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    QUERY_IN_REGISTERS: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = LQ_TILE * QUERIES_PER_BLOCK
     i_col = tl.program_id(0).to(tl.int64)
@@ -398,6 +417,7 @@ def _maxsim_fwd_kernel(
             b_q, p_doc, stride_d_tok, stride_d_dim, p_dmask, 1, p_dinv, 1,
             t_lo, t_hi, all_valid, o_k, m_k, smooth_scale, EVEN_K, NORMALIZE, NORM_FROM_TILES,
             SAVE_ARGMAX and not SMOOTH, SMOOTH, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST,
+            QUERY_IN_REGISTERS,
         )
         unit = 1.0
         if SMOOTH:

@@ -118,6 +118,7 @@ def _maxsim_ragged_fwd_kernel(
     EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    QUERY_IN_REGISTERS: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = LQ_TILE * QUERIES_PER_BLOCK
     pid = tl.program_id(0).to(tl.int64)
@@ -168,7 +169,7 @@ def _maxsim_ragged_fwd_kernel(
         row_max, row_arg = _doc_max(
             b_q, p_doc, stride_d_tok, stride_d_dim, p_dmask, 1, p_dinv, 1,
             t_lo, t_hi, all_valid, o_k, m_k, 1.0, EVEN_K, NORMALIZE, False, SAVE_ARGMAX,
-            False, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST,
+            False, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST, QUERY_IN_REGISTERS,
         )
         q_inv = 1.0
         if NORMALIZE:

@@ -235,6 +235,7 @@ def fwd_meta(
         EVEN_K=dim == cfg.block_k,
         DOT_PRECISION=_dot_precision(dtype, fp32_precision),
         UPCAST=_upcast(dtype),
+        QUERY_IN_REGISTERS=cfg.query_in_registers,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **({} if cfg.max_registers is None else {"maxnreg": cfg.max_registers}),
