@@ -1,6 +1,6 @@
 """Registers, local memory (spills) and instruction counts of the Triton kernels, compiled offline
-for sm_90 (no GPU needed): the forward under the tile variants of ``benchmarks/NOTES.md`` section
-20, and the document-owned grad_D kernel. Prints a markdown record with the Triton version and
+for sm_90 (no GPU needed): the forward under the tile variants of ``benchmarks/NOTES.md`` sections
+20 and 22, and the document-owned grad_D kernel. Prints a markdown record with the Triton version and
 git sha.
 
     python benchmarks/compile_report.py > benchmarks/results/offline/<date>_<sha>/compile_report.md
@@ -81,19 +81,24 @@ def resources(compiled) -> tuple[int, int, int]:
 def forward_rows():
     base = dict(HAS_Q_MASK=False, HAS_D_MASK=False, NORMALIZE=False, NORM_FROM_TILES=False,
                 SAVE_ARGMAX=False, SMOOTH=False, PER_QUERY_DOCS=False, BLOCK_K=128, EVEN_K=True,
-                DOT_PRECISION="tf32", UPCAST=False, QUERY_IN_REGISTERS=False)
+                DOT_PRECISION="tf32", UPCAST=False)
     modes = {"argmax": dict(SAVE_ARGMAX=True), "inference": {},
              "normalize from tiles": dict(NORMALIZE=True, NORM_FROM_TILES=True)}
-    tiles = [  # (query rows x queries, block_n, warps, stages, maxnreg)
-        ((128, 1), 64, 4, 3, None), ((32, 4), 64, 4, 2, None), ((128, 1), 32, 4, 3, None),
-        ((128, 1), 32, 8, 4, 128), ((32, 4), 32, 8, 4, 128), ((128, 1), 64, 8, 4, None),
-        ((32, 4), 64, 8, 4, None),
+    tiles = [  # (query rows x queries, block_n, warps, stages, maxnreg, query tile in registers)
+        ((128, 1), 64, 4, 3, None, False), ((32, 4), 64, 4, 2, None, False),
+        ((128, 1), 32, 4, 3, None, False), ((128, 1), 32, 8, 4, 128, False),
+        ((32, 4), 32, 8, 4, 128, False), ((128, 1), 64, 8, 4, None, False),
+        ((32, 4), 64, 8, 4, None, False), ((128, 1), 64, 4, 3, None, True),
+        ((128, 1), 32, 4, 3, None, True), ((32, 4), 32, 4, 3, None, True),
+        ((128, 1), 32, 8, 4, 128, True), ((128, 1), 64, 8, 3, None, True),
     ]
     for mode, extra in modes.items():
-        for (lq_tile, qpb), block_n, warps, stages, maxnreg in tiles:
-            constants = dict(base, **extra, LQ_TILE=lq_tile, QUERIES_PER_BLOCK=qpb, BLOCK_N=block_n)
+        for (lq_tile, qpb), block_n, warps, stages, maxnreg, in_registers in tiles:
+            constants = dict(base, **extra, LQ_TILE=lq_tile, QUERIES_PER_BLOCK=qpb, BLOCK_N=block_n,
+                             QUERY_IN_REGISTERS=in_registers)
             compiled = compile_sm90(_maxsim_fwd_kernel, constants, warps, stages, maxnreg)
             label = f"{lq_tile}x{qpb} rows, {block_n}-token tiles, {warps} warps, {stages} stages"
+            label += ", query in registers" if in_registers else ""
             yield "forward", mode, label, maxnreg, *resources(compiled)
 
 

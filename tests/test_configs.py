@@ -80,21 +80,32 @@ def test_few_programs_take_two_warp_groups_with_64_token_tiles():
     assert (cfg.lq_tile, cfg.queries_per_block) == (base.lq_tile, base.queries_per_block)
 
 
-@pytest.mark.parametrize("save_argmax,norm_from_tiles,per_query_docs,changed", [
-    (True, False, False, True),  # training forward of the cross product: spill-free tiles
-    (False, True, False, True),  # inference normalizing from the tiles
-    (False, False, False, False),  # plain inference keeps the default
-    (True, False, True, False),  # per-query candidates keep the default (measured slower)
+SPILL_FREE_8_WARPS = (32, 8, 4, 128, False)
+QUERY_IN_REGISTERS = (32, 4, 3, None, True)
+
+
+@pytest.mark.parametrize("Lq,Nq,save_argmax,norm_from_tiles,per_query_docs,tiles", [
+    (128, 64, True, False, False, QUERY_IN_REGISTERS),  # training forward of the cross product
+    (32, 64, True, False, False, QUERY_IN_REGISTERS),  # the same, short queries packed by four
+    (32, 64, False, False, False, QUERY_IN_REGISTERS),  # inference on packed short queries
+    (32, 1, True, False, False, SPILL_FREE_8_WARPS),  # 32 rows: no warp-group product
+    (128, 64, False, True, False, SPILL_FREE_8_WARPS),  # inference normalizing from the tiles
+    (128, 64, False, False, False, None),  # inference on 128-row queries keeps the default
+    (128, 64, True, False, True, None),  # per-query candidates keep the default (measured slower)
 ])
-def test_spill_free_tiles_where_the_default_spills(save_argmax, norm_from_tiles, per_query_docs, changed):
-    base = _gpu_default(Lq=128, per_query_docs=per_query_docs)
+def test_tiles_where_the_default_spills_or_waits_on_shared_memory(
+    Lq, Nq, save_argmax, norm_from_tiles, per_query_docs, tiles
+):
+    base = _gpu_default(Lq=Lq, Nq=Nq, per_query_docs=per_query_docs)
     cfg = _configs.fwd_variant(base, few_programs=False, save_argmax=save_argmax,
                                norm_from_tiles=norm_from_tiles, per_query_docs=per_query_docs,
                                elem_bytes=2)
-    if changed:
-        assert (cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.max_registers) == (32, 8, 4, 128)
-    else:
+    if tiles is None:
         assert cfg == base
+    else:
+        assert (cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.max_registers,
+                cfg.query_in_registers) == tiles
+        assert (cfg.lq_tile, cfg.queries_per_block) == (base.lq_tile, base.queries_per_block)
 
 
 def test_variants_only_for_the_measured_inputs():
@@ -106,9 +117,9 @@ def test_variants_only_for_the_measured_inputs():
 
 
 def test_autotune_candidates_keep_the_register_cap_only_with_its_own_tiles():
-    base = dataclasses.replace(_gpu_default(), num_warps=8, max_registers=128)
+    base = dataclasses.replace(_gpu_default(), num_warps=8, max_registers=128, query_in_registers=True)
     for cfg in fwd_candidates(base):
-        if cfg.max_registers is not None:
+        if cfg.max_registers is not None or cfg.query_in_registers:
             assert (cfg.block_n, cfg.num_warps, cfg.num_stages) == (base.block_n, 8, base.num_stages)
 
 
