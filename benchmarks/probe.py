@@ -9,7 +9,7 @@ for every provider, and the query chunk height; behind section 22: the query til
 
     PYTHONPATH=src python3 benchmarks/probe.py [normalize] [kd] [smooth] [masked] [rerank] [memory] [cold]
         [small] [stages] [cold_profile] [steps] [host] [fwd_tiles] [launch] [chunks]
-        [query_registers]
+        [query_registers] [graph_times]
 """
 
 from __future__ import annotations
@@ -626,6 +626,38 @@ def query_chunks() -> None:
               flush=True)
 
 
+def graph_times() -> None:
+    """The small inference rows' GPU time without the host: each provider's call captured in a
+    CUDA graph and replayed (do_bench on the replay, L2 cleared as in the suite), next to
+    do_bench of the eager call and the host's issue time; separates a slower kernel from a
+    longer launch path."""
+    from profile_host import wall_us
+
+    from fusedmaxsim import benchmarking as bm
+
+    for name in ("rerank_colbert", "small_batch", "rerank_colpali"):
+        case = bm.make_case(bm.SHAPES_BY_NAME[name], "inference", "cuda")
+        print(f"-- {name}")
+        for key in ("fusedmaxsim", "lik", "flash", "naive"):
+            provider = bm.PROVIDERS_BY_KEY.get(key)
+            if provider.module and importlib.util.find_spec(provider.module) is None:
+                continue
+            step = bm.make_step(provider.build(case), case)
+            eager = do_bench(step, warmup=25, rep=100)
+            issue = wall_us(step, issue_only=True)
+            try:
+                step()
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    step()
+                replay = f"{do_bench(graph.replay, warmup=25, rep=100):.4f} ms"
+            except Exception as exc:  # noqa: BLE001
+                replay = f"not capturable ({type(exc).__name__})"
+            print(f"  {key:12s} eager {eager:.4f} ms  graph replay {replay}  issue {issue:6.1f} us",
+                  flush=True)
+
+
 if __name__ == "__main__":
     wanted = set(sys.argv[1:]) or {"normalize", "kd", "smooth"}
     for name, probe in (("normalize", normalize_sweep), ("kd", kd_split), ("smooth", smooth_vs_naive),
@@ -633,7 +665,8 @@ if __name__ == "__main__":
                         ("cold", cold), ("small", small_tiles), ("stages", gather_stages),
                         ("cold_profile", cold_profile), ("steps", training_steps), ("host", host_costs),
                         ("fwd_tiles", forward_tiles), ("launch", launch_paths),
-                        ("chunks", query_chunks), ("query_registers", query_registers)):
+                        ("chunks", query_chunks), ("query_registers", query_registers),
+                        ("graph_times", graph_times)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()
