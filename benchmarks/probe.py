@@ -4,12 +4,13 @@ training shape, the smooth max against colpali-engine's einsum + logsumexp; and 
 13-16: padded document masks, the forward tiles of small-query reranking, the unified backward's
 memory, and the first calls' split; behind sections 18-21: the training rows' host and GPU
 time, the forward's tile variants (registers, spills, parity, time), the host's side of a launch
-for every provider, and the query chunk height; behind section 22: the query tile in registers. GPU times by ``triton.testing.do_bench``
+for every provider, and the query chunk height; behind sections 22-23: the query tile in
+registers, the small rows' GPU time alone, 256-row query blocks. GPU times by ``triton.testing.do_bench``
 (median, ms).
 
     PYTHONPATH=src python3 benchmarks/probe.py [normalize] [kd] [smooth] [masked] [rerank] [memory] [cold]
         [small] [stages] [cold_profile] [steps] [host] [fwd_tiles] [launch] [chunks]
-        [query_registers] [graph_times]
+        [query_registers] [graph_times] [wide_rows]
 """
 
 from __future__ import annotations
@@ -498,6 +499,30 @@ def _query_register_variants(chosen: FwdConfig, Nq: int, Lq: int, per_query_docs
     return unique
 
 
+def _wide_row_variants(chosen: FwdConfig, Nq: int, Lq: int, per_query_docs: bool) -> list:
+    """The tiles the library chooses, and 256-row blocks (each document tile shared by twice the
+    rows) with 32-token tiles and the query tile in registers, at 8 and 16 warps."""
+    variants = [chosen]
+    rows = chosen.lq_tile * chosen.queries_per_block
+    doubled = None
+    if rows == 128 and chosen.lq_tile == 128 and Lq >= 256:
+        doubled = dataclasses.replace(chosen, lq_tile=256)
+    elif rows == 128 and not per_query_docs and Nq >= 2 * chosen.queries_per_block:
+        doubled = dataclasses.replace(chosen, queries_per_block=2 * chosen.queries_per_block)
+    if doubled is not None:
+        for warps, stages in ((8, 3), (8, 4), (16, 3), (16, 4)):
+            variants.append(dataclasses.replace(doubled, block_n=32, num_warps=warps,
+                                                num_stages=stages, max_registers=None,
+                                                query_in_registers=True))
+    return variants
+
+
+def wide_rows() -> None:
+    """256-row query blocks with the query tile in registers (benchmarks/NOTES.md section 23),
+    against the tiles the library chooses; checked and timed as ``forward_tiles`` does."""
+    forward_tiles(_wide_row_variants, chosen=True)
+
+
 def query_registers() -> None:
     """The query tile in registers for the Hopper products (benchmarks/NOTES.md section 22),
     against the tiles the library chooses; checked and timed as ``forward_tiles`` does."""
@@ -666,7 +691,7 @@ if __name__ == "__main__":
                         ("cold_profile", cold_profile), ("steps", training_steps), ("host", host_costs),
                         ("fwd_tiles", forward_tiles), ("launch", launch_paths),
                         ("chunks", query_chunks), ("query_registers", query_registers),
-                        ("graph_times", graph_times)):
+                        ("graph_times", graph_times), ("wide_rows", wide_rows)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()
