@@ -209,3 +209,26 @@ def test_cold_start_child_reports_its_first_call(capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(result) == {"import_s", "torch_backward_s", "first_call_s", "second_call_s"}
     assert result["first_call_s"] > 0 and result["torch_backward_s"] > 0
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 6, 7])
+def test_timing_rounds_change_who_goes_first(n):
+    """Each round is a permutation of the providers, and with at least as many providers as
+    rounds no provider starts two rounds: whoever meets a host still speeding up is not always
+    the same."""
+    orders = bm.round_orders(n)
+    assert len(orders) == bm.TIMING_ROUNDS
+    assert all(sorted(order) == list(range(n)) for order in orders)
+    firsts = [order[0] for order in orders]
+    if n >= bm.TIMING_ROUNDS:
+        assert len(set(firsts)) == len(firsts)
+
+
+def test_every_timed_record_pools_its_rounds():
+    providers = [bm.PROVIDERS_BY_KEY[k] for k in ("fusedmaxsim", "naive")]
+    suite = _suite(["quick_rerank"], providers)
+    for record in suite["records"]:
+        assert record["status"] == "ok"
+        assert len(record["round_ms"]) == bm.TIMING_ROUNDS
+        assert min(record["round_ms"]) <= record["ms"] * (1 + 1e-9)
+        assert record["p20_ms"] <= record["ms"] <= record["p80_ms"]

@@ -570,14 +570,18 @@ class Timer:
         return "time.perf_counter"
 
     def __call__(self, fn, grad_to_none=None) -> tuple:
+        return quantiles_ms(self.samples(fn, grad_to_none, self.rep_ms))
+
+    def samples(self, fn, grad_to_none, rep_ms: float) -> list:
+        """The time of each timed call (ms) over about ``rep_ms``, after the warm-up."""
         if self.device.type == "cuda":
             from triton.testing import do_bench
 
-            return tuple(do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms,
-                                  grad_to_none=grad_to_none, quantiles=[0.5, 0.2, 0.8]))
-        return self._cpu(fn, grad_to_none or ())
+            return list(do_bench(fn, warmup=self.warmup_ms, rep=rep_ms,
+                                 grad_to_none=grad_to_none, return_mode="all"))
+        return self._cpu(fn, grad_to_none or (), rep_ms)
 
-    def _cpu(self, fn, grad_to_none) -> tuple:
+    def _cpu(self, fn, grad_to_none, rep_ms: float) -> list:
         def call() -> float:
             for x in grad_to_none:
                 x.grad = None
@@ -588,10 +592,28 @@ class Timer:
         estimate = max(call(), 1e-3)
         for _ in range(min(1000, int(self.warmup_ms / estimate))):
             call()
-        n = max(5, min(1000, int(self.rep_ms / estimate)))
-        times = torch.tensor([call() for _ in range(n)], dtype=torch.float64)
-        med, p20, p80 = torch.quantile(times, torch.tensor([0.5, 0.2, 0.8], dtype=torch.float64))
-        return med.item(), p20.item(), p80.item()
+        n = max(5, min(1000, int(rep_ms / estimate)))
+        return [call() for _ in range(n)]
+
+
+def quantiles_ms(times) -> tuple:
+    """(median, p20, p80) of per-call times."""
+    times = torch.tensor(list(times), dtype=torch.float64)
+    med, p20, p80 = torch.quantile(times, torch.tensor([0.5, 0.2, 0.8], dtype=torch.float64))
+    return med.item(), p20.item(), p80.item()
+
+
+# The suite times each shape's providers in this many interleaved rounds, each in another order,
+# and pools the calls: a host that speeds up or slows down during a shape (CPU clocks ramping
+# after a long GPU phase, say) then weighs on every provider alike, not on whichever runs first.
+TIMING_ROUNDS = 3
+
+
+def round_orders(n: int, rounds: int = TIMING_ROUNDS) -> list:
+    """Provider orders of the timing rounds: each round starts ``n / rounds`` further on, so no
+    provider is always first."""
+    step = max(1, -(-n // rounds))
+    return [[(i + r * step) % n for i in range(n)] for r in range(rounds)]
 
 
 def wall_us_per_call(step, case: Case, sync, ms: float, target_ms: float) -> tuple:
@@ -669,7 +691,7 @@ def floor_ms(shape: Shape, mode: str, ceilings: dict | None) -> float | None:
 RECORD_KEYS = (
     "shape", "mode", "provider", "role", "status", "error",
     "score_rel_err", "grad_q_rel_err", "grad_d_rel_err", "score_tol", "grad_tol", "parity_ok",
-    "warmup_call_s", "ms", "p20_ms", "p80_ms", "wall_us", "wall_iters",
+    "warmup_call_s", "ms", "p20_ms", "p80_ms", "round_ms", "wall_us", "wall_iters",
     "tflops", "floor_ms", "pct_floor", "peak_mib",
 )
 
@@ -723,13 +745,14 @@ class SuiteContext:
         self._case = self._reference = None
 
 
-def bench_one(provider: Provider, case: Case, ctx: SuiteContext) -> dict:
-    """Gate, then time, one provider on one case; never raises."""
+def gate_one(provider: Provider, case: Case, ctx: SuiteContext) -> tuple:
+    """Build, run once and check one provider on one case: ``(record, step)``, with ``step``
+    None when the provider is skipped or fails (the record says why). Never raises."""
     record = new_record(case.shape, case.mode, provider)
     reason = ctx.skip_reason(provider)
     if reason:
         record.update(status="skipped", error=reason)
-        return record
+        return record, None
     try:
         score = provider.build(case)
         out, grads, seconds = run_once(score, case, ctx.sync)
@@ -741,24 +764,54 @@ def bench_one(provider: Provider, case: Case, ctx: SuiteContext) -> dict:
         record.update(parity)
         if problems and provider.role != "baseline":
             record.update(status="failed", error=f"parity: {problems}")
-            return record
-        step = make_step(score, case)
-        grad_to_none = [case.Q, case.D] if case.training else None
-        med, p20, p80 = ctx.timer(step, grad_to_none=grad_to_none)
-        record.update(ms=med, p20_ms=p20, p80_ms=p80)
-        record["wall_us"], record["wall_iters"] = wall_us_per_call(
-            step, case, ctx.sync, med, ctx.timer.rep_ms)
-        record["peak_mib"] = peak_mib(step, case, ctx.device)
-        record["tflops"] = case.shape.flops / (med * 1e-3) / 1e12
-        floor = floor_ms(case.shape, case.mode, ctx.ceilings)
-        if floor is not None:
-            record.update(floor_ms=floor, pct_floor=100.0 * floor / med)
-        record["status"] = "ok"
+            return record, None
+        return record, make_step(score, case)
     except Exception as exc:  # noqa: BLE001 - one crash must not lose the rest of the suite
         record.update(status="failed", error=_describe(exc))
+        return record, None
     finally:
         case.reset_grads()
-    return record
+
+
+def time_gated(gated: list, case: Case, ctx: SuiteContext) -> None:
+    """Time every provider that passed its gate, in :data:`TIMING_ROUNDS` interleaved rounds
+    (:func:`round_orders`), then its wall time per call and its peak memory; fills the records."""
+    grad_to_none = [case.Q, case.D] if case.training else None
+    samples = {i: [] for i, (_, step) in enumerate(gated) if step is not None}
+    round_ms = {i: [] for i in samples}
+    rep_ms = ctx.timer.rep_ms / TIMING_ROUNDS
+    for order in round_orders(len(gated)):
+        for i in order:
+            if i not in samples or gated[i][0].get("status") == "failed":
+                continue
+            try:
+                times = ctx.timer.samples(gated[i][1], grad_to_none, rep_ms)
+            except Exception as exc:  # noqa: BLE001 - recorded; the other providers go on
+                gated[i][0].update(status="failed", error=_describe(exc))
+                continue
+            finally:
+                case.reset_grads()
+            samples[i] += times
+            round_ms[i].append(quantiles_ms(times)[0])
+    for i, times in samples.items():
+        record, step = gated[i]
+        if record.get("status") == "failed":
+            continue
+        try:
+            med, p20, p80 = quantiles_ms(times)
+            record.update(ms=med, p20_ms=p20, p80_ms=p80, round_ms=round_ms[i])
+            record["wall_us"], record["wall_iters"] = wall_us_per_call(
+                step, case, ctx.sync, med, ctx.timer.rep_ms)
+            record["peak_mib"] = peak_mib(step, case, ctx.device)
+            record["tflops"] = case.shape.flops / (med * 1e-3) / 1e12
+            floor = floor_ms(case.shape, case.mode, ctx.ceilings)
+            if floor is not None:
+                record.update(floor_ms=floor, pct_floor=100.0 * floor / med)
+            record["status"] = "ok"
+        except Exception as exc:  # noqa: BLE001 - one crash must not lose the rest of the suite
+            record.update(status="failed", error=_describe(exc))
+        finally:
+            case.reset_grads()
 
 
 def modes_for(shape: Shape, modes: Sequence[str] | None) -> list:
@@ -788,6 +841,7 @@ def run_suite(shapes, modes, providers, device, *, warmup_ms=25.0, rep_ms=100.0,
     suite = {
         "env": environment(device),
         "settings": {"timer": timer.name, "warmup_ms": warmup_ms, "rep_ms": rep_ms,
+                     "rounds": TIMING_ROUNDS,
                      "quantiles": [0.5, 0.2, 0.8], "budget_s": budget_s,
                      "compile_budget_s": compile_budget_s},
         "ceilings": None,
@@ -808,13 +862,18 @@ def run_suite(shapes, modes, providers, device, *, warmup_ms=25.0, rep_ms=100.0,
             case = make_case(shape, mode, device)
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory: record it, go on
             case, error = None, f"inputs: {_describe(exc)}"
+        gated = []
         for provider in providers:
-            progress.start(f"{shape.name} {MODE_LABELS[mode]} {provider.key}")
             if case is None:
                 record = new_record(shape, mode, provider)
                 record.update(status="failed", error=error)
+                gated.append((record, None))
             else:
-                record = bench_one(provider, case, ctx)
+                gated.append(gate_one(provider, case, ctx))
+        if case is not None:
+            time_gated(gated, case, ctx)
+        for provider, (record, _) in zip(providers, gated):
+            progress.start(f"{shape.name} {MODE_LABELS[mode]} {provider.key}")
             suite["records"].append(_clean(record))
             progress.done(_result_text(record))
         ctx.forget_case()
@@ -1312,8 +1371,11 @@ def _cell(record: dict | None) -> str:
 
 def _suite_markdown(suite: dict) -> list:
     settings, ceilings = suite["settings"], suite.get("ceilings")
+    rounds = settings.get("rounds")
+    timing = (f", in {rounds} interleaved rounds of rep / {rounds} each, each round in another "
+              f"provider order, all calls pooled" if rounds else "")
     lines = [(f"Timer: {settings['timer']} (warmup {settings['warmup_ms']:g} ms, "
-              f"rep {settings['rep_ms']:g} ms), median of one call in ms.")]
+              f"rep {settings['rep_ms']:g} ms{timing}), median of one call in ms.")]
     if ceilings:
         lines.append(f"Ceilings measured in this run: {ceilings['matmul_tflops']:.3g} TFLOP/s "
                      f"({ceilings['matmul']} matmul), {ceilings['copy_gbps']:.4g} GB/s "
