@@ -54,6 +54,10 @@ Caveats
 * The atomic paths (``SCATTER_GRAD_D``, ``ATOMIC_GRAD_Q``) are not bitwise reproducible: fp32
   additions land in varying order.
 * ``UPCAST`` computes dots in fp32: the Triton interpreter's bf16 ``tl.dot`` is wrong on CPU.
+* ``QUERY_IN_REGISTERS`` relies on a Triton rewrite (``MMAV3UseRegOperand``, triton 3.6-3.9):
+  a Hopper product takes its first operand from registers only when that operand comes out of
+  another tensor-core product, so the query tile is passed through one with a zero operand
+  (exact). Where the rewrite does not fire, the kernel is the same with one small product more.
 * Q and D may have any strides; the forward's masks, inverse norms and outputs must be
   contiguous (the launcher makes them so), which lets the kernel derive their strides.
 """
