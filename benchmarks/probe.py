@@ -541,8 +541,8 @@ def forward_tiles(variants=None, chosen: bool = False) -> None:
         Nq, Lq = Q.shape[0], Q.shape[1]
         extra = {}
         if chosen:
-            extra = dict(save_argmax=save_argmax, norm_from_tiles=normalize,
-                         n_cols=D.shape[-3], sm_count=sm_count)
+            extra = {"save_argmax": save_argmax, "norm_from_tiles": normalize,
+                     "n_cols": D.shape[-3], "sm_count": sm_count}
         base = fwd_config(Lq=Lq, dim=128, Nq=Nq, per_query_docs=per_query_docs, elem_bytes=2,
                           **extra)
 
