@@ -459,27 +459,33 @@ def _forward_shapes():
     )
 
 
+def _doubled_rows(base: FwdConfig, Nq: int, Lq: int, per_query_docs: bool) -> FwdConfig | None:
+    """``base`` with 256 rows a block instead of 128 (a longer query chunk, or twice the packed
+    queries), or None where the shape has no second 128 rows to give."""
+    if base.lq_tile * base.queries_per_block != 128:
+        return None
+    if base.lq_tile == 128 and Lq >= 256:
+        return dataclasses.replace(base, lq_tile=256)
+    if not per_query_docs and Nq >= 2 * base.queries_per_block:
+        return dataclasses.replace(base, queries_per_block=2 * base.queries_per_block)
+    return None
+
+
 def _tile_variants(base: FwdConfig, Nq: int, Lq: int, per_query_docs: bool) -> list:
     """The default tiles, and variants that keep the slot accumulators out of local memory:
     32-token document tiles (4 or 8 warps, 8 warps capped at 128 registers so that two programs
     share an SM), and 256-row query blocks (two warp groups sharing each document tile)."""
-    rows = base.lq_tile * base.queries_per_block
     variants = [base]
     for block_n, warps, stages, regs in ((32, 4, 3, None), (32, 4, 4, None), (32, 8, 3, 128),
                                          (32, 8, 4, 128), (64, 8, 3, None), (64, 8, 4, None),
                                          (64, 8, 2, 128), (32, 8, 3, None)):
         variants.append(dataclasses.replace(base, block_n=block_n, num_warps=warps,
                                             num_stages=stages, max_registers=regs))
-    if rows == 128:
-        doubled = None
-        if base.lq_tile == 128 and Lq >= 256:
-            doubled = dataclasses.replace(base, lq_tile=256)
-        elif not per_query_docs and Nq >= 2 * base.queries_per_block:
-            doubled = dataclasses.replace(base, queries_per_block=2 * base.queries_per_block)
-        if doubled is not None:
-            for stages in (3, 4):
-                variants.append(dataclasses.replace(doubled, block_n=32, num_warps=8,
-                                                    num_stages=stages, max_registers=None))
+    doubled = _doubled_rows(base, Nq, Lq, per_query_docs)
+    if doubled is not None:
+        for stages in (3, 4):
+            variants.append(dataclasses.replace(doubled, block_n=32, num_warps=8,
+                                                num_stages=stages, max_registers=None))
     return variants
 
 
@@ -492,23 +498,14 @@ def _query_register_variants(chosen: FwdConfig, Nq: int, Lq: int, per_query_docs
         variants.append(dataclasses.replace(chosen, block_n=block_n, num_warps=warps,
                                             num_stages=stages, max_registers=regs,
                                             query_in_registers=True))
-    unique = []
-    for cfg in variants:
-        if cfg not in unique:
-            unique.append(cfg)
-    return unique
+    return list(dict.fromkeys(variants))
 
 
 def _wide_row_variants(chosen: FwdConfig, Nq: int, Lq: int, per_query_docs: bool) -> list:
     """The tiles the library chooses, and 256-row blocks (each document tile shared by twice the
     rows) with 32-token tiles and the query tile in registers, at 8 and 16 warps."""
     variants = [chosen]
-    rows = chosen.lq_tile * chosen.queries_per_block
-    doubled = None
-    if rows == 128 and chosen.lq_tile == 128 and Lq >= 256:
-        doubled = dataclasses.replace(chosen, lq_tile=256)
-    elif rows == 128 and not per_query_docs and Nq >= 2 * chosen.queries_per_block:
-        doubled = dataclasses.replace(chosen, queries_per_block=2 * chosen.queries_per_block)
+    doubled = _doubled_rows(chosen, Nq, Lq, per_query_docs)
     if doubled is not None:
         for warps, stages in ((8, 3), (8, 4), (16, 3), (16, 4)):
             variants.append(dataclasses.replace(doubled, block_n=32, num_warps=warps,

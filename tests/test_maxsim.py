@@ -19,7 +19,7 @@ from helpers import (
 )
 
 from fusedmaxsim import maxsim, maxsim_pairs, settings
-from fusedmaxsim._configs import BwdConfig, FwdConfig, forced_configs
+from fusedmaxsim._configs import BwdConfig, FwdConfig, forced_configs, fwd_config
 from fusedmaxsim.reference import maxsim_ref
 from fusedmaxsim.testing import assert_close_to_reference
 
@@ -464,3 +464,25 @@ def test_launcher_returns_an_empty_tensor_for_each_gradient_not_asked_for(device
             assert_close_to_reference(got, ref, 1e-4, "gradient")
         else:
             assert got.shape == (0,) and got.dtype == Q.dtype
+
+
+@pytest.mark.parametrize("layout", ["cross", "candidates"])
+def test_query_batches_beyond_the_grid_go_in_slices(device, layout, monkeypatch):
+    """A query batch larger than the grid's second axis is launched in slices of queries (and, for
+    per-query candidates, of their documents, masks and inverse norms): forced here down to two
+    blocks a slice, the result is the one-launch result, bit for bit."""
+    from fusedmaxsim import _launch
+
+    Q = torch.randn(9, 7, 96, device=device)
+    D = torch.randn(*((9, 4) if layout == "candidates" else (5,)), 13, 96, device=device)
+    q_mask, d_mask = masks_with_holes(Q.shape[:-1], device), masks_with_holes(D.shape[:-1], device)
+    q_inv, d_inv = _launch.inverse_norms(Q, 1e-12), _launch.inverse_norms(D, 1e-12)
+    args = (Q, D, q_mask, d_mask, q_inv, d_inv, True, "tf32")
+    cfg = fwd_config(Lq=Q.shape[1], dim=Q.shape[2], Nq=Q.shape[0], elem_bytes=Q.element_size(),
+                     per_query_docs=layout == "candidates")
+    assert Q.shape[0] > 2 * cfg.queries_per_block  # so that there are several slices
+    whole = _launch.maxsim_fwd(*args)
+    monkeypatch.setattr(_launch, "_MAX_GRID_Y", 2)
+    sliced = _launch.maxsim_fwd(*args)
+    assert torch.equal(whole[0], sliced[0])
+    assert torch.equal(whole[1], sliced[1])

@@ -117,8 +117,8 @@ def fwd_variant(
     cfg: FwdConfig, *, few_programs: bool, save_argmax: bool, norm_from_tiles: bool,
     per_query_docs: bool, elem_bytes: int,
 ) -> FwdConfig:
-    """Two measured departures from the default tiles (16-bit inputs, d <= 128, on the H200;
-    benchmarks/NOTES.md section 20):
+    """Measured departures from the default tiles (16-bit inputs, d <= 128, on the H200;
+    benchmarks/NOTES.md sections 20 and 22):
 
     * at most one program per SM (a few long documents): two warp groups a program, 64-token
       tiles, 4 stages, 1.1-2x faster there. This is the one case where ``Nq`` and the number of
@@ -131,7 +131,7 @@ def fwd_variant(
     * the forward that normalizes from the tiles: 8 warps of 32-token tiles capped at 128
       registers (two programs per SM), which do not spill there, 11% faster; the query tile in
       registers spills.
-    Both need at least 64 rows a block (a Hopper warp-group product) for the query in registers.
+    The query in registers needs at least 64 rows a block (a Hopper warp-group product).
     """
     if elem_bytes != 2 or cfg.block_k > 128:
         return cfg

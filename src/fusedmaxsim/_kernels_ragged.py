@@ -59,7 +59,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._kernels import MASK_SCAN, _chunk_scores, _doc_max, _dot, _query_chunk, _valid_span
+from ._kernels import MASK_SCAN, _chunk_scores, _dd_product, _doc_max, _query_chunk, _valid_span
 
 
 @triton.jit
@@ -319,9 +319,7 @@ def _onehot_rows(
         other=0.0,
     )
     b_w = (b_q.to(tl.float32) * g[:, None]).to(Q.dtype.element_ty)  # [BLOCK_R, BLOCK_K]
-    # Built transposed, [BLOCK_T, BLOCK_R], so the product needs no layout shuffle.
-    onehot_t = tl.where(o_t[:, None] == idx[None, :], 1.0, 0.0).to(Q.dtype.element_ty)
-    return acc + _dot(onehot_t, b_w, DOT_PRECISION, UPCAST)
+    return acc + _dd_product(o_t, idx, b_w, DOT_PRECISION, UPCAST)
 
 
 @triton.jit(

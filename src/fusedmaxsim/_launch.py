@@ -301,39 +301,34 @@ def _launch_fwd(
         dm is not None, norm_from_tiles or q_inv is not None, save_argmax, fp32_precision,
     )
     kernel = launcher(_maxsim_fwd_kernel)
-    # Grid axis 1 holds at most 65535 blocks: larger query batches go in slices.
-    step = _MAX_GRID_Y * qpb
-    if Nq <= step:
+
+    def launch(Q, D, qm, dm, q_inv, d_inv, scores, argmax):
+        n = Q.shape[0]
         kernel(
-            (Ncols, _cdiv(Nq, qpb)),
+            (Ncols, _cdiv(n, qpb)),
             (
                 Q, D, Q if qm is None else qm, D if dm is None else dm,
                 Q if q_inv is None else q_inv, D if d_inv is None else d_inv, scores, argmax,
-                Nq, Ncols, Lq, Ld, dim, *Q.stride(), *_doc_strides(D, per_query_docs),
+                n, Ncols, Lq, Ld, dim, *Q.stride(), *_doc_strides(D, per_query_docs),
                 smooth_scale, smooth_unscale,
             ),
             consts,
         )
+
+    # Grid axis 1 holds at most 65535 blocks: larger query batches go in slices (the common
+    # case launches the tensors as they are, with no slicing on the host).
+    step = _MAX_GRID_Y * qpb
+    if Nq <= step:
+        launch(Q, D, qm, dm, q_inv, d_inv, scores, argmax)
         return
     for q0 in range(0, Nq, step):
         sl = slice(q0, min(Nq, q0 + step))
-        Qs = Q[sl]
-        Ds = D[sl] if per_query_docs else D
-        qms = None if qm is None else qm[sl]
-        dms = dm[sl] if dm is not None and per_query_docs else dm
-        qis = None if q_inv is None else q_inv[sl]
-        dis = d_inv[sl] if d_inv is not None and per_query_docs else d_inv
-        n = Qs.shape[0]
-        kernel(
-            (Ncols, _cdiv(n, qpb)),
-            (
-                Qs, Ds, Qs if qms is None else qms, Ds if dms is None else dms,
-                Qs if qis is None else qis, Ds if dis is None else dis, scores[sl],
-                argmax[sl] if save_argmax else argmax,
-                n, Ncols, Lq, Ld, dim, *Qs.stride(), *_doc_strides(Ds, per_query_docs),
-                smooth_scale, smooth_unscale,
-            ),
-            consts,
+        per_query = (lambda t: t[sl]) if per_query_docs else (lambda t: t)
+        launch(
+            Q[sl], per_query(D), None if qm is None else qm[sl],
+            None if dm is None else per_query(dm), None if q_inv is None else q_inv[sl],
+            None if d_inv is None else per_query(d_inv), scores[sl],
+            argmax[sl] if save_argmax else argmax,
         )
 
 

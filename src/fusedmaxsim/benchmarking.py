@@ -777,29 +777,26 @@ def time_gated(gated: list, case: Case, ctx: SuiteContext) -> None:
     """Time every provider that passed its gate, in :data:`TIMING_ROUNDS` interleaved rounds
     (:func:`round_orders`), then its wall time per call and its peak memory; fills the records."""
     grad_to_none = [case.Q, case.D] if case.training else None
-    samples = {i: [] for i, (_, step) in enumerate(gated) if step is not None}
-    round_ms = {i: [] for i in samples}
+    rounds = {i: [] for i, (_, step) in enumerate(gated) if step is not None}  # calls per round
     rep_ms = ctx.timer.rep_ms / TIMING_ROUNDS
     for order in round_orders(len(gated)):
         for i in order:
-            if i not in samples or gated[i][0].get("status") == "failed":
+            if i not in rounds:
                 continue
+            record, step = gated[i]
             try:
-                times = ctx.timer.samples(gated[i][1], grad_to_none, rep_ms)
+                rounds[i].append(ctx.timer.samples(step, grad_to_none, rep_ms))
             except Exception as exc:  # noqa: BLE001 - recorded; the other providers go on
-                gated[i][0].update(status="failed", error=_describe(exc))
-                continue
+                record.update(status="failed", error=_describe(exc))
+                del rounds[i]
             finally:
                 case.reset_grads()
-            samples[i] += times
-            round_ms[i].append(quantiles_ms(times)[0])
-    for i, times in samples.items():
+    for i, calls in rounds.items():
         record, step = gated[i]
-        if record.get("status") == "failed":
-            continue
         try:
-            med, p20, p80 = quantiles_ms(times)
-            record.update(ms=med, p20_ms=p20, p80_ms=p80, round_ms=round_ms[i])
+            med, p20, p80 = quantiles_ms([t for times in calls for t in times])
+            record.update(ms=med, p20_ms=p20, p80_ms=p80,
+                          round_ms=[quantiles_ms(times)[0] for times in calls])
             record["wall_us"], record["wall_iters"] = wall_us_per_call(
                 step, case, ctx.sync, med, ctx.timer.rep_ms)
             record["peak_mib"] = peak_mib(step, case, ctx.device)
