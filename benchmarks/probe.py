@@ -5,12 +5,13 @@ training shape, the smooth max against colpali-engine's einsum + logsumexp; and 
 memory, and the first calls' split; behind sections 18-21: the training rows' host and GPU
 time, the forward's tile variants (registers, spills, parity, time), the host's side of a launch
 for every provider, and the query chunk height; behind sections 22-23: the query tile in
-registers, the small rows' GPU time alone, 256-row query blocks. GPU times by ``triton.testing.do_bench``
+registers, the small rows' GPU time alone, 256-row query blocks; behind section 25: the
+document-owned grad_D through the winner index. GPU times by ``triton.testing.do_bench``
 (median, ms).
 
     PYTHONPATH=src python3 benchmarks/probe.py [normalize] [kd] [smooth] [masked] [rerank] [memory] [cold]
         [small] [stages] [cold_profile] [steps] [host] [fwd_tiles] [launch] [chunks]
-        [query_registers] [graph_times] [wide_rows]
+        [query_registers] [graph_times] [wide_rows] [winner_index]
 """
 
 from __future__ import annotations
@@ -680,6 +681,68 @@ def graph_times() -> None:
                   flush=True)
 
 
+
+def winner_index() -> None:
+    """The document-owned grad_D through the winner index (benchmarks/NOTES.md section 25) against
+    the unified backward: GPU ms of each backward and of its parts, the indexed grad_D's tiles,
+    agreement with unified's gradients (same argmax), bitwise reproducibility, and whole steps
+    with their peak memory above the inputs."""
+    shapes = (("train_small_batch", 32, 32, 32, 180), ("train_colbert", 128, 32, 128, 300),
+              ("train_colpali", 128, 128, 128, 1024), ("colpali 256 x 256", 256, 128, 256, 1024),
+              ("colbert 512 x 512", 512, 32, 512, 300))
+    for name, nq, lq, nd, ld in shapes:
+        Q = torch.randn(nq, lq, 128, device="cuda", dtype=torch.bfloat16)
+        D = torch.randn(nd, ld, 128, device="cuda", dtype=torch.bfloat16)
+        g = torch.randn(nq, nd, device="cuda")
+        _, argmax = _launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32")
+
+        def bwd(strategy, need_q=True, need_d=True):
+            return _launch.maxsim_bwd(g, Q, D, argmax, None, None, need_q, need_d, strategy, False, "tf32")
+
+        unified, lowmem = bwd("unified"), bwd("lowmem")
+        errors = [relative_error(a.float(), b.float()) for a, b in zip(lowmem, unified)]
+        same = all(torch.equal(a, b) for a, b in zip(lowmem, bwd("lowmem")))
+        print(f"-- {name}: lowmem against unified grad_Q {errors[0]:.1e} grad_D {errors[1]:.1e}, "
+              f"lowmem bitwise repeatable: {same}", flush=True)
+        row = "   backward ms:"
+        for label, fn in (("unified", lambda: bwd("unified")), ("lowmem", lambda: bwd("lowmem")),
+                          ("unified grad_Q", lambda: bwd("unified", need_d=False)),
+                          ("lowmem grad_Q", lambda: bwd("lowmem", need_d=False)),
+                          ("unified grad_D", lambda: bwd("unified", need_q=False)),
+                          ("lowmem grad_D", lambda: bwd("lowmem", need_q=False))):
+            row += f" {label} {bench(fn):.4f} |"
+        buffers = _launch._winner_index_buffers(Q, nd, ld)
+        row += f" index alone {bench(lambda: _launch._winner_index(argmax, 0, nd, ld, buffers)):.4f}"
+        print(row, flush=True)
+        if nq * nd * lq * ld <= 128 * 128 * 32 * 300:
+            saved = _launch.WINNER_INDEX_BINS
+            _launch.WINNER_INDEX_BINS = 0
+            print(f"   lowmem grad_D scanning every row: {bench(lambda: bwd('lowmem', need_q=False)):.4f} ms")
+            _launch.WINNER_INDEX_BINS = saved
+        base = bwd_config(Lq=lq, dim=128, elem_bytes=2)
+        row = "   indexed grad_D tiles (block_t, block_r):"
+        for block_t in (16, 32, 64):
+            for block_r in (32, 64, 128):
+                with forced_configs(bwd=dataclasses.replace(base, block_t=block_t, block_r=block_r)):
+                    row += f" {block_t}x{block_r} {bench(lambda: bwd('lowmem', need_q=False)):.4f}"
+        print(row, flush=True)
+        Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
+        for strategy in ("unified", "lowmem"):
+            step = lambda: maxsim(Qg, Dg, backward=strategy).backward(g)  # noqa: E731
+            step()
+            Qg.grad = Dg.grad = None
+            torch.cuda.synchronize()
+            base_bytes = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            step()
+            torch.cuda.synchronize()
+            peak = (torch.cuda.max_memory_allocated() - base_bytes) / 2**20
+            Qg.grad = Dg.grad = None
+            ms = do_bench(step, warmup=10, rep=50, grad_to_none=[Qg, Dg])
+            print(f"   step {strategy:8s} {ms:.4f} ms, peak {peak:6.1f} MiB above the inputs", flush=True)
+        del Q, D, Qg, Dg, argmax, buffers, unified, lowmem
+        torch.cuda.empty_cache()
+
 if __name__ == "__main__":
     wanted = set(sys.argv[1:]) or {"normalize", "kd", "smooth"}
     for name, probe in (("normalize", normalize_sweep), ("kd", kd_split), ("smooth", smooth_vs_naive),
@@ -688,7 +751,8 @@ if __name__ == "__main__":
                         ("cold_profile", cold_profile), ("steps", training_steps), ("host", host_costs),
                         ("fwd_tiles", forward_tiles), ("launch", launch_paths),
                         ("chunks", query_chunks), ("query_registers", query_registers),
-                        ("graph_times", graph_times), ("wide_rows", wide_rows)):
+                        ("graph_times", graph_times), ("wide_rows", wide_rows),
+                        ("winner_index", winner_index)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()

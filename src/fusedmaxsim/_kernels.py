@@ -561,15 +561,13 @@ def _maxsim_bwd_gather_kernel(
 
 @triton.jit
 def _dd_rows(
-    Grad, Q, QInv, Argmax, r0, r_hi, i_col, Ncols, Lq, o_k, m_k,
+    Grad, Q, QInv, Argmax, o_r, m_r, i_col, Ncols, Lq, o_k, m_k,
     stride_g_seq, stride_g_col, stride_q_seq, stride_q_tok, stride_q_dim,
     stride_qinv_seq, stride_qinv_tok,
-    NORMALIZE: tl.constexpr, BLOCK_R: tl.constexpr,
+    NORMALIZE: tl.constexpr,
 ):
-    """Rows ``[r0, r0 + BLOCK_R)`` (below ``r_hi``) of the flattened (query, query token) pairs:
-    their winning document tokens and ``g · Q`` rounded to the input dtype."""
-    o_r = r0 + tl.arange(0, BLOCK_R)
-    m_r = o_r < r_hi
+    """Rows ``o_r`` (where ``m_r``) of the flattened (query, query token) pairs: their winning
+    document tokens and ``g · Q`` rounded to the input dtype."""
     o_q = (o_r // Lq).to(tl.int64)
     o_s = o_r % Lq
     idx = tl.load(Argmax + (o_q * Ncols + i_col) * Lq + o_s, mask=m_r, other=-1)
@@ -592,19 +590,22 @@ def _dd_product(o_t, idx, b_w, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr
     return _dot(onehot_t, b_w, DOT_PRECISION, UPCAST)
 
 
-@triton.jit(do_not_specialize=["Nq", "Ncols", "Lq", "Ld", "tiles_per_program"])
+@triton.jit(do_not_specialize=["Nq", "Ncols", "Lq", "Ld", "tiles_per_program", "col_base"])
 def _maxsim_bwd_dd_kernel(
     Grad,
     Q,
     QInv,
     Argmax,
     GradD,
+    Rows,
+    Starts,
     Nq,
     Ncols,
     Lq,
     Ld,
     dim,
     tiles_per_program,
+    col_base,
     stride_g_seq,
     stride_g_col,
     stride_q_seq,
@@ -618,6 +619,7 @@ def _maxsim_bwd_dd_kernel(
     stride_gd_dim,
     PER_QUERY_DOCS: tl.constexpr,
     ROWS_IN_ONE_BLOCK: tl.constexpr,
+    WINNER_INDEX: tl.constexpr,
     NORMALIZE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -631,16 +633,22 @@ def _maxsim_bwd_dd_kernel(
     ``BLOCK_R`` of them whatever the query length. ``g · Q`` is rounded to the input dtype
     before the product (the one-hot side is exact). A program writes ``tiles_per_program``
     consecutive token tiles; with ``ROWS_IN_ONE_BLOCK`` (per-query candidates, ``Lq <= BLOCK_R``)
-    it loads its rows once for all of them.
+    it loads its rows once for all of them. With ``WINNER_INDEX`` (the cross product) a tile
+    reads only the rows that won one of its tokens, in the index's order (``_kernels_index``):
+    program column 0 is column ``col_base``, and ``Rows``/``Starts`` hold that chunk's index.
     """
     pid = tl.program_id(0).to(tl.int64)
     i_grp = pid // Ncols
     i_col = pid % Ncols
+    if WINNER_INDEX:
+        i_grp = 0
+        i_col = col_base + pid
     tb_lo = tl.program_id(1).to(tl.int64) * tiles_per_program
     tb_hi = tl.minimum(tb_lo + tiles_per_program, tl.cdiv(Ld, BLOCK_T))
 
     o_k = tl.arange(0, BLOCK_K)
     m_k = o_k < dim
+    o_block = tl.arange(0, BLOCK_R)
     if PER_QUERY_DOCS:
         r_lo = i_grp * Lq
         r_hi = r_lo + Lq
@@ -651,21 +659,33 @@ def _maxsim_bwd_dd_kernel(
 
     if ROWS_IN_ONE_BLOCK:  # loaded once, for every tile of the program
         idx, b_w = _dd_rows(
-            Grad, Q, QInv, Argmax, r_lo, r_hi, i_col, Ncols, Lq, o_k, m_k,
-            stride_g_seq, stride_g_col, stride_q_seq, stride_q_tok, stride_q_dim,
-            stride_qinv_seq, stride_qinv_tok, NORMALIZE, BLOCK_R,
+            Grad, Q, QInv, Argmax, r_lo + o_block, r_lo + o_block < r_hi, i_col, Ncols, Lq, o_k,
+            m_k, stride_g_seq, stride_g_col, stride_q_seq, stride_q_tok, stride_q_dim,
+            stride_qinv_seq, stride_qinv_tok, NORMALIZE,
         )
     for i_tb in range(tb_lo, tb_hi):
         o_t = i_tb * BLOCK_T + tl.arange(0, BLOCK_T)
         if ROWS_IN_ONE_BLOCK:
             acc = _dd_product(o_t, idx, b_w, DOT_PRECISION, UPCAST)
         else:
+            if WINNER_INDEX:
+                p_starts = Starts + pid * (Ld + 1)
+                e_lo = tl.load(p_starts + i_tb * BLOCK_T)
+                e_hi = tl.load(p_starts + tl.minimum(i_tb * BLOCK_T + BLOCK_T, Ld))
+            else:
+                e_lo, e_hi = r_lo, r_hi
             acc = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
-            for r0 in range(r_lo, r_hi, BLOCK_R):
+            for e0 in range(e_lo, e_hi, BLOCK_R):
+                o_e = e0 + o_block
+                m_e = o_e < e_hi
+                if WINNER_INDEX:
+                    o_r = tl.load(Rows + pid * Nq * Lq + o_e, mask=m_e, other=0)
+                else:
+                    o_r = o_e
                 idx, b_w = _dd_rows(
-                    Grad, Q, QInv, Argmax, r0, r_hi, i_col, Ncols, Lq, o_k, m_k,
+                    Grad, Q, QInv, Argmax, o_r, m_e, i_col, Ncols, Lq, o_k, m_k,
                     stride_g_seq, stride_g_col, stride_q_seq, stride_q_tok, stride_q_dim,
-                    stride_qinv_seq, stride_qinv_tok, NORMALIZE, BLOCK_R,
+                    stride_qinv_seq, stride_qinv_tok, NORMALIZE,
                 )
                 acc += _dd_product(o_t, idx, b_w, DOT_PRECISION, UPCAST)
         tl.store(p_out + o_t[:, None] * stride_gd_tok, acc.to(GradD.dtype.element_ty),
