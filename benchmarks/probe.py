@@ -711,20 +711,21 @@ def winner_index() -> None:
                           ("unified grad_D", lambda: bwd("unified", need_q=False)),
                           ("lowmem grad_D", lambda: bwd("lowmem", need_q=False))):
             row += f" {label} {bench(fn):.4f} |"
-        buffers = _launch._winner_index_buffers(Q, nd, ld)
-        row += f" index alone {bench(lambda: _launch._winner_index(argmax, 0, nd, ld, buffers)):.4f}"
+        base = bwd_config(Lq=lq, dim=128, elem_bytes=2)
+        buffers = _launch._winner_index_buffers(Q, nd, -(-ld // base.block_t))
+        row += f" index alone {bench(lambda: _launch._winner_index(argmax, 0, nd, base.block_t, buffers)):.4f}"
         print(row, flush=True)
         if nq * nd * lq * ld <= 128 * 128 * 32 * 300:
-            saved = _launch.WINNER_INDEX_BINS
-            _launch.WINNER_INDEX_BINS = 0
-            print(f"   lowmem grad_D scanning every row: {bench(lambda: bwd('lowmem', need_q=False)):.4f} ms")
-            _launch.WINNER_INDEX_BINS = saved
-        base = bwd_config(Lq=lq, dim=128, elem_bytes=2)
+            with forced_configs(bwd=dataclasses.replace(base, block_t=1024)):  # one tile: no index
+                print(f"   lowmem grad_D scanning every row: {bench(lambda: bwd('lowmem', need_q=False)):.4f} ms")
         row = "   indexed grad_D tiles (block_t, block_r):"
         for block_t in (16, 32, 64):
             for block_r in (32, 64, 128):
                 with forced_configs(bwd=dataclasses.replace(base, block_t=block_t, block_r=block_r)):
                     row += f" {block_t}x{block_r} {bench(lambda: bwd('lowmem', need_q=False)):.4f}"
+        for warps, stages in ((4, 1), (4, 3), (8, 2)):
+            with forced_configs(bwd=dataclasses.replace(base, num_warps=warps, num_stages=stages)):
+                row += f" | {warps}w{stages}s {bench(lambda: bwd('lowmem', need_q=False)):.4f}"
         print(row, flush=True)
         Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
         for strategy in ("unified", "lowmem"):

@@ -11,45 +11,43 @@ from fusedmaxsim.reference import maxsim_ref
 from fusedmaxsim.testing import assert_close_to_reference
 
 
-def expected_index(argmax: torch.Tensor, col_base: int, n_cols: int, Ld: int):
-    """Rows of each column in the order of the token won, then of the row (a stable sort),
-    and each token's start; the rows that won nothing left out."""
+def expected_index(argmax: torch.Tensor, col_base: int, n_cols: int, block_t: int, n_tiles: int):
+    """Each column's rows whose token falls in each tile, tile after tile, rows ascending; and
+    the count of each tile."""
     Nq, _, Lq = argmax.shape
     won = argmax[:, col_base:col_base + n_cols].permute(1, 0, 2).reshape(n_cols, Nq * Lq).long()
-    rows, starts = [], []
+    rows, counts = [], []
     for tokens in won:
-        keep = torch.nonzero(tokens >= 0).flatten()
-        order = torch.sort(tokens[keep], stable=True).indices
-        rows.append(keep[order])
-        counts = torch.bincount(tokens[keep], minlength=Ld)
-        starts.append(torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]))
-    return rows, torch.stack(starts)
+        tiles = torch.where(tokens >= 0, tokens // block_t, -1)
+        rows.append(torch.cat([torch.nonzero(tiles == k).flatten() for k in range(n_tiles)]))
+        counts.append(torch.stack([(tiles == k).sum() for k in range(n_tiles)]))
+    return rows, torch.stack(counts)
 
 
-@pytest.mark.parametrize("Nq, Lq, Ncols, Ld, col_base, n_cols", [
-    (3, 7, 5, 13, 0, 5),     # one block of rows
-    (9, 11, 4, 40, 1, 2),    # 99 rows: four blocks, a chunk of columns past column 0
-    (1, 1, 2, 1, 0, 2),      # one row, one token
+@pytest.mark.parametrize("Nq, Lq, Ncols, Ld, block_t, col_base, n_cols", [
+    (3, 7, 5, 13, 4, 0, 5),    # one scan step of rows
+    (9, 11, 4, 40, 16, 1, 2),  # 99 rows: seven steps; a chunk of columns past column 0
+    (1, 1, 2, 1, 16, 0, 2),    # one row, one token
 ])
-def test_index_is_a_stable_sort_of_each_column(device, Nq, Lq, Ncols, Ld, col_base, n_cols):
+def test_index_groups_each_column_by_tile_in_row_order(device, Nq, Lq, Ncols, Ld, block_t, col_base, n_cols):
     argmax = torch.randint(-1, Ld, (Nq, Ncols, Lq), device=device, dtype=torch.int16)
     argmax[:, :, 0] = Ld - 1  # the last token, won by many rows
-    buffers = _launch._winner_index_buffers(torch.empty(Nq, Lq, 1, device=device), n_cols, Ld)
-    rows, starts = _launch._winner_index(argmax, col_base, n_cols, Ld, buffers)
-    want_rows, want_starts = expected_index(argmax.cpu(), col_base, n_cols, Ld)
-    assert torch.equal(starts.cpu().long(), want_starts)
+    n_tiles = -(-Ld // block_t)
+    buffers = _launch._winner_index_buffers(torch.empty(Nq, Lq, 1, device=device), n_cols, n_tiles)
+    rows, counts = _launch._winner_index(argmax, col_base, n_cols, block_t, buffers)
+    want_rows, want_counts = expected_index(argmax.cpu(), col_base, n_cols, block_t, n_tiles)
+    assert torch.equal(counts.cpu().long(), want_counts)
     for col in range(n_cols):
-        n = int(want_starts[col, -1])
+        n = int(want_counts[col].sum())
         assert torch.equal(rows[col, :n].cpu().long(), want_rows[col])
 
 
-def test_index_counts_every_row_when_a_column_has_no_winner(device):
+def test_index_of_columns_without_winners(device):
     argmax = torch.full((4, 3, 5), -1, device=device, dtype=torch.int16)
-    argmax[:, 1] = 2
-    buffers = _launch._winner_index_buffers(torch.empty(4, 5, 1, device=device), 3, 6)
-    rows, starts = _launch._winner_index(argmax, 0, 3, 6, buffers)
-    assert starts[0].tolist() == [0] * 7 and starts[2].tolist() == [0] * 7
-    assert starts[1].tolist() == [0, 0, 0, 20, 20, 20, 20]
+    argmax[:, 1] = 5  # token 5: the second tile of 4 tokens
+    buffers = _launch._winner_index_buffers(torch.empty(4, 5, 1, device=device), 3, 2)
+    rows, counts = _launch._winner_index(argmax, 0, 3, 4, buffers)
+    assert counts.tolist() == [[0, 0], [0, 20], [0, 0]]
     assert rows[1].tolist() == list(range(20))
 
 
@@ -94,7 +92,7 @@ def test_chunks_of_the_index_change_no_bit(device, monkeypatch):
     grad = torch.randn(6, 7, device=device)
     _, whole = gradients(Q, D, None, None, grad)
     monkeypatch.setattr(_launch, "_INDEX_SHARE", 1 << 40)
-    assert _launch._winner_index_cols(Q, 7, 50, torch.empty_like(D)) == 1
+    assert _launch._winner_index_cols(Q, 7, 4, torch.empty_like(D)) == 1
     _, chunked = gradients(Q, D, None, None, grad)
     assert torch.equal(whole, chunked)
 
@@ -111,23 +109,24 @@ def test_grad_d_through_the_index_is_bitwise_reproducible(device):
     assert_backward_bitwise_reproducible(backward_of, Q, D, runs=3)
 
 
-def test_the_index_is_used_only_where_it_pays_and_fits():
+def test_the_index_is_used_where_a_column_has_several_tiles():
     tiles = bwd_config(Lq=32, dim=128, elem_bytes=2)
     assert not _launch._uses_winner_index(tiles, True, 300)  # per-query candidates: own rows only
     assert not _launch._uses_winner_index(tiles, False, tiles.block_t)  # one token tile
     assert _launch._uses_winner_index(tiles, False, tiles.block_t + 1)
-    assert not _launch._uses_winner_index(tiles, False, _launch.WINNER_INDEX_BINS)
+    assert _launch._uses_winner_index(tiles, False, 1 << 20)
 
 
-def test_documents_past_the_bins_scan_every_row(device, monkeypatch):
-    """Without the index (more tokens than bins), the same gradients from the full scan."""
+def test_one_token_tile_scans_every_row(device):
+    """Documents of one tile take the scan without an index: the same gradients."""
     Q = torch.randn(3, 7, 64, device=device)
     D = torch.randn(4, 40, 64, device=device)
     grad = torch.randn(3, 4, device=device)
     with settings.use_fp32_precision("ieee"):
         indexed = gradients(Q, D, None, None, grad)
-        monkeypatch.setattr(_launch, "WINNER_INDEX_BINS", 32)
-        assert not _launch._uses_winner_index(TILES, False, 40)
-        scanned = gradients(Q, D, None, None, grad)
-    torch.testing.assert_close(indexed[1], scanned[1], rtol=1e-6, atol=1e-6)
-    assert torch.equal(indexed[0], scanned[0])
+        q, d = leaf(Q), leaf(D)
+        with settings.use_backend("triton"), forced_configs(bwd=BwdConfig(16, 64, 16, 128, 4, 1)):
+            assert not _launch._uses_winner_index(BwdConfig(16, 64, 16, 128, 4, 1), False, 40)
+            maxsim(q, d, backward="lowmem").backward(grad)
+    torch.testing.assert_close(indexed[1], d.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(indexed[0], q.grad, rtol=1e-6, atol=1e-6)

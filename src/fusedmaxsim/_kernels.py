@@ -68,6 +68,7 @@ import triton
 import triton.language as tl
 
 from ._configs import INTERPRETER
+from ._kernels_index import tile_start
 
 NORM_EPS = tl.constexpr(1e-12)  # F.normalize's default; the launchers pass the same to EPS
 # Document-mask bytes read per step by _valid_span; small under the interpreter, so that tiny
@@ -598,7 +599,7 @@ def _maxsim_bwd_dd_kernel(
     Argmax,
     GradD,
     Rows,
-    Starts,
+    Counts,
     Nq,
     Ncols,
     Lq,
@@ -626,6 +627,7 @@ def _maxsim_bwd_dd_kernel(
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    INDEX_SCAN: tl.constexpr,
 ):
     """Document-owned ``grad_D``: ``grad_D[g, j, t-tile] = onehot(A == t)ᵀ @ (g · Q)`` over rows.
 
@@ -635,7 +637,7 @@ def _maxsim_bwd_dd_kernel(
     consecutive token tiles; with ``ROWS_IN_ONE_BLOCK`` (per-query candidates, ``Lq <= BLOCK_R``)
     it loads its rows once for all of them. With ``WINNER_INDEX`` (the cross product) a tile
     reads only the rows that won one of its tokens, in the index's order (``_kernels_index``):
-    program column 0 is column ``col_base``, and ``Rows``/``Starts`` hold that chunk's index.
+    program column 0 is column ``col_base``, and ``Rows``/``Counts`` hold that chunk's index.
     """
     pid = tl.program_id(0).to(tl.int64)
     i_grp = pid // Ncols
@@ -669,9 +671,9 @@ def _maxsim_bwd_dd_kernel(
             acc = _dd_product(o_t, idx, b_w, DOT_PRECISION, UPCAST)
         else:
             if WINNER_INDEX:
-                p_starts = Starts + pid * (Ld + 1)
-                e_lo = tl.load(p_starts + i_tb * BLOCK_T)
-                e_hi = tl.load(p_starts + tl.minimum(i_tb * BLOCK_T + BLOCK_T, Ld))
+                p_counts = Counts + pid * tl.cdiv(Ld, BLOCK_T)
+                e_lo = tile_start(p_counts, i_tb, INDEX_SCAN)
+                e_hi = e_lo + tl.load(p_counts + i_tb)
             else:
                 e_lo, e_hi = r_lo, r_hi
             acc = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)

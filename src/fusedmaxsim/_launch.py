@@ -23,7 +23,7 @@ from ._kernels import (
     _maxsim_bwd_gather_kernel,
     _maxsim_fwd_kernel,
 )
-from ._kernels_index import _winner_counts_kernel, _winner_rows_kernel
+from ._kernels_index import _tile_counts_kernel, _tile_rows_kernel
 
 __all__ = ["maxsim_fwd", "maxsim_bwd", "grads_without_launch", "inverse_norms", "launcher"]
 
@@ -509,6 +509,7 @@ def _dd_constants(
         PER_QUERY_DOCS=per_query_docs,
         ROWS_IN_ONE_BLOCK=rows_in_one_block,
         WINNER_INDEX=winner_index,
+        INDEX_SCAN=_INDEX_SCAN,
         NORMALIZE=normalize,
         BLOCK_R=cfg.block_r,
         **owned_tile_meta(cfg, dtype, fp32_precision),
@@ -517,10 +518,10 @@ def _dd_constants(
 
 def _launch_dd(
     cfg, grad_scores, Q, q_inv, argmax, grad_d, per_query_docs, fp32_precision, col_base, n_cols,
-    rows, starts,
+    rows, counts,
 ) -> None:
     """The document-owned grad_D over columns ``[col_base, col_base + n_cols)``: through the
-    winner index ``rows``/``starts`` of those columns (cross product), or, without one (None),
+    winner index ``rows``/``counts`` of those columns (cross product), or, without one (None),
     every column at once, each token tile scanning all of its group's rows."""
     Nq, Lq, dim = Q.shape
     Ncols, Ld = grad_d.shape[-3], grad_d.shape[-2]
@@ -533,7 +534,7 @@ def _launch_dd(
         (groups * n_cols, _cdiv(_cdiv(Ld, cfg.block_t), tiles_per_program)),
         (
             grad_scores, Q, Q if q_inv is None else q_inv, argmax, grad_d,
-            argmax if rows is None else rows, argmax if starts is None else starts,
+            argmax if rows is None else rows, argmax if counts is None else counts,
             Nq, Ncols, Lq, Ld, dim, tiles_per_program, col_base,
             *grad_scores.stride(),
             *Q.stride(),
@@ -547,66 +548,51 @@ def _launch_dd(
     )
 
 
-# The winner index (``_kernels_index``): token bins of its histograms (one compiled value for
-# every document length below it), rows a program sorts, and rows a step of it compares at once.
-WINNER_INDEX_BINS = 2048
-_INDEX_BLOCK_ROWS = 32 if _configs.INTERPRETER else 2048
-_INDEX_SUB_ROWS = 16 if _configs.INTERPRETER else 64
+# The winner index (``_kernels_index``): argmax entries a program scans per step.
+_INDEX_SCAN = 16 if _configs.INTERPRETER else 1024
 # The index's share of memory: at most a fifth of grad_D's own bytes (at least one column), as
 # for the unified backward's buffer.
 _INDEX_SHARE = 5
 
 
 def _uses_winner_index(cfg, per_query_docs: bool, Ld: int) -> bool:
-    """The cross product's document-owned grad_D reads its rows through the winner index when
-    the tokens fit its bins and a column has more than one token tile (with one tile, every row
-    belongs to it anyway)."""
-    return not per_query_docs and Ld < WINNER_INDEX_BINS and Ld > cfg.block_t
+    """The cross product's document-owned grad_D reads its rows through the winner index when a
+    column has more than one token tile (with one tile, every row belongs to it anyway)."""
+    return not per_query_docs and Ld > cfg.block_t
 
 
-def _index_column_bytes(n_rows: int, Ld: int) -> int:
-    """Bytes of one column's winner index: its rows, block counts and token starts (int32)."""
-    return 4 * (n_rows + _cdiv(n_rows, _INDEX_BLOCK_ROWS) * Ld + Ld + 1)
-
-
-def _winner_index_cols(Q: Tensor, Ncols: int, Ld: int, grad_d: Tensor) -> int:
-    """Columns per chunk of the winner index."""
-    column_bytes = _index_column_bytes(Q.shape[0] * Q.shape[1], Ld)
+def _winner_index_cols(Q: Tensor, Ncols: int, n_tiles: int, grad_d: Tensor) -> int:
+    """Columns per chunk of the winner index (int32 rows and tile counts)."""
+    column_bytes = 4 * (Q.shape[0] * Q.shape[1] + n_tiles)
     budget = grad_d.numel() * grad_d.element_size() // _INDEX_SHARE
     return max(1, min(Ncols, budget // column_bytes))
 
 
-def _winner_index_buffers(Q: Tensor, n_cols: int, Ld: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Rows, block counts and token starts of ``n_cols`` columns (int32, unwritten)."""
-    n_rows = Q.shape[0] * Q.shape[1]
-    n_blocks = _cdiv(n_rows, _INDEX_BLOCK_ROWS)
-    device = Q.device
+def _winner_index_buffers(Q: Tensor, n_cols: int, n_tiles: int) -> tuple[Tensor, Tensor]:
+    """Rows and tile counts of ``n_cols`` columns (int32, unwritten)."""
     return (
-        _empty((n_cols, n_rows), torch.int32, device),
-        _empty((n_cols, n_blocks, Ld), torch.int32, device),
-        _empty((n_cols, Ld + 1), torch.int32, device),
+        _empty((n_cols, Q.shape[0] * Q.shape[1]), torch.int32, Q.device),
+        _empty((n_cols, n_tiles), torch.int32, Q.device),
     )
 
 
-def _winner_index(argmax: Tensor, col_base: int, n_cols: int, Ld: int, buffers) -> tuple[Tensor, Tensor]:
-    """The winner index of columns ``[col_base, col_base + n_cols)`` in ``buffers``: two launches."""
-    rows, counts, starts = buffers
+def _winner_index(argmax: Tensor, col_base: int, n_cols: int, block_t: int, buffers) -> tuple[Tensor, Tensor]:
+    """The winner index of columns ``[col_base, col_base + n_cols)`` for ``block_t``-token tiles,
+    in ``buffers``: two launches."""
+    rows, counts = buffers
     Nq, Ncols, Lq = argmax.shape
-    n_rows = Nq * Lq
-    n_blocks = counts.shape[1]
-    grid = (n_cols, n_blocks)
-    args = (Ncols, Lq, Ld, n_rows, n_blocks, _INDEX_BLOCK_ROWS, col_base)
-    meta = _index_constants()
-    launcher(_winner_counts_kernel)(grid, (argmax, counts, *args), meta)
-    launcher(_winner_rows_kernel)(grid, (argmax, counts, starts, rows, *args), meta)
-    return rows, starts
+    n_tiles = counts.shape[1]
+    grid = (n_cols, n_tiles)
+    args = (Ncols, Lq, Nq * Lq, n_tiles, col_base)
+    meta = _index_constants(block_t)
+    launcher(_tile_counts_kernel)(grid, (argmax, counts, *args), meta)
+    launcher(_tile_rows_kernel)(grid, (argmax, counts, rows, *args), meta)
+    return rows, counts
 
 
-@functools.lru_cache(maxsize=1)
-def _index_constants() -> Constants:
-    return constants(
-        BINS=WINNER_INDEX_BINS, SUB_ROWS=_INDEX_SUB_ROWS, num_warps=4, num_stages=1
-    )
+@functools.lru_cache(maxsize=16)
+def _index_constants(block_t: int) -> Constants:
+    return constants(BLOCK_T=block_t, SCAN=_INDEX_SCAN, num_warps=4, num_stages=1)
 
 
 def grads_without_launch(
@@ -703,11 +689,10 @@ def maxsim_bwd(
         )
         if _uses_winner_index(cfg, per_query_docs, Ld):
             index_cols = _winner_index_cols(Q, Ncols, Ld, grad_d)
-            index = _winner_index_buffers(Q, index_cols, Ld)
+            index = _winner_index_buffers(Q, index_cols, _cdiv(Ld, cfg.block_t))
             for c0 in range(0, Ncols, index_cols):
                 n = min(index_cols, Ncols - c0)
-                rows, starts = _winner_index(argmax, c0, n, Ld, index)
-                dd(c0, n, rows, starts)
+                dd(c0, n, *_winner_index(argmax, c0, n, cfg.block_t, index))
         else:
             dd(0, Ncols, None, None)
     return _or_empty(grad_q, Q), _or_empty(grad_d, Q)
