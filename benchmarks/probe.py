@@ -715,9 +715,6 @@ def winner_index() -> None:
         buffers = _launch._winner_index_buffers(Q, nd, -(-ld // base.block_t))
         row += f" index alone {bench(lambda: _launch._winner_index(argmax, 0, nd, base.block_t, buffers)):.4f}"
         print(row, flush=True)
-        if nq * nd * lq * ld <= 128 * 128 * 32 * 300:
-            with forced_configs(bwd=dataclasses.replace(base, block_t=1024)):  # one tile: no index
-                print(f"   lowmem grad_D scanning every row: {bench(lambda: bwd('lowmem', need_q=False)):.4f} ms")
         row = "   indexed grad_D tiles (block_t, block_r):"
         for block_t in (16, 32, 64):
             for block_r in (32, 64, 128):
