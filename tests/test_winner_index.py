@@ -12,24 +12,28 @@ from fusedmaxsim.testing import assert_close_to_reference
 
 
 def expected_index(argmax: torch.Tensor, col_base: int, n_cols: int, block_t: int, n_tiles: int):
-    """Each column's rows whose token falls in each tile, tile after tile, rows ascending; and
+    """Each column's rows whose token falls in each tile, tile after tile, in the scan's order
+    (chunks of 4 query tokens, within each the queries in order: the interpreter's steps); and
     the count of each tile."""
     Nq, _, Lq = argmax.shape
+    scan_tokens = min(4, 1 << max(Lq - 1, 0).bit_length())
+    order = torch.tensor([i * Lq + s for s0 in range(0, Lq, scan_tokens) for i in range(Nq)
+                          for s in range(s0, min(Lq, s0 + scan_tokens))])
     won = argmax[:, col_base:col_base + n_cols].permute(1, 0, 2).reshape(n_cols, Nq * Lq).long()
     rows, counts = [], []
     for tokens in won:
-        tiles = torch.where(tokens >= 0, tokens // block_t, -1)
-        rows.append(torch.cat([torch.nonzero(tiles == k).flatten() for k in range(n_tiles)]))
+        tiles = torch.where(tokens >= 0, tokens // block_t, -1)[order]
+        rows.append(torch.cat([order[tiles == k] for k in range(n_tiles)]))
         counts.append(torch.stack([(tiles == k).sum() for k in range(n_tiles)]))
     return rows, torch.stack(counts)
 
 
 @pytest.mark.parametrize("Nq, Lq, Ncols, Ld, block_t, col_base, n_cols", [
-    (3, 7, 5, 13, 4, 0, 5),    # one scan step of rows
-    (9, 11, 4, 40, 16, 1, 2),  # 99 rows: seven steps; a chunk of columns past column 0
+    (3, 7, 5, 13, 4, 0, 5),    # two token chunks of 4 (the second partial)
+    (9, 11, 4, 40, 16, 1, 2),  # 99 rows in steps of 4 queries by 4 tokens; columns past column 0
     (1, 1, 2, 1, 16, 0, 2),    # one row, one token
 ])
-def test_index_groups_each_column_by_tile_in_row_order(device, Nq, Lq, Ncols, Ld, block_t, col_base, n_cols):
+def test_index_groups_each_column_by_tile_in_scan_order(device, Nq, Lq, Ncols, Ld, block_t, col_base, n_cols):
     argmax = torch.randint(-1, Ld, (Nq, Ncols, Lq), device=device, dtype=torch.int16)
     argmax[:, :, 0] = Ld - 1  # the last token, won by many rows
     n_tiles = -(-Ld // block_t)
@@ -48,7 +52,8 @@ def test_index_of_columns_without_winners(device):
     buffers = _launch._winner_index_buffers(torch.empty(4, 5, 1, device=device), 3, 2)
     rows, counts = _launch._winner_index(argmax, 0, 3, 4, buffers)
     assert counts.tolist() == [[0, 0], [0, 20], [0, 0]]
-    assert rows[1].tolist() == list(range(20))
+    assert rows[1].tolist() == expected_index(argmax.cpu(), 1, 1, 4, 2)[0][0].tolist()
+    assert sorted(rows[1].tolist()) == list(range(20))
 
 
 # Interpreter tiles: 16-token grad_D tiles, so 29 and 77 tokens span several; 16 rows a product.

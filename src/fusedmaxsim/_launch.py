@@ -548,8 +548,10 @@ def _launch_dd(
     )
 
 
-# The winner index (``_kernels_index``): argmax entries a program scans per step.
+# The winner index (``_kernels_index``): argmax entries a program scans per step, and at most
+# this many query tokens of each query in a step.
 _INDEX_SCAN = 16 if _configs.INTERPRETER else 1024
+_INDEX_SCAN_TOKENS = 4 if _configs.INTERPRETER else 128
 # The index's share of memory: at most a fifth of grad_D's own bytes (at least one column), as
 # for the unified backward's buffer.
 _INDEX_SHARE = 5
@@ -583,16 +585,19 @@ def _winner_index(argmax: Tensor, col_base: int, n_cols: int, block_t: int, buff
     Nq, Ncols, Lq = argmax.shape
     n_tiles = counts.shape[1]
     grid = (n_cols, n_tiles)
-    args = (Ncols, Lq, Nq * Lq, n_tiles, col_base)
-    meta = _index_constants(block_t)
+    args = (Nq, Ncols, Lq, n_tiles, col_base)
+    meta = _index_constants(block_t, min(_configs._pow2(Lq), _INDEX_SCAN_TOKENS))
     launcher(_tile_counts_kernel)(grid, (argmax, counts, *args), meta)
     launcher(_tile_rows_kernel)(grid, (argmax, counts, rows, *args), meta)
     return rows, counts
 
 
-@functools.lru_cache(maxsize=16)
-def _index_constants(block_t: int) -> Constants:
-    return constants(BLOCK_T=block_t, SCAN=_INDEX_SCAN, num_warps=4, num_stages=1)
+@functools.lru_cache(maxsize=64)
+def _index_constants(block_t: int, scan_tokens: int) -> Constants:
+    return constants(
+        BLOCK_T=block_t, SCAN=_INDEX_SCAN, SCAN_Q=max(1, _INDEX_SCAN // scan_tokens),
+        SCAN_S=scan_tokens, num_warps=4, num_stages=1,
+    )
 
 
 def grads_without_launch(
