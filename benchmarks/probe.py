@@ -720,6 +720,13 @@ def winner_index() -> None:
             for block_r in (32, 64, 128):
                 with forced_configs(bwd=dataclasses.replace(base, block_t=block_t, block_r=block_r)):
                     row += f" {block_t}x{block_r} {bench(lambda: bwd('lowmem', need_q=False)):.4f}"
+        saved = _launch._index_constants
+        row_index = "   index variants (scan entries, stages):"
+        for scan, stages in ((1024, 1), (1024, 2), (1024, 3), (4096, 1), (4096, 3), (256, 2)):
+            _launch._index_constants = lambda bt, st, scan=scan, stages=stages: saved(bt, st, scan, stages)
+            row_index += f" {scan}/{stages} {bench(lambda: _launch._winner_index(argmax, 0, nd, base.block_t, buffers)):.4f}"
+        _launch._index_constants = saved
+        print(row_index, flush=True)
         for warps, stages in ((4, 1), (4, 3), (8, 2)):
             with forced_configs(bwd=dataclasses.replace(base, num_warps=warps, num_stages=stages)):
                 row += f" | {warps}w{stages}s {bench(lambda: bwd('lowmem', need_q=False)):.4f}"

@@ -100,12 +100,13 @@ def test_lowmem_is_bitwise_reproducible_on_gpu():
         pytest.param((128, 128, 128), (128, 1024, 128), id="colpali-128x128"),
     ],
 )
-def test_large_shapes(q_shape, d_shape):
+@pytest.mark.parametrize("strategy", ["auto", "lowmem"])  # lowmem at colpali: the winner index
+def test_large_shapes(q_shape, d_shape, strategy):
     """The float64 reference grid would not fit (128·128·128·1024 doubles = 17 GB): it is built a
     few queries at a time, and its gradients summed over the slices."""
     Q = leaf(F.normalize(torch.randn(q_shape, device="cuda"), dim=-1).bfloat16())
     D = leaf(F.normalize(torch.randn(d_shape, device="cuda"), dim=-1).bfloat16())
-    out = maxsim(Q, D)
+    out = maxsim(Q, D, backward=strategy)
     grad = torch.randn_like(out)
     gq, gd = torch.autograd.grad(out, (Q, D), grad)
     Q64, D64 = leaf(Q.double()), leaf(D.double())

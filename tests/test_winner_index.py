@@ -11,6 +11,12 @@ from fusedmaxsim.reference import maxsim_ref
 from fusedmaxsim.testing import assert_close_to_reference
 
 
+@pytest.fixture(autouse=True)
+def _index_at_every_size(monkeypatch):
+    """The index serves problems above 2^32 multiply-adds; these tests' are tiny."""
+    monkeypatch.setattr(_launch, "INDEX_MIN_MACS", 0)
+
+
 def expected_index(argmax: torch.Tensor, col_base: int, n_cols: int, block_t: int, n_tiles: int):
     """Each column's rows whose token falls in each tile, tile after tile, in the scan's order
     (chunks of 4 query tokens, within each the queries in order: the interpreter's steps); and
@@ -71,7 +77,7 @@ def gradients(Q, D, q_mask, d_mask, grad):
 @pytest.mark.parametrize("Nq, Lq, Nd, Ld", [(3, 7, 5, 29), (5, 13, 3, 77), (4, 1, 2, 17)])
 @pytest.mark.parametrize("chunks", ["one-chunk", "a-column-a-chunk"])
 def test_lowmem_grad_d_through_the_index(device, dtype, Nq, Lq, Nd, Ld, chunks, monkeypatch):
-    assert _launch._uses_winner_index(TILES, False, Ld)
+    assert _launch._uses_winner_index(TILES, False, Nq, Nd, Lq, Ld, 96)
     if chunks == "a-column-a-chunk":
         monkeypatch.setattr(_launch, "_INDEX_SHARE", 1 << 40)
     Q = torch.randn(Nq, Lq, 96, device=device, dtype=dtype)
@@ -114,12 +120,15 @@ def test_grad_d_through_the_index_is_bitwise_reproducible(device):
     assert_backward_bitwise_reproducible(backward_of, Q, D, runs=3)
 
 
-def test_the_index_is_used_where_a_column_has_several_tiles():
+def test_the_index_is_used_where_a_column_has_several_tiles_and_the_gpu_decides(monkeypatch):
+    monkeypatch.setattr(_launch, "INDEX_MIN_MACS", 1 << 32)
     tiles = bwd_config(Lq=32, dim=128, elem_bytes=2)
-    assert not _launch._uses_winner_index(tiles, True, 300)  # per-query candidates: own rows only
-    assert not _launch._uses_winner_index(tiles, False, tiles.block_t)  # one token tile
-    assert _launch._uses_winner_index(tiles, False, tiles.block_t + 1)
-    assert _launch._uses_winner_index(tiles, False, 1 << 20)
+    uses = _launch._uses_winner_index
+    assert uses(tiles, False, 128, 128, 32, 300, 128)  # train_colbert
+    assert uses(tiles, False, 128, 128, 128, 1 << 16, 128)  # long documents: no length limit
+    assert not uses(tiles, True, 128, 128, 32, 300, 128)  # per-query candidates: own rows only
+    assert not uses(tiles, False, 1024, 1024, 32, tiles.block_t, 128)  # one token tile
+    assert not uses(tiles, False, 32, 32, 32, 180, 128)  # host-bound: two launches more lose
 
 
 def test_one_token_tile_scans_every_row(device):
@@ -131,7 +140,7 @@ def test_one_token_tile_scans_every_row(device):
         indexed = gradients(Q, D, None, None, grad)
         q, d = leaf(Q), leaf(D)
         with settings.use_backend("triton"), forced_configs(bwd=BwdConfig(16, 64, 16, 128, 4, 1)):
-            assert not _launch._uses_winner_index(BwdConfig(16, 64, 16, 128, 4, 1), False, 40)
+            assert not _launch._uses_winner_index(BwdConfig(16, 64, 16, 128, 4, 1), False, 3, 4, 7, 40, 64)
             maxsim(q, d, backward="lowmem").backward(grad)
     torch.testing.assert_close(indexed[1], d.grad, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(indexed[0], q.grad, rtol=1e-6, atol=1e-6)

@@ -557,10 +557,16 @@ _INDEX_SCAN_TOKENS = 4 if _configs.INTERPRETER else 128
 _INDEX_SHARE = 5
 
 
-def _uses_winner_index(cfg, per_query_docs: bool, Ld: int) -> bool:
+# Below this many multiply-adds (Nq·Ncols·Lq·Ld·d) the scan of every row costs a few µs of GPU
+# time, less than the host's two more launches of the index (benchmarks/NOTES.md section 25).
+INDEX_MIN_MACS = 1 << 32
+
+
+def _uses_winner_index(cfg, per_query_docs: bool, Nq: int, Ncols: int, Lq: int, Ld: int, dim: int) -> bool:
     """The cross product's document-owned grad_D reads its rows through the winner index when a
-    column has more than one token tile (with one tile, every row belongs to it anyway)."""
-    return not per_query_docs and Ld > cfg.block_t
+    column has more than one token tile (with one tile, every row belongs to it anyway) and the
+    problem is large enough for the GPU's time to matter."""
+    return not per_query_docs and Ld > cfg.block_t and Nq * Ncols * Lq * Ld * dim > INDEX_MIN_MACS
 
 
 def _winner_index_cols(Q: Tensor, Ncols: int, n_tiles: int, grad_d: Tensor) -> int:
@@ -593,10 +599,10 @@ def _winner_index(argmax: Tensor, col_base: int, n_cols: int, block_t: int, buff
 
 
 @functools.lru_cache(maxsize=64)
-def _index_constants(block_t: int, scan_tokens: int) -> Constants:
+def _index_constants(block_t: int, scan_tokens: int, scan: int = _INDEX_SCAN, num_stages: int = 1) -> Constants:
     return constants(
-        BLOCK_T=block_t, SCAN=_INDEX_SCAN, SCAN_Q=max(1, _INDEX_SCAN // scan_tokens),
-        SCAN_S=scan_tokens, num_warps=4, num_stages=1,
+        BLOCK_T=block_t, SCAN=scan, SCAN_Q=max(1, scan // scan_tokens), SCAN_S=scan_tokens,
+        num_warps=4, num_stages=num_stages,
     )
 
 
@@ -692,7 +698,7 @@ def maxsim_bwd(
         dd = functools.partial(
             _launch_dd, cfg, grad_scores, Q, q_inv, argmax, grad_d, per_query_docs, fp32_precision
         )
-        if _uses_winner_index(cfg, per_query_docs, Ld):
+        if _uses_winner_index(cfg, per_query_docs, Nq, Ncols, Lq, Ld, dim):
             index_cols = _winner_index_cols(Q, Ncols, Ld, grad_d)
             index = _winner_index_buffers(Q, index_cols, _cdiv(Ld, cfg.block_t))
             for c0 in range(0, Ncols, index_cols):
