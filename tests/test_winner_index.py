@@ -19,10 +19,9 @@ def _index_at_every_size(monkeypatch):
 
 def expected_index(argmax: torch.Tensor, col_base: int, n_cols: int, block_t: int, n_tiles: int):
     """Each column's rows whose token falls in each tile, tile after tile, in the scan's order
-    (chunks of 4 query tokens, within each the queries in order: the interpreter's steps); and
-    the count of each tile."""
+    (chunks of query tokens, within each the queries in order); and the count of each tile."""
     Nq, _, Lq = argmax.shape
-    scan_tokens = min(4, 1 << max(Lq - 1, 0).bit_length())
+    scan_tokens = min(_launch._INDEX_SCAN_TOKENS, 1 << max(Lq - 1, 0).bit_length())
     order = torch.tensor([i * Lq + s for s0 in range(0, Lq, scan_tokens) for i in range(Nq)
                           for s in range(s0, min(Lq, s0 + scan_tokens))])
     won = argmax[:, col_base:col_base + n_cols].permute(1, 0, 2).reshape(n_cols, Nq * Lq).long()
@@ -35,8 +34,8 @@ def expected_index(argmax: torch.Tensor, col_base: int, n_cols: int, block_t: in
 
 
 @pytest.mark.parametrize("Nq, Lq, Ncols, Ld, block_t, col_base, n_cols", [
-    (3, 7, 5, 13, 4, 0, 5),    # two token chunks of 4 (the second partial)
-    (9, 11, 4, 40, 16, 1, 2),  # 99 rows in steps of 4 queries by 4 tokens; columns past column 0
+    (3, 7, 5, 13, 4, 0, 5),    # in the interpreter, two token chunks of 4 (the second partial)
+    (9, 11, 4, 40, 16, 1, 2),  # 99 rows in several steps; columns past column 0
     (1, 1, 2, 1, 16, 0, 2),    # one row, one token
 ])
 def test_index_groups_each_column_by_tile_in_scan_order(device, Nq, Lq, Ncols, Ld, block_t, col_base, n_cols):
