@@ -190,6 +190,23 @@ def rerank_tiles() -> None:
                 print(f"  bn={block_n:3d} w={warps} s={stages}: {ms:.4f} ms  err {err:.1e}")
 
 
+def step_peak_and_ms(Q, D, g, strategy: str) -> tuple[float, float]:
+    """A training step's peak memory above what was allocated before it (MiB), and its time."""
+    def step():
+        maxsim(Q, D, backward=strategy).backward(g)
+
+    step()
+    Q.grad = D.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    Q.grad = D.grad = None
+    return peak, do_bench(step, warmup=10, rep=50, grad_to_none=[Q, D])
+
+
 def memory() -> None:
     """train_colpali (128 x 128 tokens against 128 x 1024, bf16): peak memory above the inputs
     and time of a step, by backward strategy; "unified, one buffer" lifts the chunking."""
@@ -200,17 +217,7 @@ def memory() -> None:
     for name, strategy, limit in (("unified", "unified", saved), ("unified, one buffer", "unified", 1 << 40),
                                   ("lowmem", "lowmem", saved)):
         _launch._SCATTER_BUFFER_MAX_BYTES = limit
-        step = lambda: maxsim(Q, D, backward=strategy).backward(g)  # noqa: E731
-        step()
-        Q.grad = D.grad = None
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-        Q.grad = D.grad = None
-        ms = do_bench(step, warmup=10, rep=50, grad_to_none=[Q, D])
+        peak, ms = step_peak_and_ms(Q, D, g, strategy)
         print(f"{name:20s} peak {peak:6.1f} MiB  step {ms:.4f} ms")
     _launch._SCATTER_BUFFER_MAX_BYTES = saved
     grads = {s: torch.autograd.grad(maxsim(Q, D, backward=s), (Q, D), g) for s in ("unified", "lowmem")}
@@ -733,17 +740,7 @@ def winner_index() -> None:
         print(row, flush=True)
         Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
         for strategy in ("unified", "lowmem"):
-            step = lambda: maxsim(Qg, Dg, backward=strategy).backward(g)  # noqa: E731
-            step()
-            Qg.grad = Dg.grad = None
-            torch.cuda.synchronize()
-            base_bytes = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            step()
-            torch.cuda.synchronize()
-            peak = (torch.cuda.max_memory_allocated() - base_bytes) / 2**20
-            Qg.grad = Dg.grad = None
-            ms = do_bench(step, warmup=10, rep=50, grad_to_none=[Qg, Dg])
+            peak, ms = step_peak_and_ms(Qg, Dg, g, strategy)
             print(f"   step {strategy:8s} {ms:.4f} ms, peak {peak:6.1f} MiB above the inputs", flush=True)
         del Q, D, Qg, Dg, argmax, buffers, unified, lowmem
         torch.cuda.empty_cache()
