@@ -39,7 +39,8 @@ Grid mapping
   buffer's column 0 is ``col_base``: large ``grad_D`` goes through it in column chunks).
 * ``_maxsim_bwd_dd_kernel``: program ``(g, j, t-blocks)`` owns tiles of ``grad_D`` and adds
   ``onehot(A == t)ᵀ @ (g · Q)`` over blocks of the group's (query, token) rows; per-query
-  candidates load their rows once for several tiles. No atomics:
+  candidates load their rows once for several tiles; on the cross product a tile reads only the
+  rows that won one of its tokens, through the winner index of ``_kernels_index``. No atomics:
   bitwise reproducible. ``g · Q`` is rounded to the input dtype before the product, an error of
   the same size as writing the gradient in that dtype.
 * ``_drain_chunk_kernel``: casts a finished column chunk of that buffer into ``grad_D`` and
