@@ -699,8 +699,9 @@ def maxsim_bwd(
             _launch_dd, cfg, grad_scores, Q, q_inv, argmax, grad_d, per_query_docs, fp32_precision
         )
         if _uses_winner_index(cfg, per_query_docs, Nq, Ncols, Lq, Ld, dim):
-            index_cols = _winner_index_cols(Q, Ncols, Ld, grad_d)
-            index = _winner_index_buffers(Q, index_cols, _cdiv(Ld, cfg.block_t))
+            n_tiles = _cdiv(Ld, cfg.block_t)
+            index_cols = _winner_index_cols(Q, Ncols, n_tiles, grad_d)
+            index = _winner_index_buffers(Q, index_cols, n_tiles)
             for c0 in range(0, Ncols, index_cols):
                 n = min(index_cols, Ncols - c0)
                 dd(c0, n, *_winner_index(argmax, c0, n, cfg.block_t, index))
