@@ -609,8 +609,9 @@ def norm_tiles() -> None:
 
         print(f"-- {name}: chosen {chosen}", flush=True)
         variants = [chosen, dataclasses.replace(chosen, normalize_doc_tile=True)]
-        for block_n, warps, stages, regs in ((64, 4, 3, None), (64, 8, 3, None), (32, 4, 3, None),
-                                             (32, 8, 4, 128), (128, 8, 3, None), (64, 4, 4, None)):
+        tiles = ((64, 4, 3, None), (64, 8, 3, None), (32, 4, 3, None), (32, 8, 4, 128),
+                 (128, 8, 3, None), (64, 4, 4, None))
+        for block_n, warps, stages, regs in tiles if name == "rerank_colpali_norm" else tiles[:2]:
             variants.append(dataclasses.replace(chosen, block_n=block_n, num_warps=warps,
                                                 num_stages=stages, max_registers=regs,
                                                 query_in_registers=False, normalize_doc_tile=True))
@@ -630,7 +631,7 @@ def norm_tiles() -> None:
                     continue
             for key in set(compiled) - known:
                 label += f" [{compiled[key].n_regs} registers, {compiled[key].n_spills} B spilled]"
-            verdict = "" if err < 1e-3 else "  PARITY FAILED"
+            verdict = "" if err < 2e-2 else "  PARITY FAILED"  # the suite's bf16 score bound
             print(f"  {label}: {ms:.4f} ms, error against float64 {err:.1e}{verdict}", flush=True)
         del Q, D
         torch.cuda.empty_cache()
@@ -739,13 +740,12 @@ def graph_times() -> None:
 
 
 def winner_index() -> None:
-    """The document-owned grad_D through the winner index (benchmarks/NOTES.md section 25) against
-    the unified backward: GPU ms of each backward and of its parts, the indexed grad_D's tiles,
-    agreement with unified's gradients (same argmax), bitwise reproducibility, and whole steps
-    with their peak memory above the inputs."""
-    shapes = (("train_small_batch", 32, 32, 32, 180), ("train_colbert", 128, 32, 128, 300),
-              ("train_colpali", 128, 128, 128, 1024), ("colpali 256 x 256", 256, 128, 256, 1024),
-              ("colbert 512 x 512", 512, 32, 512, 300))
+    """The document-owned grad_D through the winner index (benchmarks/NOTES.md sections 25-26)
+    against the unified backward: GPU ms of each backward and of its parts, the index under other
+    part sizes, scan steps and warps, agreement with unified's gradients (same argmax), bitwise
+    reproducibility, and whole steps with their peak memory above the inputs."""
+    shapes = (("train_colbert", 128, 32, 128, 300), ("train_colpali", 128, 128, 128, 1024),
+              ("colpali 256 x 256", 256, 128, 256, 1024), ("colbert 512 x 512", 512, 32, 512, 300))
     for name, nq, lq, nd, ld in shapes:
         Q = torch.randn(nq, lq, 128, device="cuda", dtype=torch.bfloat16)
         D = torch.randn(nd, ld, 128, device="cuda", dtype=torch.bfloat16)
@@ -771,11 +771,6 @@ def winner_index() -> None:
         buffers = _launch._winner_index_buffers(Q, nd, -(-ld // base.block_t))
         row += f" index alone {bench(lambda: _launch._winner_index(argmax, 0, nd, base.block_t, buffers)):.4f}"
         print(row, flush=True)
-        row = "   indexed grad_D tiles (block_t, block_r):"
-        for block_t in (16, 32, 64):
-            for block_r in (32, 64, 128):
-                with forced_configs(bwd=dataclasses.replace(base, block_t=block_t, block_r=block_r)):
-                    row += f" {block_t}x{block_r} {bench(lambda: bwd('lowmem', need_q=False)):.4f}"
         saved_constants, saved_part_rows = _launch._index_constants, _launch._INDEX_PART_ROWS
         row_index = "   index variants (part rows, scan entries, warps):"
         for part_rows, scan, warps in ((2048, 512, 8), (1024, 512, 8), (4096, 512, 8),
@@ -788,10 +783,6 @@ def winner_index() -> None:
                           f"{bench(lambda: _launch._winner_index(argmax, 0, nd, base.block_t, variant)):.4f}")
         _launch._index_constants, _launch._INDEX_PART_ROWS = saved_constants, saved_part_rows
         print(row_index, flush=True)
-        for warps, stages in ((4, 1), (4, 3), (8, 2)):
-            with forced_configs(bwd=dataclasses.replace(base, num_warps=warps, num_stages=stages)):
-                row += f" | {warps}w{stages}s {bench(lambda: bwd('lowmem', need_q=False)):.4f}"
-        print(row, flush=True)
         Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
         for strategy in ("unified", "lowmem"):
             peak, ms = step_peak_and_ms(Qg, Dg, g, strategy)
