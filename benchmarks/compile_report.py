@@ -23,14 +23,14 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from fusedmaxsim._kernels import _maxsim_bwd_dd_kernel, _maxsim_fwd_kernel
-from fusedmaxsim._kernels_index import _part_counts_kernel, _part_rows_kernel
+from fusedmaxsim._kernels_index import _tile_counts_kernel, _tile_rows_kernel
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 ALIGNED_INTS = ("dim", "stride_q_seq", "stride_q_tok", "stride_d_grp", "stride_d_col", "stride_d_tok",
                 "stride_gd_grp", "stride_gd_col", "stride_gd_tok")
 POINTER_TYPES = {"Q": "*bf16", "D": "*bf16", "GradD": "*bf16", "Grad": "*fp32", "QInv": "*fp32",
                  "DInv": "*fp32", "Out": "*fp32", "Argmax": "*i16", "QMask": "*u8", "DMask": "*u8",
-                 "Rows": "*i32", "Counts": "*i32", "Parts": "*i32"}
+                 "Rows": "*i32", "Counts": "*i32"}
 
 
 def compile_sm90(kernel, constants: dict, num_warps: int, num_stages: int, maxnreg=None):
@@ -111,7 +111,7 @@ def grad_d_rows():
     ):
         constants = dict(PER_QUERY_DOCS=per_query_docs, ROWS_IN_ONE_BLOCK=rows_in_one_block,
                          WINNER_INDEX=winner_index, NORMALIZE=False, BLOCK_T=64, BLOCK_R=block_r,
-                         BLOCK_K=128, DOT_PRECISION="tf32", UPCAST=False, INDEX_SCAN=512)
+                         BLOCK_K=128, DOT_PRECISION="tf32", UPCAST=False, INDEX_SCAN=1024)
         compiled = compile_sm90(_maxsim_bwd_dd_kernel, constants, 4, 2)
         mode = ("candidates" if per_query_docs else "cross") + (", rows once" if rows_in_one_block else "")
         mode += ", winner index" if winner_index else ""
@@ -120,11 +120,10 @@ def grad_d_rows():
 
 
 def index_rows():
-    constants = dict(BLOCK_T=64, SCAN_Q=4, SCAN_S=128, TILE_GROUP=32, PART_SCAN=16)
-    for name, kernel in (("winner index counts", _part_counts_kernel), ("winner index rows", _part_rows_kernel)):
-        compiled = compile_sm90(kernel, constants, 8, 1)
-        yield name, "cross", "64-token tiles, 32 at a time, steps of 4 queries x 128 tokens, 8 warps", \
-            None, *resources(compiled)
+    constants = dict(BLOCK_T=64, SCAN=1024, SCAN_Q=8, SCAN_S=128)
+    for name, kernel in (("winner index counts", _tile_counts_kernel), ("winner index rows", _tile_rows_kernel)):
+        compiled = compile_sm90(kernel, constants, 4, 1)
+        yield name, "cross", "64-token tiles, steps of 8 queries x 128 tokens, 4 warps", None, *resources(compiled)
 
 
 def main() -> None:

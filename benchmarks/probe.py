@@ -5,14 +5,13 @@ training shape, the smooth max against colpali-engine's einsum + logsumexp; and 
 memory, and the first calls' split; behind sections 18-21: the training rows' host and GPU
 time, the forward's tile variants (registers, spills, parity, time), the host's side of a launch
 for every provider, and the query chunk height; behind sections 22-23: the query tile in
-registers, the small rows' GPU time alone, 256-row query blocks; behind sections 25-26: the
-document-owned grad_D through the winner index, and the document tile normalized before the
-product. GPU times by ``triton.testing.do_bench``
+registers, the small rows' GPU time alone, 256-row query blocks; behind section 25: the
+document-owned grad_D through the winner index. GPU times by ``triton.testing.do_bench``
 (median, ms).
 
     PYTHONPATH=src python3 benchmarks/probe.py [normalize] [kd] [smooth] [masked] [rerank] [memory] [cold]
         [small] [stages] [cold_profile] [steps] [host] [fwd_tiles] [launch] [chunks]
-        [query_registers] [graph_times] [wide_rows] [winner_index] [norm_tiles]
+        [query_registers] [graph_times] [wide_rows] [winner_index]
 """
 
 from __future__ import annotations
@@ -588,55 +587,6 @@ def forward_tiles(variants=None, chosen: bool = False) -> None:
                   flush=True)
 
 
-def norm_tiles() -> None:
-    """Normalizing from the tiles (inference, bf16; benchmarks/NOTES.md section 26): the library's
-    choice (each tile's products scaled by the tile's inverse norms) against the document tile
-    normalized before the product, under several tiles. GPU ms; error against float64 over the
-    first 64 documents; registers and spills of each compiled variant."""
-    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
-    shapes = (("rerank_colpali_norm", 1, 128, 1000, 1024), ("rerank_colbert_norm", 1, 32, 1000, 300),
-              ("batch_colbert_norm", 256, 32, 256, 300), ("longquery_norm", 4, 2048, 64, 1024))
-    for name, nq, lq, nd, ld in shapes:
-        Q = torch.randn(nq, lq, 128, device="cuda", dtype=torch.bfloat16)
-        D = torch.randn(nd, ld, 128, device="cuda", dtype=torch.bfloat16) * 3
-        ref = maxsim_ref(Q.double(), D[:64].double(), normalize=True)
-        chosen = fwd_config(Lq=lq, dim=128, Nq=nq, per_query_docs=False, elem_bytes=2,
-                            norm_from_tiles=True, n_cols=nd, sm_count=sm_count)
-
-        def run():
-            return _launch.maxsim_fwd(Q, D, None, None, None, None, False, "tf32",
-                                      norm_from_tiles=True)[0]
-
-        print(f"-- {name}: chosen {chosen}", flush=True)
-        variants = [chosen, dataclasses.replace(chosen, normalize_doc_tile=True)]
-        tiles = ((64, 4, 3, None), (64, 8, 3, None), (32, 4, 3, None), (32, 8, 4, 128),
-                 (128, 8, 3, None), (64, 4, 4, None))
-        for block_n, warps, stages, regs in tiles if name == "rerank_colpali_norm" else tiles[:2]:
-            variants.append(dataclasses.replace(chosen, block_n=block_n, num_warps=warps,
-                                                num_stages=stages, max_registers=regs,
-                                                query_in_registers=False, normalize_doc_tile=True))
-        for cfg in variants:
-            label = (f"doc tile {cfg.normalize_doc_tile:d} bn {cfg.block_n} w {cfg.num_warps} "
-                     f"s {cfg.num_stages} regs {cfg.max_registers}")
-            compiled = _launch.launcher(_maxsim_fwd_kernel).compiled
-            known = set(compiled)
-            with forced_configs(fwd=cfg):
-                try:
-                    scores = run()
-                    run()
-                    err = relative_error(scores[:, :64], ref)
-                    ms = bench(run)
-                except Exception as exc:  # noqa: BLE001
-                    print(f"  {label}: {type(exc).__name__}: {str(exc)[:80]}")
-                    continue
-            for key in set(compiled) - known:
-                label += f" [{compiled[key].n_regs} registers, {compiled[key].n_spills} B spilled]"
-            verdict = "" if err < 2e-2 else "  PARITY FAILED"  # the suite's bf16 score bound
-            print(f"  {label}: {ms:.4f} ms, error against float64 {err:.1e}{verdict}", flush=True)
-        del Q, D
-        torch.cuda.empty_cache()
-
-
 def launch_paths() -> None:
     """The host's side of the smallest rows, every provider in one process: issue time (calls
     back to back, no synchronize), wall time and do_bench for ours with the cached launch, ours
@@ -740,12 +690,13 @@ def graph_times() -> None:
 
 
 def winner_index() -> None:
-    """The document-owned grad_D through the winner index (benchmarks/NOTES.md sections 25-26)
-    against the unified backward: GPU ms of each backward and of its parts, the index under other
-    part sizes, scan steps and warps, agreement with unified's gradients (same argmax), bitwise
-    reproducibility, and whole steps with their peak memory above the inputs."""
-    shapes = (("train_colbert", 128, 32, 128, 300), ("train_colpali", 128, 128, 128, 1024),
-              ("colpali 256 x 256", 256, 128, 256, 1024), ("colbert 512 x 512", 512, 32, 512, 300))
+    """The document-owned grad_D through the winner index (benchmarks/NOTES.md section 25) against
+    the unified backward: GPU ms of each backward and of its parts, the indexed grad_D's tiles,
+    agreement with unified's gradients (same argmax), bitwise reproducibility, and whole steps
+    with their peak memory above the inputs."""
+    shapes = (("train_small_batch", 32, 32, 32, 180), ("train_colbert", 128, 32, 128, 300),
+              ("train_colpali", 128, 128, 128, 1024), ("colpali 256 x 256", 256, 128, 256, 1024),
+              ("colbert 512 x 512", 512, 32, 512, 300))
     for name, nq, lq, nd, ld in shapes:
         Q = torch.randn(nq, lq, 128, device="cuda", dtype=torch.bfloat16)
         D = torch.randn(nd, ld, 128, device="cuda", dtype=torch.bfloat16)
@@ -771,18 +722,22 @@ def winner_index() -> None:
         buffers = _launch._winner_index_buffers(Q, nd, -(-ld // base.block_t))
         row += f" index alone {bench(lambda: _launch._winner_index(argmax, 0, nd, base.block_t, buffers)):.4f}"
         print(row, flush=True)
-        saved_constants, saved_part_rows = _launch._index_constants, _launch._INDEX_PART_ROWS
-        row_index = "   index variants (part rows, scan entries, warps):"
-        for part_rows, scan, warps in ((2048, 512, 8), (1024, 512, 8), (4096, 512, 8),
-                                       (2048, 256, 4), (2048, 1024, 8), (512, 256, 4)):
-            _launch._INDEX_PART_ROWS = part_rows
-            _launch._index_constants = (
-                lambda bt, st, scan=scan, warps=warps: saved_constants(bt, st, scan, warps))
-            variant = _launch._winner_index_buffers(Q, nd, -(-ld // base.block_t))
-            row_index += (f" {part_rows}/{scan}/{warps}w "
-                          f"{bench(lambda: _launch._winner_index(argmax, 0, nd, base.block_t, variant)):.4f}")
-        _launch._index_constants, _launch._INDEX_PART_ROWS = saved_constants, saved_part_rows
+        row = "   indexed grad_D tiles (block_t, block_r):"
+        for block_t in (16, 32, 64):
+            for block_r in (32, 64, 128):
+                with forced_configs(bwd=dataclasses.replace(base, block_t=block_t, block_r=block_r)):
+                    row += f" {block_t}x{block_r} {bench(lambda: bwd('lowmem', need_q=False)):.4f}"
+        saved = _launch._index_constants
+        row_index = "   index variants (scan entries, stages):"
+        for scan, stages in ((1024, 1), (1024, 2), (1024, 3), (4096, 1), (4096, 3), (256, 2)):
+            _launch._index_constants = lambda bt, st, scan=scan, stages=stages: saved(bt, st, scan, stages)
+            row_index += f" {scan}/{stages} {bench(lambda: _launch._winner_index(argmax, 0, nd, base.block_t, buffers)):.4f}"
+        _launch._index_constants = saved
         print(row_index, flush=True)
+        for warps, stages in ((4, 1), (4, 3), (8, 2)):
+            with forced_configs(bwd=dataclasses.replace(base, num_warps=warps, num_stages=stages)):
+                row += f" | {warps}w{stages}s {bench(lambda: bwd('lowmem', need_q=False)):.4f}"
+        print(row, flush=True)
         Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
         for strategy in ("unified", "lowmem"):
             peak, ms = step_peak_and_ms(Qg, Dg, g, strategy)
@@ -799,7 +754,7 @@ if __name__ == "__main__":
                         ("fwd_tiles", forward_tiles), ("launch", launch_paths),
                         ("chunks", query_chunks), ("query_registers", query_registers),
                         ("graph_times", graph_times), ("wide_rows", wide_rows),
-                        ("winner_index", winner_index), ("norm_tiles", norm_tiles)):
+                        ("winner_index", winner_index)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()

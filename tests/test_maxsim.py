@@ -361,31 +361,6 @@ def test_query_tile_in_registers_changes_no_bit(device, layout):
     assert torch.equal(outputs[0][1], outputs[1][1])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("layout", ["cross", "candidates"])
-def test_document_tile_normalized_before_the_product(device, dtype, layout):
-    """Normalizing from the tiles with each document tile scaled before the product (rounded to
-    the input dtype): the float64 reference of the normalized tokens, masks, zero and huge tokens
-    and a partial tail tile included."""
-    if device == "cuda" and dtype == torch.float16:
-        dtype = torch.bfloat16
-    Q = torch.randn(4, 7, 96, device=device).to(dtype)
-    D = torch.randn(*((4, 3) if layout == "candidates" else (5,)), 13, 96, device=device).to(dtype)
-    Q[0, 2] = 0.0
-    D[..., 1, 4, :] = 0.0
-    D[..., 2, 3, :] = D[..., 2, 3, :] * 1e4
-    q_mask = masks_with_holes(Q.shape[:-1], device)
-    d_mask = masks_with_holes(D.shape[:-1], device)
-    tiles = FwdConfig(16, 1, 16 if device != "cuda" else 32, 128, 4, 1 if device != "cuda" else 2,
-                      normalize_doc_tile=True)
-    with settings.use_backend("triton"), forced_configs(tiles), torch.no_grad():
-        scores = maxsim(Q, D, q_mask, d_mask, normalize=True)
-    ref = maxsim_ref(torch.where(q_mask[..., None], Q, 0.0).double(),
-                     torch.where(d_mask[..., None], D, 0.0).double(), q_mask, d_mask, normalize=True)
-    bound = 1e-5 if dtype == torch.float32 else 5e-3  # the normalized tile rounded to 16 bits
-    assert_close_to_reference(scores, ref, bound, "scores")
-
-
 def test_torch_compile_fullgraph_matches_eager(backend, device):
     """A training step under ``torch.compile(fullgraph=True)`` traces the registered ops and
     gives the eager step's loss and gradients (fp32, same inputs)."""

@@ -18,30 +18,25 @@ def _index_at_every_size(monkeypatch):
 
 
 def expected_index(argmax: torch.Tensor, col_base: int, n_cols: int, block_t: int, n_tiles: int):
-    """Each column's rows whose token falls in each tile, tile after tile; within a tile, part
-    after part (blocks of queries), and within a part in the scan's order (chunks of query
-    tokens, within each the queries in order); and the count of each tile."""
+    """Each column's rows whose token falls in each tile, tile after tile, in the scan's order
+    (chunks of query tokens, within each the queries in order); and the count of each tile."""
     Nq, _, Lq = argmax.shape
     scan_tokens = min(_launch._INDEX_SCAN_TOKENS, 1 << max(Lq - 1, 0).bit_length())
-    part_queries, n_parts = _launch._index_parts(Nq, Lq)
-    parts = [[i * Lq + s for s0 in range(0, Lq, scan_tokens)
-              for i in range(p * part_queries, min(Nq, (p + 1) * part_queries))
-              for s in range(s0, min(Lq, s0 + scan_tokens))] for p in range(n_parts)]
+    order = torch.tensor([i * Lq + s for s0 in range(0, Lq, scan_tokens) for i in range(Nq)
+                          for s in range(s0, min(Lq, s0 + scan_tokens))])
     won = argmax[:, col_base:col_base + n_cols].permute(1, 0, 2).reshape(n_cols, Nq * Lq).long()
     rows, counts = [], []
     for tokens in won:
-        tiles = torch.where(tokens >= 0, tokens // block_t, -1)
-        rows.append(torch.cat([torch.tensor(order)[tiles[order] == k]
-                               for k in range(n_tiles) for order in parts]))
+        tiles = torch.where(tokens >= 0, tokens // block_t, -1)[order]
+        rows.append(torch.cat([order[tiles == k] for k in range(n_tiles)]))
         counts.append(torch.stack([(tiles == k).sum() for k in range(n_tiles)]))
     return rows, torch.stack(counts)
 
 
 @pytest.mark.parametrize("Nq, Lq, Ncols, Ld, block_t, col_base, n_cols", [
     (3, 7, 5, 13, 4, 0, 5),    # in the interpreter, two token chunks of 4 (the second partial)
-    (9, 11, 4, 40, 16, 1, 2),  # 99 rows in several steps and parts; columns past column 0
+    (9, 11, 4, 40, 16, 1, 2),  # 99 rows in several steps; columns past column 0
     (1, 1, 2, 1, 16, 0, 2),    # one row, one token
-    (5, 3, 3, 90, 8, 0, 3),    # 12 tiles: matched two at a time in the interpreter
 ])
 def test_index_groups_each_column_by_tile_in_scan_order(device, Nq, Lq, Ncols, Ld, block_t, col_base, n_cols):
     argmax = torch.randint(-1, Ld, (Nq, Ncols, Lq), device=device, dtype=torch.int16)

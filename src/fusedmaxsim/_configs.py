@@ -45,9 +45,6 @@ class FwdConfig:
     # Hopper products read the query tile from registers instead of shared memory (16-bit
     # inputs, at least 64 rows a block).
     query_in_registers: bool = False
-    # Normalizing from the tiles: scale each document tile by its inverse norms before the
-    # product (rounded to the input dtype) instead of scaling the products after it.
-    normalize_doc_tile: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

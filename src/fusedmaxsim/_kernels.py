@@ -154,12 +154,8 @@ def _doc_tile(
         b_d = tl.load(p)
     else:
         b_d = tl.load(p, mask=m_k[None, :], other=0.0)
-    if NORMALIZE and NORM_FROM_TILES == 2:
-        # The tile normalized before the product (rounded to the input dtype, as F.normalize
-        # in that dtype would): its norms stay in the tile's own layout.
-        b_d = (b_d.to(tl.float32) * _inverse_norm(b_d, NORM_EPS)[:, None]).to(b_d.dtype)
     b_s = _dot(b_q, tl.trans(b_d), DOT_PRECISION, UPCAST)  # [BLOCK_M, BLOCK_N] fp32
-    if NORMALIZE and NORM_FROM_TILES != 2:
+    if NORMALIZE:
         if NORM_FROM_TILES:
             # The tile is on chip already: its norms cost BLOCK_N·BLOCK_K multiply-adds here
             # instead of a pass over all of D before the kernel.

@@ -23,7 +23,7 @@ from ._kernels import (
     _maxsim_bwd_gather_kernel,
     _maxsim_fwd_kernel,
 )
-from ._kernels_index import _part_counts_kernel, _part_rows_kernel
+from ._kernels_index import _tile_counts_kernel, _tile_rows_kernel
 
 __all__ = ["maxsim_fwd", "maxsim_bwd", "grads_without_launch", "inverse_norms", "launcher"]
 
@@ -277,7 +277,7 @@ def _fwd_constants(
 ) -> Constants:
     return constants(
         PER_QUERY_DOCS=per_query_docs,
-        NORM_FROM_TILES=(2 if cfg.normalize_doc_tile else 1) if norm_from_tiles else 0,
+        NORM_FROM_TILES=norm_from_tiles,
         SMOOTH=smooth,
         **fwd_meta(
             cfg, dtype, dim, has_q_mask=has_q_mask, has_d_mask=has_d_mask, normalize=normalize,
@@ -548,14 +548,10 @@ def _launch_dd(
     )
 
 
-# The winner index (``_kernels_index``): argmax entries a program reads per step, and at most
-# this many query tokens of each query in a step; token tiles matched at once; the rows of a part
-# (a program's share of a column); parts' counts read per step.
-_INDEX_SCAN = 16 if _configs.INTERPRETER else 512
+# The winner index (``_kernels_index``): argmax entries a program scans per step, and at most
+# this many query tokens of each query in a step.
+_INDEX_SCAN = 16 if _configs.INTERPRETER else 1024
 _INDEX_SCAN_TOKENS = 4 if _configs.INTERPRETER else 128
-_INDEX_TILE_GROUP = 2 if _configs.INTERPRETER else 32
-_INDEX_PART_ROWS = 16 if _configs.INTERPRETER else 2048
-_INDEX_PART_SCAN = 2 if _configs.INTERPRETER else 16
 # The index's share of memory: at most a fifth of grad_D's own bytes (at least one column), as
 # for the unified backward's buffer.
 _INDEX_SHARE = 5
@@ -573,52 +569,40 @@ def _uses_winner_index(cfg, per_query_docs: bool, Nq: int, Ncols: int, Lq: int, 
     return not per_query_docs and Ld > cfg.block_t and Nq * Ncols * Lq * Ld * dim > INDEX_MIN_MACS
 
 
-def _index_parts(Nq: int, Lq: int) -> tuple[int, int]:
-    """``(queries a part, parts a column)`` of the winner index: about ``_INDEX_PART_ROWS`` rows a
-    program, whatever the shape (a run-time value: no recompilation)."""
-    part_queries = max(1, _INDEX_PART_ROWS // max(Lq, 1))
-    return part_queries, _cdiv(Nq, part_queries)
-
-
 def _winner_index_cols(Q: Tensor, Ncols: int, n_tiles: int, grad_d: Tensor) -> int:
-    """Columns per chunk of the winner index (int32 rows, part counts and tile counts)."""
-    n_parts = _index_parts(Q.shape[0], Q.shape[1])[1]
-    column_bytes = 4 * (Q.shape[0] * Q.shape[1] + (n_parts + 1) * n_tiles)
+    """Columns per chunk of the winner index (int32 rows and tile counts)."""
+    column_bytes = 4 * (Q.shape[0] * Q.shape[1] + n_tiles)
     budget = grad_d.numel() * grad_d.element_size() // _INDEX_SHARE
     return max(1, min(Ncols, budget // column_bytes))
 
 
-def _winner_index_buffers(Q: Tensor, n_cols: int, n_tiles: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Rows, tile counts and part counts of ``n_cols`` columns (int32, unwritten)."""
-    n_parts = _index_parts(Q.shape[0], Q.shape[1])[1]
+def _winner_index_buffers(Q: Tensor, n_cols: int, n_tiles: int) -> tuple[Tensor, Tensor]:
+    """Rows and tile counts of ``n_cols`` columns (int32, unwritten)."""
     return (
         _empty((n_cols, Q.shape[0] * Q.shape[1]), torch.int32, Q.device),
         _empty((n_cols, n_tiles), torch.int32, Q.device),
-        _empty((n_cols, n_parts, n_tiles), torch.int32, Q.device),
     )
 
 
 def _winner_index(argmax: Tensor, col_base: int, n_cols: int, block_t: int, buffers) -> tuple[Tensor, Tensor]:
-    """The winner index ``(rows, counts)`` of columns ``[col_base, col_base + n_cols)`` for
-    ``block_t``-token tiles, in ``buffers``: two launches."""
-    rows, counts, parts = buffers
+    """The winner index of columns ``[col_base, col_base + n_cols)`` for ``block_t``-token tiles,
+    in ``buffers``: two launches."""
+    rows, counts = buffers
     Nq, Ncols, Lq = argmax.shape
     n_tiles = counts.shape[1]
-    part_queries, n_parts = _index_parts(Nq, Lq)
-    grid = (n_cols, n_parts)
-    args = (Nq, Ncols, Lq, n_tiles, col_base, part_queries)
+    grid = (n_cols, n_tiles)
+    args = (Nq, Ncols, Lq, n_tiles, col_base)
     meta = _index_constants(block_t, min(_configs._pow2(Lq), _INDEX_SCAN_TOKENS))
-    launcher(_part_counts_kernel)(grid, (argmax, parts, *args), meta)
-    launcher(_part_rows_kernel)(grid, (argmax, parts, counts, rows, *args), meta)
+    launcher(_tile_counts_kernel)(grid, (argmax, counts, *args), meta)
+    launcher(_tile_rows_kernel)(grid, (argmax, counts, rows, *args), meta)
     return rows, counts
 
 
 @functools.lru_cache(maxsize=64)
-def _index_constants(block_t: int, scan_tokens: int, scan: int = _INDEX_SCAN, num_warps: int = 8) -> Constants:
+def _index_constants(block_t: int, scan_tokens: int, scan: int = _INDEX_SCAN, num_stages: int = 1) -> Constants:
     return constants(
-        BLOCK_T=block_t, SCAN_Q=max(1, scan // scan_tokens), SCAN_S=scan_tokens,
-        TILE_GROUP=_INDEX_TILE_GROUP, PART_SCAN=_INDEX_PART_SCAN, num_warps=num_warps,
-        num_stages=1,
+        BLOCK_T=block_t, SCAN=scan, SCAN_Q=max(1, scan // scan_tokens), SCAN_S=scan_tokens,
+        num_warps=4, num_stages=num_stages,
     )
 
 
