@@ -291,9 +291,13 @@ def test_only_the_needed_gradient_is_computed(backend, device, monkeypatch):
 
 
 def test_double_backward_is_refused_clearly(backend, device):
+    """Under ``create_graph=True`` the first gradients are the usual ones, and a second backward
+    through them raises instead of silently missing this op's part."""
     Q = leaf(torch.randn(2, 7, 32, device=device))
     D = leaf(torch.randn(3, 13, 32, device=device))
     (gq,) = torch.autograd.grad(maxsim(Q, D).sum(), Q, create_graph=True)
+    (plain,) = torch.autograd.grad(maxsim(Q, D).sum(), Q)
+    assert torch.equal(gq.detach(), plain)
     with pytest.raises(RuntimeError, match="twice|does not require grad"):
         gq.sum().backward()
 
