@@ -1,54 +1,78 @@
-"""A training step's wall time per call for two source trees, alternating in fresh processes
-on one machine: what a host-side change does to the host-bound training rows, apart from the
-machine's own speed. Each process times `maxsim(Q, D).backward(g)` (bf16, CUDA), calls back to
-back, one synchronize per round, the best of five rounds.
+"""A call's wall time for two source trees, alternating in fresh processes on one machine: what a
+change does, apart from the machine's own speed (which moves more between processes than many
+changes weigh). Each process times its calls back to back, one synchronize per round, the best
+of five rounds.
 
-    python3 benchmarks/host_ab.py SRC_BEFORE SRC_AFTER [ROUNDS]
+    python3 benchmarks/host_ab.py SRC_BEFORE SRC_AFTER [--rounds N] [--device cuda|cpu]
+
+On CUDA: a training step, ``maxsim(Q, D).backward(g)`` (bf16), on the host-bound training rows
+of the suite. On a CPU (the PyTorch path): the forward without gradient, fp32, on reranking and
+in-batch shapes.
 """
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
-SHAPES = (("train_small_batch", 32, 32, 32, 180, False), ("train_kd", 64, 32, 32, 300, True),
-          ("train_kd_colpali", 32, 32, 16, 1030, True), ("train_colbert", 128, 32, 128, 300, False))
+# name, Nq, Lq, K or Nd, Ld, per-query candidates
+CUDA_SHAPES = (("train_small_batch", 32, 32, 32, 180, False), ("train_kd", 64, 32, 32, 300, True),
+               ("train_kd_colpali", 32, 32, 16, 1030, True), ("train_colbert", 128, 32, 128, 300, False))
+CPU_SHAPES = (("rerank 1 x 100, 32 x 300", 1, 32, 100, 300, False),
+              ("batch 16 x 64, 32 x 180", 16, 32, 64, 180, False),
+              ("rerank 1 x 20, 128 x 1030", 1, 128, 20, 1030, False),
+              ("candidates 8 x 16, 32 x 180", 8, 32, 16, 180, True))
 
 CHILD = r"""
 import sys, time
 sys.path.insert(0, sys.argv[1])
 import torch
 from fusedmaxsim import maxsim
-for name, nq, lq, nd, ld, kd in %r:
-    Q = torch.randn(nq, lq, 128, device="cuda", dtype=torch.bfloat16).requires_grad_()
+device = sys.argv[2]
+dtype = torch.bfloat16 if device == "cuda" else torch.float32
+sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+for name, nq, lq, nd, ld, kd in %s:
+    Q = torch.randn(nq, lq, 128, device=device, dtype=dtype).requires_grad_(device == "cuda")
     shape = (nq, nd, ld, 128) if kd else (nd, ld, 128)
-    D = torch.randn(*shape, device="cuda", dtype=torch.bfloat16).requires_grad_()
-    g = torch.randn(nq, nd, device="cuda")
+    D = torch.randn(*shape, device=device, dtype=dtype).requires_grad_(device == "cuda")
+    g = torch.randn(nq, nd, device=device)
     def step():
         Q.grad = D.grad = None
         maxsim(Q, D).backward(g)
-    for _ in range(50):
-        step()
+    def forward():
+        with torch.no_grad():
+            maxsim(Q, D)
+    call, calls = (step, 200) if device == "cuda" else (forward, 10)
+    for _ in range(max(3, calls // 4)):
+        call()
     best = float("inf")
     for _ in range(5):
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
-        for _ in range(200):
-            step()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - start) / 200 * 1e6)
+        for _ in range(calls):
+            call()
+        sync()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
     print(f"{name} {best:.1f}")
-""" % (SHAPES,)
+"""
 
 
 def main() -> None:
-    before, after = sys.argv[1], sys.argv[2]
-    rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 3
-    for r in range(rounds):
-        for label, src in (("before", before), ("after", after)):
-            out = subprocess.run([sys.executable, "-c", CHILD, src], capture_output=True, text=True)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("before")
+    parser.add_argument("after")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    args = parser.parse_args()
+    child = CHILD % (CUDA_SHAPES if args.device == "cuda" else CPU_SHAPES,)
+    what = "us a training step" if args.device == "cuda" else "us a forward"
+    for r in range(args.rounds):
+        for label, src in (("before", args.before), ("after", args.after)):
+            out = subprocess.run([sys.executable, "-c", child, src, args.device],
+                                 capture_output=True, text=True)
             rows = " | ".join(out.stdout.split("\n")[:-1]) or out.stderr[-300:]
-            print(f"round {r} {label:6s} (us a step): {rows}", flush=True)
+            print(f"round {r} {label:6s} ({what}): {rows}", flush=True)
 
 
 if __name__ == "__main__":

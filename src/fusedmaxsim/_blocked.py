@@ -131,8 +131,12 @@ def maxsim_fwd_blocked(
                 if tau:
                     lse2 = torch.logsumexp(sim / tau, dim=-1) * _LOG2E  # [bq, ls, bc]
                     best, arg = lse2 * (tau / _LOG2E), lse2
-                else:
+                elif save_argmax:
                     best, arg = sim.max(dim=-1)  # [bq, ls, bc]; NaN propagates; lowest index wins
+                else:
+                    # No indices to find: on a CPU `amax` takes a third of the time of `max`'s
+                    # value-and-index pass (benchmarks/NOTES.md section 28). NaN propagates alike.
+                    best = sim.amax(dim=-1)
                 del sim
                 none = best == float("-inf")
                 contrib = torch.where(none, torch.zeros_like(best), best)
