@@ -70,7 +70,7 @@ def main() -> None:
     for r in range(args.rounds):
         for label, src in (("before", args.before), ("after", args.after)):
             out = subprocess.run([sys.executable, "-c", child, src, args.device],
-                                 capture_output=True, text=True)
+                                 capture_output=True, text=True, check=False)
             rows = " | ".join(out.stdout.split("\n")[:-1]) or out.stderr[-300:]
             print(f"round {r} {label:6s} ({what}): {rows}", flush=True)
 

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ._configs import argmax_dtype
 
-__all__ = ["maxsim_fwd_blocked", "maxsim_bwd_blocked", "plan_blocks", "smooth_bwd_blocked"]
+__all__ = ["maxsim_bwd_blocked", "maxsim_fwd_blocked", "plan_blocks", "smooth_bwd_blocked"]
 
 _LOG2E = math.log2(math.e)
 

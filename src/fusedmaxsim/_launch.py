@@ -646,7 +646,6 @@ def maxsim_bwd(
     per_query_docs = D.dim() == 4
     Nq, Lq, dim = Q.shape
     Ncols, Ld = D.shape[-3], D.shape[-2]
-    normalize = q_inv is not None
     q_dtype = torch.float32 if fp32_out else Q.dtype
     d_dtype = torch.float32 if fp32_out else D.dtype
 
