@@ -353,7 +353,7 @@ def maxsim_scores(
     Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy, tau
 ):
     """Scores with autograd: the registered op when compiling, the plain Function otherwise."""
-    args = (Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy, tau)
+    options = (q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy, tau)
     if torch.compiler.is_compiling():
-        return maxsim_fwd(*args)[0]
-    return MaxSimFunction.apply(Q, D, args[2:])
+        return maxsim_fwd(Q, D, *options)[0]
+    return MaxSimFunction.apply(Q, D, options)
