@@ -11,7 +11,7 @@ document-owned grad_D through the winner index. GPU times by ``triton.testing.do
 
     PYTHONPATH=src python3 benchmarks/probe.py [normalize] [kd] [smooth] [masked] [rerank] [memory] [cold]
         [small] [stages] [cold_profile] [steps] [host] [fwd_tiles] [launch] [chunks]
-        [query_registers] [graph_times] [wide_rows] [winner_index]
+        [query_registers] [graph_times] [wide_rows] [winner_index] [chunk_splits] [occupancy]
 """
 
 from __future__ import annotations
@@ -745,6 +745,69 @@ def winner_index() -> None:
         del Q, D, Qg, Dg, argmax, buffers, unified, lowmem
         torch.cuda.empty_cache()
 
+def chunk_splits_ab() -> None:
+    """Query chunks split over neighbouring programs (benchmarks/NOTES.md section 29) against one
+    program walking every chunk of its (document, query block): GPU ms of the forward (the partial
+    scores' sum included), scores and argmax compared."""
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+
+    shapes = (
+        ("rerank_colpali_1030", rand(1, 1030, 128), rand(1000, 1030, 128), False),
+        ("longquery", rand(4, 2048, 128), rand(64, 1024, 128), False),
+        ("1 x 512 against 1000 x 1024", rand(1, 512, 128), rand(1000, 1024, 128), False),
+        ("1 x 1030 against 16 x 1030", rand(1, 1030, 128), rand(16, 1030, 128), False),
+        ("training fwd 16 x 1030 against 64 x 1030", rand(16, 1030, 128), rand(64, 1030, 128), True),
+        ("kd fwd 8 x 300 against 8 x 32 x 1030", rand(8, 300, 128), rand(8, 32, 1030, 128), True),
+    )
+    props = torch.cuda.get_device_properties(0)
+    print(f"  L2 {props.L2_cache_size / 2**20:.0f} MiB, {props.multi_processor_count} SMs", flush=True)
+    policy = _launch.chunk_splits
+    for name, Q, D, save_argmax in shapes:
+        def run():
+            return _launch.maxsim_fwd(Q, D, None, None, None, None, save_argmax, "tf32")
+
+        cfg = fwd_config(Lq=Q.shape[1], dim=128, Nq=Q.shape[0], per_query_docs=D.dim() == 4,
+                         elem_bytes=2)
+        splits = policy(Q.shape[1], cfg.lq_tile, Q.shape[0], D.shape[-3])
+        split_scores, split_arg = run()
+        split_ms = bench(run)
+        _launch.chunk_splits = lambda *args: 1
+        try:
+            one_scores, one_arg = run()
+            one_ms = bench(run)
+        finally:
+            _launch.chunk_splits = policy
+        err = relative_error(split_scores, one_scores)
+        same = bool(torch.equal(split_arg, one_arg))
+        verdict = "" if err < 1e-6 and same else "  PARITY FAILED"
+        print(f"  {name}: {splits} splits {split_ms:.4f} ms, one program {one_ms:.4f} ms "
+              f"(scores {err:.0e} apart, argmax same {same}){verdict}", flush=True)
+        del Q, D
+        torch.cuda.empty_cache()
+
+
+def _occupancy_variants(chosen: FwdConfig, Nq: int, Lq: int, per_query_docs: bool) -> list:
+    """The tiles the library chooses, and the same 4-warp tiles capped at 168 and 128 registers
+    (three and four programs an SM where shared memory allows), with and without the query tile
+    in registers (benchmarks/NOTES.md section 29: two warps a scheduler, none eligible 55-75% of
+    cycles)."""
+    variants = [chosen]
+    if chosen.num_warps != 4:
+        return variants
+    for regs in (168, 128):
+        for in_registers in (chosen.query_in_registers, not chosen.query_in_registers):
+            variants.append(dataclasses.replace(chosen, max_registers=regs,
+                                                query_in_registers=in_registers))
+    return list(dict.fromkeys(variants))
+
+
+def occupancy() -> None:
+    """More programs an SM through a register cap (benchmarks/NOTES.md section 29), against the
+    tiles the library chooses; checked and timed as ``forward_tiles`` does."""
+    forward_tiles(_occupancy_variants, chosen=True)
+
+
 if __name__ == "__main__":
     wanted = set(sys.argv[1:]) or {"normalize", "kd", "smooth"}
     for name, probe in (("normalize", normalize_sweep), ("kd", kd_split), ("smooth", smooth_vs_naive),
@@ -754,7 +817,8 @@ if __name__ == "__main__":
                         ("fwd_tiles", forward_tiles), ("launch", launch_paths),
                         ("chunks", query_chunks), ("query_registers", query_registers),
                         ("graph_times", graph_times), ("wide_rows", wide_rows),
-                        ("winner_index", winner_index)):
+                        ("winner_index", winner_index), ("chunk_splits", chunk_splits_ab),
+                        ("occupancy", occupancy)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()

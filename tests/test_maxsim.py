@@ -470,6 +470,55 @@ def test_launcher_returns_an_empty_tensor_for_each_gradient_not_asked_for(device
             assert got.shape == (0,) and got.dtype == Q.dtype
 
 
+@pytest.mark.parametrize("mode", ["max", "normalize", "smooth"])
+@pytest.mark.parametrize("layout", ["cross", "candidates"])
+def test_query_chunks_split_over_programs_match_one_program(device, layout, mode, monkeypatch):
+    """A long query's chunks run in neighbouring programs, each writing its part of the scores,
+    which the launcher adds up: the scores of one program walking every chunk (to fp32 rounding
+    of the sum's order) and the same argmax, with every chunk its own program, with two programs
+    sharing three chunks unevenly, and in the sliced launch of huge query batches."""
+    from fusedmaxsim import _launch
+
+    Q = torch.randn(5, 40, 64, device=device)
+    D = torch.randn(*((5, 3) if layout == "candidates" else (6,)), 29, 64, device=device)
+    q_mask, d_mask = masks_with_holes(Q.shape[:-1], device), masks_with_holes(D.shape[:-1], device)
+    q_inv = d_inv = None
+    if mode == "normalize":
+        q_inv, d_inv = _launch.inverse_norms(Q, 1e-12), _launch.inverse_norms(D, 1e-12)
+
+    def forward():
+        return _launch.maxsim_fwd(Q, D, q_mask, d_mask, q_inv, d_inv, True, "tf32",
+                                  tau=0.1 if mode == "smooth" else 0.0)
+
+    with forced_configs(FwdConfig(16, 1, 16, 64, 4, 1)):  # three 16-row chunks of 40 rows
+        assert _launch.chunk_splits(40, 16, 5, D.shape[-3]) == 3
+        split = forward()
+        results = {}
+        for name, splits, grid_y in (("one", 1, 65535), ("two", 2, 65535), ("sliced", 3, 2)):
+            monkeypatch.setattr(_launch, "chunk_splits", lambda *args, s=splits: s)
+            monkeypatch.setattr(_launch, "_MAX_GRID_Y", grid_y)
+            results[name] = forward()
+    for name, (scores, saved) in results.items():
+        torch.testing.assert_close(scores, split[0], rtol=1e-6, atol=1e-6, msg=name)
+        assert torch.equal(saved, split[1]), name
+    want = maxsim_ref(Q.double(), D.double(), q_mask, d_mask, normalize=mode == "normalize",
+                      reduction="smoothmax" if mode == "smooth" else "max")
+    torch.testing.assert_close(split[0].double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_chunk_splits_policy():
+    """One program per chunk, fewer where the partial scores would pass their byte cap, one for
+    a single chunk."""
+    from fusedmaxsim import _launch
+
+    assert _launch.chunk_splits(1030, 128, 1, 1000) == 9
+    assert _launch.chunk_splits(128, 128, 1, 1000) == 1
+    assert _launch.chunk_splits(7, 16, 3, 5) == 1
+    cap = _launch._SPLIT_PARTIALS_MAX_BYTES // 4
+    assert _launch.chunk_splits(1024, 128, cap // 1000 // 3, 1000) == 3
+    assert _launch.chunk_splits(1024, 128, cap, 1000) == 1
+
+
 @pytest.mark.parametrize("layout", ["cross", "candidates"])
 def test_query_batches_beyond_the_grid_go_in_slices(device, layout, monkeypatch):
     """A query batch larger than the grid's second axis is launched in slices of queries (and, for

@@ -26,11 +26,16 @@ which ``_kernels_smooth`` recomputes the softmax for the gradients.
 
 Grid mapping
 ------------
-* ``_maxsim_fwd_kernel``: program ``(j, b)`` owns document column ``j`` and a block of
-  ``BLOCK_M = LQ_TILE · QUERIES_PER_BLOCK`` query rows. On the cross product several short queries
-  share one block (each padded to ``LQ_TILE`` rows), so they share every document tile that is
-  streamed through; queries longer than ``LQ_TILE`` are walked in ``LQ_TILE`` chunks by a run-time
-  loop, so one compiled kernel serves every query length of a bucket. Document tokens stream in
+* ``_maxsim_fwd_kernel``: program ``(j · n_splits + c, b)`` owns document column ``j``, a block of
+  ``BLOCK_M = LQ_TILE · QUERIES_PER_BLOCK`` query rows and their ``LQ_TILE``-row chunks
+  ``c, c + n_splits, …``. On the cross product several short queries share one block (each padded
+  to ``LQ_TILE`` rows), so they share every document tile that is streamed through; queries longer
+  than ``LQ_TILE`` are walked in chunks by a run-time loop, so one compiled kernel serves every
+  query length of a bucket. With ``n_splits > 1`` the chunks of one (column, block) run in
+  neighbouring programs, which start together and read the same document tiles while they are in
+  L2, and each writes its part of the scores to its own slice of ``Out`` (``stride_out_split``
+  apart) for the launcher to add up: one program walking every chunk streams its document once
+  per chunk, from DRAM once the documents in flight outgrow L2. Document tokens stream in
   ``BLOCK_N`` tiles through :func:`_doc_max`, the one MaxSim inner loop that every layout shares.
   The ``[Lq, Ld]`` similarity tile lives only in registers.
 * ``_maxsim_bwd_gather_kernel``: program ``(i, s-block, column split)`` of the columns
@@ -348,7 +353,7 @@ def _chunk_scores(row_max, m_valid, unit, q_inv, QUERIES_PER_BLOCK: tl.constexpr
     return tl.sum(tl.reshape(contrib, (QUERIES_PER_BLOCK, LQ_TILE)), axis=1)
 
 
-@triton.jit(do_not_specialize=["Nq", "Ncols", "Lq", "Ld"])
+@triton.jit(do_not_specialize=["Nq", "Ncols", "Lq", "Ld", "n_splits", "stride_out_split"])
 def _maxsim_fwd_kernel(
     Q,
     D,
@@ -362,6 +367,8 @@ def _maxsim_fwd_kernel(
     Ncols,
     Lq,
     Ld,
+    n_splits,
+    stride_out_split,
     dim,
     stride_q_seq,
     stride_q_tok,
@@ -389,7 +396,8 @@ def _maxsim_fwd_kernel(
     QUERY_IN_REGISTERS: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = LQ_TILE * QUERIES_PER_BLOCK
-    i_col = tl.program_id(0).to(tl.int64)
+    i_col = tl.program_id(0).to(tl.int64) // n_splits
+    i_split = tl.program_id(0) % n_splits
     i_blk = tl.program_id(1).to(tl.int64)
 
     o_r = tl.arange(0, BLOCK_M)
@@ -412,7 +420,7 @@ def _maxsim_fwd_kernel(
         t_lo, t_hi, all_valid = _valid_span(p_dmask, 0, Ld, MASK_SCAN)
 
     acc = tl.zeros([QUERIES_PER_BLOCK], tl.float32)
-    for chunk in range(0, Lq, LQ_TILE):
+    for chunk in range(i_split * LQ_TILE, Lq, n_splits * LQ_TILE):
         o_s = chunk + o_row_in_tile
         m_row = m_query & (o_s < Lq)
         b_q, m_valid = _query_chunk(
@@ -447,7 +455,7 @@ def _maxsim_fwd_kernel(
                 tl.store(Argmax + (o_query * Ncols + i_col) * Lq + o_s, arg, mask=m_row)
 
     o_out = i_blk * QUERIES_PER_BLOCK + tl.arange(0, QUERIES_PER_BLOCK)
-    tl.store(Out + o_out * Ncols + i_col, acc, mask=o_out < Nq)
+    tl.store(Out + i_split.to(tl.int64) * stride_out_split + o_out * Ncols + i_col, acc, mask=o_out < Nq)
 
 
 @triton.jit(do_not_specialize=["Nq", "Ncols", "Lq", "Ld", "col_base", "col_end", "cols_per_split"])

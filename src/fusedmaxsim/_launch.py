@@ -286,11 +286,28 @@ def _fwd_constants(
     )
 
 
+# The chunk splits' partial scores stay within this many bytes (fewer splits beyond it).
+_SPLIT_PARTIALS_MAX_BYTES = 64 << 20
+
+
+def chunk_splits(Lq: int, lq_tile: int, Nq: int, Ncols: int) -> int:
+    """How many programs share the query chunks of one (document, query block): every chunk its
+    own program where the partial scores fit in ``_SPLIT_PARTIALS_MAX_BYTES`` (section 29 of
+    benchmarks/NOTES.md: one program walking nine chunks of a 1030-token query read each document
+    from DRAM nine times), one for a single chunk."""
+    chunks = _cdiv(Lq, lq_tile)
+    if chunks <= 1:
+        return 1
+    fit = _SPLIT_PARTIALS_MAX_BYTES // (4 * Nq * Ncols)
+    return max(1, min(chunks, fit, (2**31 - 1) // Ncols))
+
+
 def _launch_fwd(
     cfg, Q, D, qm, dm, q_inv, d_inv, scores, argmax, save_argmax, fp32_precision, norm_from_tiles,
     tau,
 ) -> None:
-    """One forward launch (several for huge query batches) with tiles ``cfg``."""
+    """One forward launch (several for huge query batches) with tiles ``cfg``; with several
+    chunk splits, their partial scores are added into ``scores`` after it."""
     d_shape = D.shape
     per_query_docs = len(d_shape) == 4
     Nq, Lq, dim = Q.shape
@@ -302,16 +319,18 @@ def _launch_fwd(
         dm is not None, norm_from_tiles or q_inv is not None, save_argmax, fp32_precision,
     )
     kernel = launcher(_maxsim_fwd_kernel)
+    splits = chunk_splits(Lq, cfg.lq_tile, Nq, Ncols)
+    out = scores if splits == 1 else _empty((splits, Nq, Ncols), torch.float32, Q.device)
 
-    def launch(Q, D, qm, dm, q_inv, d_inv, scores, argmax):
+    def launch(Q, D, qm, dm, q_inv, d_inv, out, argmax):
         n = Q.shape[0]
         kernel(
-            (Ncols, _cdiv(n, qpb)),
+            (Ncols * splits, _cdiv(n, qpb)),
             (
                 Q, D, Q if qm is None else qm, D if dm is None else dm,
-                Q if q_inv is None else q_inv, D if d_inv is None else d_inv, scores, argmax,
-                n, Ncols, Lq, Ld, dim, *Q.stride(), *_doc_strides(D, per_query_docs),
-                smooth_scale, smooth_unscale,
+                Q if q_inv is None else q_inv, D if d_inv is None else d_inv, out, argmax,
+                n, Ncols, Lq, Ld, splits, out.stride(0) if splits > 1 else 0, dim, *Q.stride(),
+                *_doc_strides(D, per_query_docs), smooth_scale, smooth_unscale,
             ),
             consts,
         )
@@ -320,17 +339,19 @@ def _launch_fwd(
     # case launches the tensors as they are, with no slicing on the host).
     step = _MAX_GRID_Y * qpb
     if Nq <= step:
-        launch(Q, D, qm, dm, q_inv, d_inv, scores, argmax)
-        return
-    for q0 in range(0, Nq, step):
-        sl = slice(q0, min(Nq, q0 + step))
-        per_query = (lambda t: t[sl]) if per_query_docs else (lambda t: t)
-        launch(
-            Q[sl], per_query(D), None if qm is None else qm[sl],
-            None if dm is None else per_query(dm), None if q_inv is None else q_inv[sl],
-            None if d_inv is None else per_query(d_inv), scores[sl],
-            argmax[sl] if save_argmax else argmax,
-        )
+        launch(Q, D, qm, dm, q_inv, d_inv, out, argmax)
+    else:
+        for q0 in range(0, Nq, step):
+            sl = slice(q0, min(Nq, q0 + step))
+            per_query = (lambda t: t[sl]) if per_query_docs else (lambda t: t)
+            launch(
+                Q[sl], per_query(D), None if qm is None else qm[sl],
+                None if dm is None else per_query(dm), None if q_inv is None else q_inv[sl],
+                None if d_inv is None else per_query(d_inv), out[sl] if splits == 1 else out[:, sl],
+                argmax[sl] if save_argmax else argmax,
+            )
+    if splits > 1:
+        torch.sum(out, 0, out=scores)
 
 
 def maxsim_fwd(
