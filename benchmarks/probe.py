@@ -12,6 +12,7 @@ document-owned grad_D through the winner index. GPU times by ``triton.testing.do
     PYTHONPATH=src python3 benchmarks/probe.py [normalize] [kd] [smooth] [masked] [rerank] [memory] [cold]
         [small] [stages] [cold_profile] [steps] [host] [fwd_tiles] [launch] [chunks]
         [query_registers] [graph_times] [wide_rows] [winner_index] [chunk_splits] [occupancy]
+        [hopper_forward]
 """
 
 from __future__ import annotations
@@ -762,18 +763,19 @@ def chunk_splits_ab() -> None:
     )
     props = torch.cuda.get_device_properties(0)
     print(f"  L2 {props.L2_cache_size / 2**20:.0f} MiB, {props.multi_processor_count} SMs", flush=True)
-    policy = _launch.chunk_splits
+    policy = _launch.chunk_splits  # forced both ways here, whatever it would choose
     for name, Q, D, save_argmax in shapes:
         def run():
             return _launch.maxsim_fwd(Q, D, None, None, None, None, save_argmax, "tf32")
 
         cfg = fwd_config(Lq=Q.shape[1], dim=128, Nq=Q.shape[0], per_query_docs=D.dim() == 4,
                          elem_bytes=2)
-        splits = policy(Q.shape[1], cfg.lq_tile, Q.shape[0], D.shape[-3])
-        split_scores, split_arg = run()
-        split_ms = bench(run)
-        _launch.chunk_splits = lambda *args: 1
+        splits = -(-Q.shape[1] // cfg.lq_tile)  # every chunk its own program
         try:
+            _launch.chunk_splits = lambda *args, s=splits: s
+            split_scores, split_arg = run()
+            split_ms = bench(run)
+            _launch.chunk_splits = lambda *args: 1
             one_scores, one_arg = run()
             one_ms = bench(run)
         finally:
@@ -808,6 +810,64 @@ def occupancy() -> None:
     forward_tiles(_occupancy_variants, chosen=True)
 
 
+def hopper_forward() -> None:
+    """The Gluon forward (``_kernels_hopper``: each tile's product overlapping the previous
+    tile's max; benchmarks/NOTES.md section 30) against the Triton forward the library runs:
+    scores and argmax compared, GPU ms of each under a few document tiles and stage counts."""
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+
+    shapes = (
+        ("batch_colbert", rand(256, 32, 128), rand(256, 300, 128), False),
+        ("rerank_colpali", rand(1, 128, 128), rand(1000, 1024, 128), False),
+        ("rerank_colpali_1030", rand(1, 1030, 128), rand(1000, 1030, 128), False),
+        ("longquery", rand(4, 2048, 128), rand(64, 1024, 128), False),
+        ("longdoc", rand(16, 32, 128), rand(32, 8192, 128), False),
+        ("train_colpali fwd, no argmax", rand(128, 128, 128), rand(128, 1024, 128), False),
+        ("train_colpali fwd", rand(128, 128, 128), rand(128, 1024, 128), True),
+        ("train_colbert fwd", rand(128, 32, 128), rand(128, 300, 128), True),
+    )
+    saved_tiles = dict(_launch._HOPPER_TILES)
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    for name, Q, D, save_argmax in shapes:
+        Nq, Lq = Q.shape[0], Q.shape[1]
+        cfg = fwd_config(Lq=Lq, dim=128, Nq=Nq, per_query_docs=False, elem_bytes=2,
+                         save_argmax=save_argmax, n_cols=D.shape[0], sm_count=sm_count)
+        if not _launch.hopper_forward_applies(cfg, Q, D, False, 0.0):
+            print(f"-- {name}: the Gluon forward does not apply ({cfg})", flush=True)
+            continue
+
+        def triton_run():
+            return _launch.maxsim_fwd(Q, D, None, None, None, None, save_argmax, "tf32")
+
+        want_scores, want_arg = triton_run()
+        print(f"-- {name}: Triton forward {bench(triton_run):.4f} ms ({cfg})", flush=True)
+        variants = ((32, 6), (64, 4), (64, 3), (32, 4)) if not save_argmax else ((32, 6), (32, 4))
+        for block_n, stages in variants:
+            _launch._HOPPER_TILES[save_argmax] = (block_n, stages)
+            scores = torch.full_like(want_scores, float("nan"))
+            arg = torch.full_like(want_arg, -7)
+
+            def gluon_run():
+                _launch.launch_fwd_hopper(cfg, Q, D, scores, arg, save_argmax)
+
+            try:
+                gluon_run()
+                torch.cuda.synchronize()
+                err = relative_error(scores, want_scores)
+                same = bool(torch.equal(arg, want_arg)) if save_argmax else True
+                ms = bench(gluon_run)
+            except Exception as exc:  # noqa: BLE001
+                print(f"  Gluon bn {block_n} stages {stages}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                continue
+            verdict = "" if err < 1e-5 and same else "  PARITY FAILED"
+            print(f"  Gluon bn {block_n} stages {stages}: {ms:.4f} ms (scores {err:.0e} from Triton's, "
+                  f"argmax same {same}){verdict}", flush=True)
+        _launch._HOPPER_TILES.update(saved_tiles)
+        del Q, D
+        torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
     wanted = set(sys.argv[1:]) or {"normalize", "kd", "smooth"}
     for name, probe in (("normalize", normalize_sweep), ("kd", kd_split), ("smooth", smooth_vs_naive),
@@ -818,7 +878,7 @@ if __name__ == "__main__":
                         ("chunks", query_chunks), ("query_registers", query_registers),
                         ("graph_times", graph_times), ("wide_rows", wide_rows),
                         ("winner_index", winner_index), ("chunk_splits", chunk_splits_ab),
-                        ("occupancy", occupancy)):
+                        ("occupancy", occupancy), ("hopper_forward", hopper_forward)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()

@@ -476,7 +476,9 @@ def test_query_chunks_split_over_programs_match_one_program(device, layout, mode
     """A long query's chunks run in neighbouring programs, each writing its part of the scores,
     which the launcher adds up: the scores of one program walking every chunk (to fp32 rounding
     of the sum's order) and the same argmax, with every chunk its own program, with two programs
-    sharing three chunks unevenly, and in the sliced launch of huge query batches."""
+    sharing three chunks unevenly, and in the sliced launch of huge query batches. The policy
+    keeps per-query candidates in one program (measured slower split); the kernel takes the
+    splits there all the same."""
     from fusedmaxsim import _launch
 
     Q = torch.randn(5, 40, 64, device=device)
@@ -487,11 +489,13 @@ def test_query_chunks_split_over_programs_match_one_program(device, layout, mode
         q_inv, d_inv = _launch.inverse_norms(Q, 1e-12), _launch.inverse_norms(D, 1e-12)
 
     def forward():
-        return _launch.maxsim_fwd(Q, D, q_mask, d_mask, q_inv, d_inv, True, "tf32",
+        # "ieee": fp32 products, also on a GPU, whose default TF32 would round them to 1e-3
+        return _launch.maxsim_fwd(Q, D, q_mask, d_mask, q_inv, d_inv, True, "ieee",
                                   tau=0.1 if mode == "smooth" else 0.0)
 
     with forced_configs(FwdConfig(16, 1, 16, 64, 4, 1)):  # three 16-row chunks of 40 rows
-        assert _launch.chunk_splits(40, 16, 5, D.shape[-3]) == 3
+        assert _launch.chunk_splits(40, 16, 5, D.shape[-3], layout == "candidates") == (
+            1 if layout == "candidates" else 3)
         split = forward()
         results = {}
         for name, splits, grid_y in (("one", 1, 65535), ("two", 2, 65535), ("sliced", 3, 2)):
@@ -507,16 +511,17 @@ def test_query_chunks_split_over_programs_match_one_program(device, layout, mode
 
 
 def test_chunk_splits_policy():
-    """One program per chunk, fewer where the partial scores would pass their byte cap, one for
-    a single chunk."""
+    """One program per chunk on the cross product, fewer where the partial scores would pass
+    their byte cap; one for a single chunk and for per-query candidates."""
     from fusedmaxsim import _launch
 
-    assert _launch.chunk_splits(1030, 128, 1, 1000) == 9
-    assert _launch.chunk_splits(128, 128, 1, 1000) == 1
-    assert _launch.chunk_splits(7, 16, 3, 5) == 1
+    assert _launch.chunk_splits(1030, 128, 1, 1000, False) == 9
+    assert _launch.chunk_splits(1030, 128, 1, 1000, True) == 1
+    assert _launch.chunk_splits(128, 128, 1, 1000, False) == 1
+    assert _launch.chunk_splits(7, 16, 3, 5, False) == 1
     cap = _launch._SPLIT_PARTIALS_MAX_BYTES // 4
-    assert _launch.chunk_splits(1024, 128, cap // 1000 // 3, 1000) == 3
-    assert _launch.chunk_splits(1024, 128, cap, 1000) == 1
+    assert _launch.chunk_splits(1024, 128, cap // 1000 // 3, 1000, False) == 3
+    assert _launch.chunk_splits(1024, 128, cap, 1000, False) == 1
 
 
 @pytest.mark.parametrize("layout", ["cross", "candidates"])

@@ -15,7 +15,7 @@ import os
 import torch
 from torch import Tensor
 
-from . import _configs, settings
+from . import _configs, _kernels_hopper, settings
 from ._kernels import (
     _drain_chunk_kernel,
     _inverse_norm_kernel,
@@ -290,13 +290,14 @@ def _fwd_constants(
 _SPLIT_PARTIALS_MAX_BYTES = 64 << 20
 
 
-def chunk_splits(Lq: int, lq_tile: int, Nq: int, Ncols: int) -> int:
-    """How many programs share the query chunks of one (document, query block): every chunk its
-    own program where the partial scores fit in ``_SPLIT_PARTIALS_MAX_BYTES`` (section 29 of
-    benchmarks/NOTES.md: one program walking nine chunks of a 1030-token query read each document
-    from DRAM nine times), one for a single chunk."""
+def chunk_splits(Lq: int, lq_tile: int, Nq: int, Ncols: int, per_query_docs: bool) -> int:
+    """How many programs share the query chunks of one (document, query block): on the cross
+    product, every chunk its own program where the partial scores fit in
+    ``_SPLIT_PARTIALS_MAX_BYTES`` (benchmarks/NOTES.md section 29: one program walking the nine
+    chunks of a 1030-token query read each document from DRAM nine times; split, 20% faster);
+    one for a single chunk, and for per-query candidates, measured 7% slower split."""
     chunks = _cdiv(Lq, lq_tile)
-    if chunks <= 1:
+    if chunks <= 1 or per_query_docs:
         return 1
     fit = _SPLIT_PARTIALS_MAX_BYTES // (4 * Nq * Ncols)
     return max(1, min(chunks, fit, (2**31 - 1) // Ncols))
@@ -319,7 +320,7 @@ def _launch_fwd(
         dm is not None, norm_from_tiles or q_inv is not None, save_argmax, fp32_precision,
     )
     kernel = launcher(_maxsim_fwd_kernel)
-    splits = chunk_splits(Lq, cfg.lq_tile, Nq, Ncols)
+    splits = chunk_splits(Lq, cfg.lq_tile, Nq, Ncols, per_query_docs)
     out = scores if splits == 1 else _empty((splits, Nq, Ncols), torch.float32, Q.device)
 
     def launch(Q, D, qm, dm, q_inv, d_inv, out, argmax):
@@ -350,6 +351,79 @@ def _launch_fwd(
                 None if d_inv is None else per_query(d_inv), out[sl] if splits == 1 else out[:, sl],
                 argmax[sl] if save_argmax else argmax,
             )
+    if splits > 1:
+        torch.sum(out, 0, out=scores)
+
+
+# The Gluon forward (``_kernels_hopper``): document tiles and stages per mode, and the least work
+# (multiply-adds) for which its launch, through Triton's own launch path, is worth taking.
+_HOPPER_TILES = {False: (64, 4), True: (32, 6)}  # save_argmax -> (BLOCK_N, NUM_STAGES)
+HOPPER_MIN_MACS = 1 << 34
+HOPPER_KERNEL = os.environ.get("FUSEDMAXSIM_HOPPER_KERNEL", "0") == "1"
+
+
+def hopper_forward_applies(cfg, Q, D, masks_or_norms: bool, tau: float) -> bool:
+    """Whether ``_kernels_hopper`` can run this forward: an NVIDIA Hopper GPU with Gluon, the
+    cross product of 16-bit inputs with ``dim`` equal to the tile's, no masks, normalization or
+    smooth max, documents contiguous and 16-byte aligned for TMA, and rows that fit its int32
+    coordinates."""
+    if not (_kernels_hopper.AVAILABLE and Q.is_cuda and _hopper_index(_device_index(Q.device))):
+        return False
+    if masks_or_norms or tau or D.dim() != 3 or Q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    dim = Q.shape[-1]
+    return (
+        D.dtype == Q.dtype and dim == cfg.block_k and dim in (64, 128) and D.is_contiguous()
+        and D.data_ptr() % 16 == 0 and D.shape[0] * D.shape[1] < 2**31
+        and cfg.lq_tile * cfg.queries_per_block in (64, 128)
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def hopper_layouts(torch_dtype: torch.dtype, block_m: int, block_n: int, block_k: int, warps: int = 4):
+    """(query tile in shared memory, document tile in shared memory, the products' registers,
+    the query chunk's load): the Gluon forward's layouts, built once per shape."""
+    from triton.experimental.gluon import language as gl
+
+    dtype = gl.bfloat16 if torch_dtype == torch.bfloat16 else gl.float16
+    k_threads = block_k // 8  # 16-byte loads along the head dimension
+    return (
+        gl.NVMMASharedLayout.get_default_for([block_m, block_k], dtype),
+        gl.NVMMASharedLayout.get_default_for([block_n, block_k], dtype),
+        gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, block_n, 16]),
+        gl.BlockedLayout([1, 8], [32 // k_threads, k_threads], [warps, 1], [1, 0]),
+    )
+
+
+def launch_fwd_hopper(cfg, Q: Tensor, D: Tensor, scores: Tensor, argmax: Tensor, save_argmax: bool) -> None:
+    """The forward through ``_kernels_hopper`` (the caller checked :func:`hopper_forward_applies`),
+    query chunks split over programs as in :func:`_launch_fwd`."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    Nq, Lq, dim = Q.shape
+    Ncols, Ld = D.shape[0], D.shape[1]
+    if Q.stride(-1) != 1:
+        Q = Q.contiguous()
+    block_n, stages = _HOPPER_TILES[save_argmax]
+    qpb = cfg.queries_per_block
+    q_layout, d_layout, mma_layout, q_load_layout = hopper_layouts(Q.dtype, cfg.lq_tile * qpb, block_n, dim)
+    documents = D.view(Ncols * Ld, dim)
+    d_desc = TensorDescriptor(documents, list(documents.shape), list(documents.stride()), [block_n, dim],
+                              d_layout)
+    splits = chunk_splits(Lq, cfg.lq_tile, Nq, Ncols, False)
+    out = scores if splits == 1 else _empty((splits, Nq, Ncols), torch.float32, Q.device)
+    step = _MAX_GRID_Y * qpb
+    for q0 in range(0, Nq, step):
+        rows = slice(q0, min(Nq, q0 + step))
+        part = Q[rows]
+        _kernels_hopper._maxsim_fwd_overlap_kernel[(Ncols * splits, _cdiv(part.shape[0], qpb))](
+            part, d_desc, out[rows] if splits == 1 else out[:, rows],
+            argmax[rows] if save_argmax else argmax, part.shape[0], Ncols, Lq, Ld, splits,
+            out.stride(0) if splits > 1 else 0, part.stride(0), part.stride(1),
+            LQ_TILE=cfg.lq_tile, QUERIES_PER_BLOCK=qpb, BLOCK_N=block_n, BLOCK_K=dim,
+            NUM_STAGES=stages, SAVE_ARGMAX=save_argmax, Q_SMEM_LAYOUT=q_layout, MMA_LAYOUT=mma_layout,
+            Q_LOAD_LAYOUT=q_load_layout, num_warps=4,
+        )
     if splits > 1:
         torch.sum(out, 0, out=scores)
 
