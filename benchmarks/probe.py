@@ -812,58 +812,58 @@ def occupancy() -> None:
 
 def hopper_forward() -> None:
     """The Gluon forward (``_kernels_hopper``: each tile's product overlapping the previous
-    tile's max; benchmarks/NOTES.md section 30) against the Triton forward the library runs:
-    scores and argmax compared, GPU ms of each under a few document tiles and stage counts."""
+    tile's max; benchmarks/NOTES.md section 30) against the Triton forward: scores compared,
+    GPU ms of each (the Gluon one under two stage counts), and what ``maxsim`` runs."""
     def rand(*shape):
         return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
 
     shapes = (
-        ("batch_colbert", rand(256, 32, 128), rand(256, 300, 128), False),
-        ("rerank_colpali", rand(1, 128, 128), rand(1000, 1024, 128), False),
-        ("rerank_colpali_1030", rand(1, 1030, 128), rand(1000, 1030, 128), False),
-        ("longquery", rand(4, 2048, 128), rand(64, 1024, 128), False),
-        ("longdoc", rand(16, 32, 128), rand(32, 8192, 128), False),
-        ("train_colpali fwd, no argmax", rand(128, 128, 128), rand(128, 1024, 128), False),
-        ("train_colpali fwd", rand(128, 128, 128), rand(128, 1024, 128), True),
-        ("train_colbert fwd", rand(128, 32, 128), rand(128, 300, 128), True),
+        ("batch_colbert", rand(256, 32, 128), rand(256, 300, 128)),
+        ("rerank_colpali", rand(1, 128, 128), rand(1000, 1024, 128)),
+        ("rerank_colpali_1030", rand(1, 1030, 128), rand(1000, 1030, 128)),
+        ("longquery", rand(4, 2048, 128), rand(64, 1024, 128)),
+        ("train_colpali's shape, no_grad", rand(128, 128, 128), rand(128, 1024, 128)),
+        ("train_colbert's shape, no_grad", rand(128, 32, 128), rand(128, 300, 128)),
+        ("d = 64: 64 x 32 against 512 x 300", rand(64, 32, 64), rand(512, 300, 64)),
     )
-    saved_tiles = dict(_launch._HOPPER_TILES)
+    saved = _launch._HOPPER_STAGES, _launch.HOPPER_KERNEL
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
-    for name, Q, D, save_argmax in shapes:
-        Nq, Lq = Q.shape[0], Q.shape[1]
-        cfg = fwd_config(Lq=Lq, dim=128, Nq=Nq, per_query_docs=False, elem_bytes=2,
-                         save_argmax=save_argmax, n_cols=D.shape[0], sm_count=sm_count)
-        if not _launch.hopper_forward_applies(cfg, Q, D, False, 0.0):
+    for name, Q, D in shapes:
+        Nq, Lq, dim = Q.shape
+        cfg = fwd_config(Lq=Lq, dim=dim, Nq=Nq, per_query_docs=False, elem_bytes=2,
+                         n_cols=D.shape[0], sm_count=sm_count)
+        if not _launch.hopper_forward_applies(cfg, Q, D):
             print(f"-- {name}: the Gluon forward does not apply ({cfg})", flush=True)
             continue
 
-        def triton_run():
-            return _launch.maxsim_fwd(Q, D, None, None, None, None, save_argmax, "tf32")
+        def library():
+            with torch.no_grad():
+                return maxsim(Q, D)
 
-        want_scores, want_arg = triton_run()
-        print(f"-- {name}: Triton forward {bench(triton_run):.4f} ms ({cfg})", flush=True)
-        variants = ((32, 6), (64, 4), (64, 3), (32, 4)) if not save_argmax else ((32, 6), (32, 4))
-        for block_n, stages in variants:
-            _launch._HOPPER_TILES[save_argmax] = (block_n, stages)
-            scores = torch.full_like(want_scores, float("nan"))
-            arg = torch.full_like(want_arg, -7)
-
-            def gluon_run():
-                _launch.launch_fwd_hopper(cfg, Q, D, scores, arg, save_argmax)
-
+        _launch.HOPPER_KERNEL = False
+        try:
+            want = library()
+            triton_ms = bench(library)
+        finally:
+            _launch.HOPPER_KERNEL = saved[1]
+        row = f"-- {name}: Triton {triton_ms:.4f} ms"
+        for stages in (4, 3):
+            _launch._HOPPER_STAGES = stages
+            scores = torch.full_like(want, float("nan"))
             try:
-                gluon_run()
-                torch.cuda.synchronize()
-                err = relative_error(scores, want_scores)
-                same = bool(torch.equal(arg, want_arg)) if save_argmax else True
-                ms = bench(gluon_run)
+                _launch.launch_fwd_hopper(cfg, Q, D, scores)
+                err = relative_error(scores, want)
+                ms = bench(lambda: _launch.launch_fwd_hopper(cfg, Q, D, scores))
             except Exception as exc:  # noqa: BLE001
-                print(f"  Gluon bn {block_n} stages {stages}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                row += f" | Gluon {stages} stages: {type(exc).__name__}: {str(exc)[:200]}"
                 continue
-            verdict = "" if err < 1e-5 and same else "  PARITY FAILED"
-            print(f"  Gluon bn {block_n} stages {stages}: {ms:.4f} ms (scores {err:.0e} from Triton's, "
-                  f"argmax same {same}){verdict}", flush=True)
-        _launch._HOPPER_TILES.update(saved_tiles)
+            finally:
+                _launch._HOPPER_STAGES = saved[0]
+            row += f" | Gluon {stages} stages {ms:.4f} ms ({err:.0e} from Triton's)"
+            row += "" if err < 1e-5 else " PARITY FAILED"
+        got = library()
+        row += f" | maxsim {bench(library):.4f} ms ({relative_error(got, want):.0e})"
+        print(row, flush=True)
         del Q, D
         torch.cuda.empty_cache()
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fusedmaxsim import _configs, maxsim, settings
-from fusedmaxsim._configs import FwdConfig, forced_configs, fwd_candidates, tuned
+from fusedmaxsim._configs import FwdConfig, forced_configs, fwd_candidates, fwd_config, tuned
 from fusedmaxsim.reference import maxsim_ref
 
 
@@ -130,3 +130,14 @@ def test_measured_tile_variants_only_on_hopper():
     if torch.cuda.is_available():
         major = torch.cuda.get_device_capability()[0]
         assert _launch._measured_tiles(torch.device("cuda")) == (torch.version.hip is None and major == 9)
+
+
+def test_the_gluon_forward_never_applies_off_a_gpu():
+    """The Hopper kernel's gate: CPU tensors (and so every interpreter run) take the Triton or
+    PyTorch path, whatever the shape."""
+    from fusedmaxsim import _launch
+
+    Q = torch.randn(4, 32, 128, dtype=torch.bfloat16)
+    D = torch.randn(8, 300, 128, dtype=torch.bfloat16)
+    cfg = fwd_config(Lq=32, dim=128, Nq=4, per_query_docs=False, elem_bytes=2)
+    assert not _launch.hopper_forward_applies(cfg, Q, D)

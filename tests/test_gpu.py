@@ -214,3 +214,93 @@ def test_pairs_and_candidates_agree_with_cross_on_gpu():
     torch.testing.assert_close(maxsim_pairs(Q, D), cross.diagonal())
     cand = maxsim(Q, D.unsqueeze(0).expand(5, 5, 100, 128))
     torch.testing.assert_close(cand, cross)
+
+
+def _hopper_with_gluon() -> bool:
+    from fusedmaxsim import _kernels_hopper
+
+    return _kernels_hopper.AVAILABLE and torch.cuda.get_device_capability()[0] == 9
+
+
+hopper_only = pytest.mark.skipif(
+    not torch.cuda.is_available() or not _hopper_with_gluon(),
+    reason="the Gluon forward runs on Hopper GPUs with triton.experimental.gluon only",
+)
+
+
+@hopper_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(
+    "q_shape,d_shape",
+    [
+        # four packed 32-token queries a block, Nq not a multiple of four; a 44-token last tile
+        pytest.param((37, 32, 128), (53, 300, 128), id="packed"),
+        # three 128-row chunks, one program each; documents shorter than two tiles
+        pytest.param((3, 300, 128), (20, 77, 128), id="chunks"),
+        pytest.param((2, 128, 64), (9, 64, 64), id="d64-one-tile"),
+        pytest.param((5, 130, 128), (7, 1, 128), id="Ld1-2-row-chunk"),
+        pytest.param((4, 64, 128), (11, 200, 128), id="64-rows"),
+    ],
+)
+def test_hopper_forward_matches_reference_and_triton(dtype, q_shape, d_shape):
+    """The Gluon forward (``_kernels_hopper``) on the shapes its loop treats apart: the scores of
+    float64 within the dtype's bound, Triton's to fp32 rounding, every score written (NaN-poisoned
+    output), a NaN in a document making its column NaN."""
+    from fusedmaxsim import _launch
+    from fusedmaxsim._configs import fwd_config
+
+    Q = torch.randn(q_shape, device="cuda", dtype=dtype)
+    D = torch.randn(d_shape, device="cuda", dtype=dtype)
+    Nq, Lq, dim = q_shape
+    cfg = fwd_config(Lq=Lq, dim=dim, Nq=Nq, per_query_docs=False, elem_bytes=2)
+    assert _launch.hopper_forward_applies(cfg, Q, D)
+    scores = torch.full((Nq, d_shape[0]), float("nan"), device="cuda")
+    _launch.launch_fwd_hopper(cfg, Q, D, scores)
+    assert_close_to_reference(scores, maxsim_ref(Q.double(), D.double()), BOUNDS[dtype][0], "scores")
+    with torch.no_grad(), settings.use_backend("triton"):
+        saved = _launch.HOPPER_KERNEL
+        _launch.HOPPER_KERNEL = False
+        try:
+            want = maxsim(Q, D)
+        finally:
+            _launch.HOPPER_KERNEL = saved
+    torch.testing.assert_close(scores, want, rtol=1e-5, atol=1e-5)
+    D[1, d_shape[1] // 2, 3] = float("nan")
+    _launch.launch_fwd_hopper(cfg, Q, D, scores)
+    assert scores[:, 1].isnan().all() and not scores[:, 0].isnan().any()
+
+
+@hopper_only
+def test_hopper_forward_is_what_inference_runs_where_it_applies(monkeypatch):
+    """``maxsim`` under no_grad takes the Gluon forward for unmasked 16-bit cross products with
+    more programs than SMs, and the Triton kernel for masks, normalization, the smooth max,
+    training and per-query candidates; each result matches float64."""
+    from fusedmaxsim import _launch
+
+    calls = []
+    launch = _launch.launch_fwd_hopper
+    monkeypatch.setattr(_launch, "launch_fwd_hopper", lambda *args: calls.append(1) or launch(*args))
+    monkeypatch.setattr(_launch, "HOPPER_MIN_MACS", 0)
+    Q = torch.randn(64, 32, 128, device="cuda", dtype=torch.bfloat16)
+    D = torch.randn(80, 150, 128, device="cuda", dtype=torch.bfloat16)
+    d_mask = masks_with_holes(D.shape[:-1], "cuda")
+    cases = (
+        ("plain", True, lambda: maxsim(Q, D), lambda: maxsim_ref(Q.double(), D.double())),
+        ("masked", False, lambda: maxsim(Q, D, d_mask=d_mask),
+         lambda: maxsim_ref(Q.double(), D.double(), d_mask=d_mask)),
+        ("normalize", False, lambda: maxsim(Q, D, normalize=True),
+         lambda: maxsim_ref(Q.double(), D.double(), normalize=True)),
+        ("smooth max", False, lambda: maxsim(Q, D, reduction="smoothmax"),
+         lambda: maxsim_ref(Q.double(), D.double(), reduction="smoothmax")),
+        ("candidates", False, lambda: maxsim(Q[:8], D[:16].view(8, 2, 150, 128)),
+         lambda: maxsim_ref(Q[:8].double(), D[:16].view(8, 2, 150, 128).double())),
+    )
+    for name, gluon, run, ref in cases:
+        calls.clear()
+        with torch.no_grad():
+            out = run()
+        assert bool(calls) == gluon, name
+        assert_close_to_reference(out, ref(), 2e-2, name)
+    calls.clear()
+    maxsim(leaf(Q.clone()), D)  # training: the forward saves the argmax
+    assert not calls

@@ -3,11 +3,12 @@ previous tile's max.
 
 Math
 ----
-The forward of ``_kernels._maxsim_fwd_kernel`` without masks, normalization or the smooth max::
+The inference forward of ``_kernels._maxsim_fwd_kernel`` without masks, normalization or the
+smooth max: the same products and maxima (a chunk's row sums may be added in another order, so
+scores can differ from Triton's in the last bit)::
 
     S[i, j, s, t] = <Q[i, s], D[j, t]>            (fp32 accumulation of 16-bit inputs)
-    A[i, j, s]    = argmax_t S[i, j, s, t]          (lowest t among ties)
-    score[i, j]   = Σ_s S[i, j, s, A[i, j, s]]
+    score[i, j]   = Σ_s max_t S[i, j, s, t]
 
 Why a second kernel
 -------------------
@@ -35,7 +36,9 @@ Caveats
   contiguous and 16-byte aligned (TMA), ``Nd · Ld < 2**31``. The launcher sends every other case
   to the Triton kernel.
 * Two ``[BLOCK_M, BLOCK_N]`` fp32 products live at once (the one in flight and the one being
-  folded), beside the running max (and argmax): ``BLOCK_N`` stays at 32-64.
+  folded), beside the running max: ``BLOCK_N`` stays at 32-64.
+* No argmax: with one more ``[BLOCK_M, BLOCK_N]`` tile to carry, ptxas serializes the products
+  again (C7515) and the training forward ran 1.6x slower than Triton's (section 30).
 * NaN propagates through the max as in the Triton kernel.
 """
 
@@ -68,15 +71,6 @@ if AVAILABLE:
         return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
     @gluon.jit
-    def _fold(s, run_max, run_arg, cols, SAVE_ARGMAX: gl.constexpr):
-        """One tile's similarities into the per-(row, slot) running max; strict '>' keeps the
-        earliest tile per slot, so the lowest token index wins ties."""
-        if SAVE_ARGMAX:
-            run_arg = gl.where(s > run_max, gl.expand_dims(cols, 0), run_arg)
-        run_max = gl.maximum(run_max, s, propagate_nan=tl.PropagateNan.ALL)
-        return run_max, run_arg
-
-    @gluon.jit
     def _issue(q_smem, d_smem, bars, acc, tile):
         """The product of the query chunk with document tile ``tile`` (counted over the program),
         issued once its TMA load has landed; not waited for."""
@@ -102,7 +96,6 @@ if AVAILABLE:
         Q,
         d_desc,
         Out,
-        Argmax,
         Nq,
         Ncols,
         Lq,
@@ -116,7 +109,6 @@ if AVAILABLE:
         BLOCK_N: gl.constexpr,
         BLOCK_K: gl.constexpr,
         NUM_STAGES: gl.constexpr,
-        SAVE_ARGMAX: gl.constexpr,
         Q_SMEM_LAYOUT: gl.constexpr,
         MMA_LAYOUT: gl.constexpr,
         Q_LOAD_LAYOUT: gl.constexpr,
@@ -164,8 +156,8 @@ if AVAILABLE:
             for s in gl.static_range(NUM_STAGES):
                 _load_tile(d_desc, bars, d_smem, doc_row + s * BLOCK_N, (done + s) % NUM_STAGES, s < n_tiles)
 
+            # The element-wise running max over the tiles, reduced over its columns once per chunk.
             run_max = gl.full([BLOCK_M, BLOCK_N], float("-inf"), gl.float32, mma)
-            run_arg = gl.full([BLOCK_M, BLOCK_N], -1, gl.int32, mma)
             # Two products alternate in fixed registers, `acc_a` and `acc_b`: one in flight while
             # the other is folded. (A loop that copied the product in flight from one variable to
             # the other would read its registers before the wait, and ptxas then serializes every
@@ -178,35 +170,29 @@ if AVAILABLE:
                 acc_b = _issue(q_smem, d_smem, bars, acc_b, done + t)
                 acc_a = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
                 _refill(d_desc, bars, d_smem, doc_row, done, t - 1, n_tiles, NUM_STAGES, BLOCK_N)
-                run_max, run_arg = _fold(acc_a, run_max, run_arg, (t - 1) * BLOCK_N + o_c, SAVE_ARGMAX)
+                run_max = _max_nan(run_max, acc_a)
                 acc_a = _issue(q_smem, d_smem, bars, acc_a, done + t + 1)
                 acc_b = warpgroup_mma_wait(num_outstanding=1, deps=(acc_b,))
                 _refill(d_desc, bars, d_smem, doc_row, done, t, n_tiles, NUM_STAGES, BLOCK_N)
-                run_max, run_arg = _fold(acc_b, run_max, run_arg, t * BLOCK_N + o_c, SAVE_ARGMAX)
+                run_max = _max_nan(run_max, acc_b)
                 t += 2
             # The last tile may run past the document: its columns from Ld on are masked.
             if t < n_tiles:
                 pending = _issue(q_smem, d_smem, bars, acc_b, done + t)
                 before_last = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
-                run_max, run_arg = _fold(before_last, run_max, run_arg, (t - 1) * BLOCK_N + o_c, SAVE_ARGMAX)
+                run_max = _max_nan(run_max, before_last)
                 last = warpgroup_mma_wait(num_outstanding=0, deps=(pending,))
             else:
                 last = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a,))
             cols = (n_tiles - 1) * BLOCK_N + o_c
             last = gl.where(gl.expand_dims(cols < Ld, 0), last, float("-inf"))
-            run_max, run_arg = _fold(last, run_max, run_arg, cols, SAVE_ARGMAX)
+            run_max = _max_nan(run_max, last)
             done += n_tiles
 
             row_max = gl.reduce(run_max, 1, _max_nan)
             o_s = chunk + o_r % LQ_TILE
             m_row = (o_query < Nq) & (o_s < Lq)
             row_sums += gl.where(m_row, row_max, 0.0)
-            if SAVE_ARGMAX:
-                no_slot = 2147483647
-                row_arg = gl.min(gl.where(run_max == gl.expand_dims(row_max, 1), run_arg, no_slot), axis=1)
-                row_arg = gl.where((row_arg == no_slot) | (row_max == float("-inf")), -1, row_arg)
-                gl.store(Argmax + (o_query.to(gl.int64) * Ncols + i_col) * Lq + o_s,
-                         row_arg.to(Argmax.dtype.element_ty), mask=m_row)
 
         for s in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(bars.index(s))

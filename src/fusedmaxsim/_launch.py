@@ -355,27 +355,26 @@ def _launch_fwd(
         torch.sum(out, 0, out=scores)
 
 
-# The Gluon forward (``_kernels_hopper``): document tiles and stages per mode, and the least work
-# (multiply-adds) for which its launch, through Triton's own launch path, is worth taking.
-_HOPPER_TILES = {False: (64, 4), True: (32, 6)}  # save_argmax -> (BLOCK_N, NUM_STAGES)
-HOPPER_MIN_MACS = 1 << 34
-HOPPER_KERNEL = os.environ.get("FUSEDMAXSIM_HOPPER_KERNEL", "0") == "1"
+# The Gluon forward (``_kernels_hopper``, NOTES.md section 30): its document tiles and stages, and
+# the least work (multiply-adds) for which it is taken: its launch goes through Triton's own
+# launch path, tens of microseconds of host time, which only a forward this long hides.
+_HOPPER_BLOCK_N, _HOPPER_STAGES = 64, 4
+HOPPER_MIN_MACS = 1 << 33
+HOPPER_KERNEL = os.environ.get("FUSEDMAXSIM_HOPPER_KERNEL", "1") != "0"
 
 
-def hopper_forward_applies(cfg, Q, D, masks_or_norms: bool, tau: float) -> bool:
-    """Whether ``_kernels_hopper`` can run this forward: an NVIDIA Hopper GPU with Gluon, the
-    cross product of 16-bit inputs with ``dim`` equal to the tile's, no masks, normalization or
-    smooth max, documents contiguous and 16-byte aligned for TMA, and rows that fit its int32
-    coordinates."""
+def hopper_forward_applies(cfg, Q: Tensor, D: Tensor) -> bool:
+    """Whether ``_kernels_hopper`` can run this inference forward (masks, normalization and the
+    smooth max are the caller's to exclude): an NVIDIA Hopper GPU with Gluon, the cross product
+    of 16-bit inputs with ``dim`` equal to the tile's, 64 or 128 rows a block, documents
+    contiguous and 16-byte aligned for TMA, and rows that fit its int32 coordinates."""
     if not (_kernels_hopper.AVAILABLE and Q.is_cuda and _hopper_index(_device_index(Q.device))):
-        return False
-    if masks_or_norms or tau or D.dim() != 3 or Q.dtype not in (torch.bfloat16, torch.float16):
         return False
     dim = Q.shape[-1]
     return (
-        D.dtype == Q.dtype and dim == cfg.block_k and dim in (64, 128) and D.is_contiguous()
-        and D.data_ptr() % 16 == 0 and D.shape[0] * D.shape[1] < 2**31
-        and cfg.lq_tile * cfg.queries_per_block in (64, 128)
+        D.dim() == 3 and Q.dtype in (torch.bfloat16, torch.float16) and D.dtype == Q.dtype
+        and dim == cfg.block_k and dim in (64, 128) and D.is_contiguous() and D.data_ptr() % 16 == 0
+        and D.shape[0] * D.shape[1] < 2**31 and cfg.lq_tile * cfg.queries_per_block in (64, 128)
     )
 
 
@@ -395,21 +394,21 @@ def hopper_layouts(torch_dtype: torch.dtype, block_m: int, block_n: int, block_k
     )
 
 
-def launch_fwd_hopper(cfg, Q: Tensor, D: Tensor, scores: Tensor, argmax: Tensor, save_argmax: bool) -> None:
-    """The forward through ``_kernels_hopper`` (the caller checked :func:`hopper_forward_applies`),
-    query chunks split over programs as in :func:`_launch_fwd`."""
+def launch_fwd_hopper(cfg, Q: Tensor, D: Tensor, scores: Tensor) -> None:
+    """The inference forward through ``_kernels_hopper`` (the caller checked
+    :func:`hopper_forward_applies`), query chunks split over programs as in :func:`_launch_fwd`."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     Nq, Lq, dim = Q.shape
     Ncols, Ld = D.shape[0], D.shape[1]
     if Q.stride(-1) != 1:
         Q = Q.contiguous()
-    block_n, stages = _HOPPER_TILES[save_argmax]
     qpb = cfg.queries_per_block
-    q_layout, d_layout, mma_layout, q_load_layout = hopper_layouts(Q.dtype, cfg.lq_tile * qpb, block_n, dim)
+    q_layout, d_layout, mma_layout, q_load_layout = hopper_layouts(
+        Q.dtype, cfg.lq_tile * qpb, _HOPPER_BLOCK_N, dim)
     documents = D.view(Ncols * Ld, dim)
-    d_desc = TensorDescriptor(documents, list(documents.shape), list(documents.stride()), [block_n, dim],
-                              d_layout)
+    d_desc = TensorDescriptor(documents, list(documents.shape), list(documents.stride()),
+                              [_HOPPER_BLOCK_N, dim], d_layout)
     splits = chunk_splits(Lq, cfg.lq_tile, Nq, Ncols, False)
     out = scores if splits == 1 else _empty((splits, Nq, Ncols), torch.float32, Q.device)
     step = _MAX_GRID_Y * qpb
@@ -417,11 +416,10 @@ def launch_fwd_hopper(cfg, Q: Tensor, D: Tensor, scores: Tensor, argmax: Tensor,
         rows = slice(q0, min(Nq, q0 + step))
         part = Q[rows]
         _kernels_hopper._maxsim_fwd_overlap_kernel[(Ncols * splits, _cdiv(part.shape[0], qpb))](
-            part, d_desc, out[rows] if splits == 1 else out[:, rows],
-            argmax[rows] if save_argmax else argmax, part.shape[0], Ncols, Lq, Ld, splits,
-            out.stride(0) if splits > 1 else 0, part.stride(0), part.stride(1),
-            LQ_TILE=cfg.lq_tile, QUERIES_PER_BLOCK=qpb, BLOCK_N=block_n, BLOCK_K=dim,
-            NUM_STAGES=stages, SAVE_ARGMAX=save_argmax, Q_SMEM_LAYOUT=q_layout, MMA_LAYOUT=mma_layout,
+            part, d_desc, out[rows] if splits == 1 else out[:, rows], part.shape[0], Ncols, Lq, Ld,
+            splits, out.stride(0) if splits > 1 else 0, part.stride(0), part.stride(1),
+            LQ_TILE=cfg.lq_tile, QUERIES_PER_BLOCK=qpb, BLOCK_N=_HOPPER_BLOCK_N, BLOCK_K=dim,
+            NUM_STAGES=_HOPPER_STAGES, Q_SMEM_LAYOUT=q_layout, MMA_LAYOUT=mma_layout,
             Q_LOAD_LAYOUT=q_load_layout, num_warps=4,
         )
     if splits > 1:
@@ -476,6 +474,16 @@ def maxsim_fwd(
         q_inv = q_inv.contiguous()
     if d_inv is not None:
         d_inv = d_inv.contiguous()
+    if (
+        HOPPER_KERNEL and not _configs.is_forced() and not save_argmax and qm is None and dm is None and q_inv is None
+        and not norm_from_tiles and not tau and Nq * Lq * Ncols * Ld * dim >= HOPPER_MIN_MACS
+        and Ncols * _cdiv(Nq, cfg.queries_per_block) > _sm_count(device)
+        and hopper_forward_applies(cfg, Q, D)
+    ):
+        # More programs than SMs: on a grid of at most one program an SM the Triton kernel's
+        # 8-warp tiles are faster (longdoc: 0.066 against 0.079 ms).
+        launch_fwd_hopper(cfg, Q, D, scores)
+        return scores, argmax
     operands = (
         Q, D, qm, dm, q_inv, d_inv, scores, argmax, save_argmax, fp32_precision, norm_from_tiles, tau
     )
