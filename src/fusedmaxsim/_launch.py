@@ -8,6 +8,7 @@ accepted (no copies). Empty problems return without a launch.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -88,6 +89,10 @@ class _CachedLauncher:
             a = f"a[{i}]"
             if issubclass(kind, Tensor):
                 parts.append(f"{a}.dtype, {a}.data_ptr() % 16 == 0")
+            elif dataclasses.is_dataclass(kind) and "block_shape" in {f.name for f in dataclasses.fields(kind)}:
+                # A TMA descriptor (the Gluon forward's): Triton specializes on its dtype, block
+                # shape and shared layout; the launcher derives the layout from the other two.
+                parts.append(f"{a}.base.dtype, tuple({a}.block_shape)")
             elif i in self.unspecialized:
                 parts.append(f"-2147483648 <= {a} < 2147483648")
             else:
@@ -356,9 +361,12 @@ def _launch_fwd(
 
 
 # The Gluon forward (``_kernels_hopper``, NOTES.md section 30): its document tiles and stages, and
-# the least work (multiply-adds) for which it is taken: its launch goes through Triton's own
-# launch path, tens of microseconds of host time, which only a forward this long hides.
+# the least work (multiply-adds) for which it is taken (its TMA descriptor is built on every
+# call, and the kernel was measured on large forwards only).
 _HOPPER_BLOCK_N, _HOPPER_STAGES = 64, 4
+# d = 64 ran slower than the Triton kernel (0.133 against 0.117 ms at 64 x 32 against 512 x 300);
+# the kernel itself takes 64 (tested), the dispatch does not.
+_HOPPER_DIMS = (128,)
 HOPPER_MIN_MACS = 1 << 33
 HOPPER_KERNEL = os.environ.get("FUSEDMAXSIM_HOPPER_KERNEL", "1") != "0"
 
@@ -366,14 +374,14 @@ HOPPER_KERNEL = os.environ.get("FUSEDMAXSIM_HOPPER_KERNEL", "1") != "0"
 def hopper_forward_applies(cfg, Q: Tensor, D: Tensor) -> bool:
     """Whether ``_kernels_hopper`` can run this inference forward (masks, normalization and the
     smooth max are the caller's to exclude): an NVIDIA Hopper GPU with Gluon, the cross product
-    of 16-bit inputs with ``dim`` equal to the tile's, 64 or 128 rows a block, documents
+    of 16-bit inputs with ``dim`` equal to the tile's (128), 64 or 128 rows a block, documents
     contiguous and 16-byte aligned for TMA, and rows that fit its int32 coordinates."""
     if not (_kernels_hopper.AVAILABLE and Q.is_cuda and _hopper_index(_device_index(Q.device))):
         return False
     dim = Q.shape[-1]
     return (
         D.dim() == 3 and Q.dtype in (torch.bfloat16, torch.float16) and D.dtype == Q.dtype
-        and dim == cfg.block_k and dim in (64, 128) and D.is_contiguous() and D.data_ptr() % 16 == 0
+        and dim == cfg.block_k and dim in _HOPPER_DIMS and D.is_contiguous() and D.data_ptr() % 16 == 0
         and D.shape[0] * D.shape[1] < 2**31 and cfg.lq_tile * cfg.queries_per_block in (64, 128)
     )
 
@@ -411,16 +419,21 @@ def launch_fwd_hopper(cfg, Q: Tensor, D: Tensor, scores: Tensor) -> None:
                               [_HOPPER_BLOCK_N, dim], d_layout)
     splits = chunk_splits(Lq, cfg.lq_tile, Nq, Ncols, False)
     out = scores if splits == 1 else _empty((splits, Nq, Ncols), torch.float32, Q.device)
+    consts = constants(
+        LQ_TILE=cfg.lq_tile, QUERIES_PER_BLOCK=qpb, BLOCK_N=_HOPPER_BLOCK_N, BLOCK_K=dim,
+        NUM_STAGES=_HOPPER_STAGES, Q_SMEM_LAYOUT=q_layout, MMA_LAYOUT=mma_layout,
+        Q_LOAD_LAYOUT=q_load_layout, num_warps=4,
+    )
+    kernel = launcher(_kernels_hopper._maxsim_fwd_overlap_kernel)
     step = _MAX_GRID_Y * qpb
     for q0 in range(0, Nq, step):
         rows = slice(q0, min(Nq, q0 + step))
         part = Q[rows]
-        _kernels_hopper._maxsim_fwd_overlap_kernel[(Ncols * splits, _cdiv(part.shape[0], qpb))](
-            part, d_desc, out[rows] if splits == 1 else out[:, rows], part.shape[0], Ncols, Lq, Ld,
-            splits, out.stride(0) if splits > 1 else 0, part.stride(0), part.stride(1),
-            LQ_TILE=cfg.lq_tile, QUERIES_PER_BLOCK=qpb, BLOCK_N=_HOPPER_BLOCK_N, BLOCK_K=dim,
-            NUM_STAGES=_HOPPER_STAGES, Q_SMEM_LAYOUT=q_layout, MMA_LAYOUT=mma_layout,
-            Q_LOAD_LAYOUT=q_load_layout, num_warps=4,
+        kernel(
+            (Ncols * splits, _cdiv(part.shape[0], qpb)),
+            (part, d_desc, out[rows] if splits == 1 else out[:, rows], part.shape[0], Ncols, Lq, Ld,
+             splits, out.stride(0) if splits > 1 else 0, part.stride(0), part.stride(1)),
+            consts,
         )
     if splits > 1:
         torch.sum(out, 0, out=scores)
