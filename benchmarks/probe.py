@@ -12,7 +12,7 @@ document-owned grad_D through the winner index. GPU times by ``triton.testing.do
     PYTHONPATH=src python3 benchmarks/probe.py [normalize] [kd] [smooth] [masked] [rerank] [memory] [cold]
         [small] [stages] [cold_profile] [steps] [host] [fwd_tiles] [launch] [chunks]
         [query_registers] [graph_times] [wide_rows] [winner_index] [chunk_splits] [occupancy]
-        [hopper_forward]
+        [hopper_forward] [hopper_host]
 """
 
 from __future__ import annotations
@@ -868,6 +868,46 @@ def hopper_forward() -> None:
         torch.cuda.empty_cache()
 
 
+def hopper_host() -> None:
+    """The host's side of the Gluon forward at rerank_colpali's shape (benchmarks/NOTES.md
+    section 30): issue time of calls back to back (no synchronize), µs, for its parts."""
+    from profile_host import wall_us
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    Q = torch.randn(1, 128, 128, device="cuda", dtype=torch.bfloat16)
+    D = torch.randn(1000, 1024, 128, device="cuda", dtype=torch.bfloat16)
+    scores = torch.empty(1, 1000, device="cuda")
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    cfg = fwd_config(Lq=128, dim=128, Nq=1, per_query_docs=False, elem_bytes=2, n_cols=1000,
+                     sm_count=sm_count)
+    layouts = _launch.hopper_layouts(Q.dtype, 128, _launch._HOPPER_BLOCK_N, 128)
+    flat = D.view(-1, 128)
+
+    def library():
+        with torch.no_grad():
+            maxsim(Q, D)
+
+    def triton_library():
+        _launch.HOPPER_KERNEL = False
+        try:
+            library()
+        finally:
+            _launch.HOPPER_KERNEL = True
+
+    rows = (
+        ("maxsim, Gluon forward", library),
+        ("maxsim, Triton forward", triton_library),
+        ("launch_fwd_hopper alone", lambda: _launch.launch_fwd_hopper(cfg, Q, D, scores)),
+        ("_launch.maxsim_fwd, Triton", lambda: _launch._launch_fwd(
+            cfg, Q, D, None, None, None, None, scores, scores, False, "tf32", False, 0.0)),
+        ("TensorDescriptor(...) alone", lambda: TensorDescriptor(
+            flat, list(flat.shape), list(flat.stride()), [_launch._HOPPER_BLOCK_N, 128], layouts[1])),
+        ("hopper_forward_applies alone", lambda: _launch.hopper_forward_applies(cfg, Q, D)),
+    )
+    for label, fn in rows:
+        print(f"  {label:32s} issue {wall_us(fn, 400, issue_only=True):7.1f} us", flush=True)
+
+
 if __name__ == "__main__":
     wanted = set(sys.argv[1:]) or {"normalize", "kd", "smooth"}
     for name, probe in (("normalize", normalize_sweep), ("kd", kd_split), ("smooth", smooth_vs_naive),
@@ -878,7 +918,8 @@ if __name__ == "__main__":
                         ("chunks", query_chunks), ("query_registers", query_registers),
                         ("graph_times", graph_times), ("wide_rows", wide_rows),
                         ("winner_index", winner_index), ("chunk_splits", chunk_splits_ab),
-                        ("occupancy", occupancy), ("hopper_forward", hopper_forward)):
+                        ("occupancy", occupancy), ("hopper_forward", hopper_forward),
+                        ("hopper_host", hopper_host)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()

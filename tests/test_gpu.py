@@ -253,7 +253,8 @@ def test_hopper_forward_matches_reference_and_triton(dtype, q_shape, d_shape):
     D = torch.randn(d_shape, device="cuda", dtype=dtype)
     Nq, Lq, dim = q_shape
     cfg = fwd_config(Lq=Lq, dim=dim, Nq=Nq, per_query_docs=False, elem_bytes=2)
-    assert _launch.hopper_forward_applies(cfg, Q, D)
+    # The kernel takes d = 64; the dispatch keeps it to the dims where it was measured faster.
+    assert _launch.hopper_forward_applies(cfg, Q, D) == (dim in _launch._HOPPER_DIMS)
     scores = torch.full((Nq, d_shape[0]), float("nan"), device="cuda")
     _launch.launch_fwd_hopper(cfg, Q, D, scores)
     assert_close_to_reference(scores, maxsim_ref(Q.double(), D.double()), BOUNDS[dtype][0], "scores")
