@@ -141,3 +141,28 @@ def test_the_gluon_forward_never_applies_off_a_gpu():
     D = torch.randn(8, 300, 128, dtype=torch.bfloat16)
     cfg = fwd_config(Lq=32, dim=128, Nq=4, per_query_docs=False, elem_bytes=2)
     assert not _launch.hopper_forward_applies(cfg, Q, D)
+
+
+def test_a_failing_gluon_forward_falls_back_to_triton(monkeypatch):
+    """Where the Gluon forward cannot be built (an experimental API that moves between Triton
+    releases), the call warns once and gets the Triton kernel's scores; later calls go straight
+    to Triton."""
+    from fusedmaxsim import _launch
+
+    def broken(*args):
+        raise RuntimeError("no such Gluon builtin")
+
+    monkeypatch.setattr(_launch, "HOPPER_KERNEL", True)
+    monkeypatch.setattr(_launch, "HOPPER_MIN_MACS", 0)
+    monkeypatch.setattr(_launch, "_sm_count", lambda device: 1)
+    monkeypatch.setattr(_launch, "hopper_forward_applies", lambda *args: True)
+    monkeypatch.setattr(_launch, "launch_fwd_hopper", broken)
+    Q, D = torch.randn(3, 7, 16), torch.randn(4, 13, 16)
+    with settings.use_backend("triton"), torch.no_grad():
+        with pytest.warns(RuntimeWarning, match="no such Gluon builtin"):
+            first = maxsim(Q, D)
+        assert not _launch.HOPPER_KERNEL
+        second = maxsim(Q, D)
+    want = maxsim_ref(Q.double(), D.double()).float()
+    torch.testing.assert_close(first, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(second, first)

@@ -77,14 +77,16 @@ if AVAILABLE:
         NUM_STAGES: gl.constexpr = d_smem.shape[0]
         slot = tile % NUM_STAGES
         mbarrier.wait(bars.index(slot), (tile // NUM_STAGES) & 1)
-        return warpgroup_mma(q_smem, d_smem.index(slot).permute((1, 0)), acc, use_acc=False, is_async=True)
+        return warpgroup_mma(q_smem, d_smem.index(slot).permute((1, 0)), acc, use_acc=False,
+                             is_async=True)
 
     @gluon.jit
     def _refill(d_desc, bars, d_smem, doc_row, done, t, n_tiles, NUM_STAGES: gl.constexpr,
                 BLOCK_N: gl.constexpr):
         """Tile ``t``'s product is complete: its slot takes tile ``t + NUM_STAGES``."""
-        _load_tile(d_desc, bars, d_smem, doc_row + (t + NUM_STAGES) * BLOCK_N, (done + t) % NUM_STAGES,
-                   t + NUM_STAGES < n_tiles)
+        refill = t + NUM_STAGES
+        _load_tile(d_desc, bars, d_smem, doc_row + refill * BLOCK_N, (done + t) % NUM_STAGES,
+                   refill < n_tiles)
 
     @gluon.jit
     def _load_tile(d_desc, bars, d_smem, row, slot, pred):
@@ -127,7 +129,8 @@ if AVAILABLE:
         n_tiles = gl.cdiv(Ld, BLOCK_N)
 
         q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [BLOCK_M, BLOCK_K], Q_SMEM_LAYOUT)
-        d_smem = gl.allocate_shared_memory(d_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], d_desc.layout)
+        d_smem = gl.allocate_shared_memory(d_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K],
+                                           d_desc.layout)
         bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(NUM_STAGES):
             mbarrier.init(bars.index(s), count=1)

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import math
 import os
+import warnings
 
 import torch
 from torch import Tensor
@@ -89,7 +90,9 @@ class _CachedLauncher:
             a = f"a[{i}]"
             if issubclass(kind, Tensor):
                 parts.append(f"{a}.dtype, {a}.data_ptr() % 16 == 0")
-            elif dataclasses.is_dataclass(kind) and "block_shape" in {f.name for f in dataclasses.fields(kind)}:
+            elif dataclasses.is_dataclass(kind) and "block_shape" in {
+                field.name for field in dataclasses.fields(kind)
+            }:
                 # A TMA descriptor (the Gluon forward's): Triton specializes on its dtype, block
                 # shape and shared layout; the launcher derives the layout from the other two.
                 parts.append(f"{a}.base.dtype, tuple({a}.block_shape)")
@@ -373,6 +376,19 @@ HOPPER_MIN_MACS = 1 << 35
 HOPPER_KERNEL = os.environ.get("FUSEDMAXSIM_HOPPER_KERNEL", "1") != "0"
 
 
+def _hopper_kernel_failed(exc: Exception) -> None:
+    """The Gluon forward could not be built or launched (Gluon is experimental, and its API
+    moves between Triton releases): say so once, and run the Triton kernel from now on."""
+    global HOPPER_KERNEL
+    HOPPER_KERNEL = False
+    warnings.warn(
+        f"fusedmaxsim: the Hopper (Gluon) forward failed ({type(exc).__name__}: {exc}); the "
+        "Triton kernel serves every forward of this process instead",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
 def hopper_forward_applies(cfg, Q: Tensor, D: Tensor) -> bool:
     """Whether ``_kernels_hopper`` can run this inference forward (masks, normalization and the
     smooth max are the caller's to exclude): an NVIDIA Hopper GPU with Gluon, the cross product
@@ -383,13 +399,16 @@ def hopper_forward_applies(cfg, Q: Tensor, D: Tensor) -> bool:
     dim = Q.shape[-1]
     return (
         D.dim() == 3 and Q.dtype in (torch.bfloat16, torch.float16) and D.dtype == Q.dtype
-        and dim == cfg.block_k and dim in _HOPPER_DIMS and D.is_contiguous() and D.data_ptr() % 16 == 0
+        and dim == cfg.block_k and dim in _HOPPER_DIMS and D.is_contiguous()
+        and D.data_ptr() % 16 == 0
         and D.shape[0] * D.shape[1] < 2**31 and cfg.lq_tile * cfg.queries_per_block in (64, 128)
     )
 
 
 @functools.lru_cache(maxsize=None)
-def hopper_layouts(torch_dtype: torch.dtype, block_m: int, block_n: int, block_k: int, warps: int = 4):
+def hopper_layouts(
+    torch_dtype: torch.dtype, block_m: int, block_n: int, block_k: int, warps: int = 4
+):
     """(query tile in shared memory, document tile in shared memory, the products' registers,
     the query chunk's load): the Gluon forward's layouts, built once per shape."""
     from triton.experimental.gluon import language as gl
@@ -399,7 +418,9 @@ def hopper_layouts(torch_dtype: torch.dtype, block_m: int, block_n: int, block_k
     return (
         gl.NVMMASharedLayout.get_default_for([block_m, block_k], dtype),
         gl.NVMMASharedLayout.get_default_for([block_n, block_k], dtype),
-        gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, block_n, 16]),
+        gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, block_n, 16]
+        ),
         gl.BlockedLayout([1, 8], [32 // k_threads, k_threads], [warps, 1], [1, 0]),
     )
 
@@ -489,16 +510,21 @@ def maxsim_fwd(
         q_inv = q_inv.contiguous()
     if d_inv is not None:
         d_inv = d_inv.contiguous()
+    plain_inference = not (save_argmax or qm is not None or dm is not None or q_inv is not None
+                           or norm_from_tiles or tau)
     if (
-        HOPPER_KERNEL and not _configs.is_forced() and not save_argmax and qm is None and dm is None and q_inv is None
-        and not norm_from_tiles and not tau and Nq * Lq * Ncols * Ld * dim >= HOPPER_MIN_MACS
+        HOPPER_KERNEL and plain_inference and not _configs.is_forced()
+        and Nq * Lq * Ncols * Ld * dim >= HOPPER_MIN_MACS
+        # More programs than SMs: on a grid of at most one program an SM the Triton kernel's
+        # 8-warp tiles are faster (longdoc: 0.066 against 0.079 ms).
         and Ncols * _cdiv(Nq, cfg.queries_per_block) > _sm_count(device)
         and hopper_forward_applies(cfg, Q, D)
     ):
-        # More programs than SMs: on a grid of at most one program an SM the Triton kernel's
-        # 8-warp tiles are faster (longdoc: 0.066 against 0.079 ms).
-        launch_fwd_hopper(cfg, Q, D, scores)
-        return scores, argmax
+        try:
+            launch_fwd_hopper(cfg, Q, D, scores)
+            return scores, argmax
+        except Exception as exc:  # noqa: BLE001 (Gluon is experimental: any failure to build)
+            _hopper_kernel_failed(exc)
     operands = (
         Q, D, qm, dm, q_inv, d_inv, scores, argmax, save_argmax, fp32_precision, norm_from_tiles, tau
     )

@@ -1,0 +1,100 @@
+"""Offline sm_90 compile of the Gluon forward (``_kernels_hopper``) with the installed Triton, no
+GPU needed: registers, spills, shared memory, and whether the SASS keeps one product in flight
+while the previous tile's max runs (benchmarks/NOTES.md section 30). Run it under each Triton
+release the package supports:
+
+    python3 benchmarks/compile_hopper.py
+
+Each line: the tiles, then `overlap` when the loop waits with one product outstanding
+(`WARPGROUP.DEPBAR.LE gsb0, 0x1`) and `SERIALIZED` when every product is waited for right after
+its issue, as ptxas does when it cannot keep an accumulator in flight.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from fusedmaxsim import _kernels_hopper, _launch  # noqa: E402
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+POINTERS = {"Q": "*bf16", "Out": "*fp32"}
+
+
+def _descriptor_type(desc) -> str:
+    if hasattr(desc, "__mangle__"):  # triton 3.9
+        return desc.__mangle__()
+    from triton.runtime.jit import mangle_type
+
+    return mangle_type(desc)
+
+
+def compile_forward(lq_tile: int, queries_per_block: int, block_n: int, stages: int, dim: int = 128):
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    q_layout, d_layout, mma_layout, q_load_layout = _launch.hopper_layouts(
+        torch.bfloat16, lq_tile * queries_per_block, block_n, dim)
+    documents = torch.empty(64 * 1024, dim, dtype=torch.bfloat16)
+    desc = TensorDescriptor(documents, list(documents.shape), list(documents.stride()), [block_n, dim],
+                            d_layout)
+    kernel = _kernels_hopper._maxsim_fwd_overlap_kernel
+    constants = dict(LQ_TILE=lq_tile, QUERIES_PER_BLOCK=queries_per_block, BLOCK_N=block_n,
+                     BLOCK_K=dim, NUM_STAGES=stages, Q_SMEM_LAYOUT=q_layout,
+                     MMA_LAYOUT=mma_layout, Q_LOAD_LAYOUT=q_load_layout)
+    signature, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constants or name == "num_warps":
+            signature[name] = "constexpr"
+        elif name == "d_desc":
+            signature[name] = _descriptor_type(desc)
+        elif name in POINTERS:
+            signature[name] = POINTERS[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "i32"
+    constants["num_warps"] = 4
+    source = GluonASTSource(kernel, signature,
+                            {(kernel.arg_names.index(k),): v for k, v in constants.items()}, attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+
+
+def report(compiled) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-resource-usage", cubin.name],
+                               capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-sass", cubin.name],
+                              capture_output=True, text=True, check=True).stdout
+    registers = re.search(r"REG:(\d+)", usage).group(1)
+    stack = re.search(r"STACK:(\d+)", usage).group(1)
+    products = len(re.findall(r"HGMMA", sass))
+    waits_each = len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", sass))
+    overlap = "overlap" if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass and waits_each < products // 2 \
+        else "SERIALIZED"
+    return (f"{registers} registers, {stack} B stack, {compiled.metadata.shared} B shared, "
+            f"{products} HGMMA, {waits_each} full waits: {overlap}")
+
+
+def main() -> None:
+    print(f"triton {triton.__version__}, Gluon available: {_kernels_hopper.AVAILABLE}")
+    for lq_tile, qpb, block_n, stages in ((128, 1, 64, 4), (32, 4, 64, 4), (128, 1, 32, 6), (64, 1, 64, 4)):
+        label = f"rows {lq_tile}x{qpb}, {block_n}-token tiles, {stages} stages"
+        try:
+            print(f"  {label}: {report(compile_forward(lq_tile, qpb, block_n, stages))}", flush=True)
+        except Exception as exc:  # noqa: BLE001 (a release whose Gluon cannot build it: say so)
+            print(f"  {label}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
