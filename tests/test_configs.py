@@ -143,7 +143,7 @@ def test_the_gluon_forward_never_applies_off_a_gpu():
     assert not _launch.hopper_forward_applies(cfg, Q, D)
 
 
-def test_a_failing_gluon_forward_falls_back_to_triton(monkeypatch):
+def test_a_failing_gluon_forward_falls_back_to_triton(device, monkeypatch):
     """Where the Gluon forward cannot be built (an experimental API that moves between Triton
     releases), the call warns once and gets the Triton kernel's scores; later calls go straight
     to Triton."""
@@ -157,8 +157,8 @@ def test_a_failing_gluon_forward_falls_back_to_triton(monkeypatch):
     monkeypatch.setattr(_launch, "_sm_count", lambda device: 1)
     monkeypatch.setattr(_launch, "hopper_forward_applies", lambda *args: True)
     monkeypatch.setattr(_launch, "launch_fwd_hopper", broken)
-    Q, D = torch.randn(3, 7, 16), torch.randn(4, 13, 16)
-    with settings.use_backend("triton"), torch.no_grad():
+    Q, D = torch.randn(3, 7, 16, device=device), torch.randn(4, 13, 16, device=device)
+    with settings.use_backend("triton"), settings.use_fp32_precision("ieee"), torch.no_grad():
         with pytest.warns(RuntimeWarning, match="no such Gluon builtin"):
             first = maxsim(Q, D)
         assert not _launch.HOPPER_KERNEL
