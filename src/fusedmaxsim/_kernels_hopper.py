@@ -37,8 +37,9 @@ Caveats
   to the Triton kernel.
 * Two ``[BLOCK_M, BLOCK_N]`` fp32 products live at once (the one in flight and the one being
   folded), beside the running max: ``BLOCK_N`` stays at 32-64.
-* No argmax: with one more ``[BLOCK_M, BLOCK_N]`` tile to carry, ptxas serializes the products
-  again (C7515) and the training forward ran 1.6x slower than Triton's (section 30).
+* No argmax: written like this loop, its products were serialized by ptxas (C7515: the product
+  in flight was copied at the loop's back edge) and the training forward ran 1.6x slower than
+  Triton's; section 30 of benchmarks/NOTES.md has the way around it, not yet measured.
 * NaN propagates through the max as in the Triton kernel.
 """
 
