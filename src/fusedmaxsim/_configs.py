@@ -105,11 +105,17 @@ def fwd_config(
     cfg = _fwd_heuristic(_pow2(Lq), dim, _pow2(Nq), per_query_docs, elem_bytes, INTERPRETER)
     if n_cols is None or INTERPRETER:
         return cfg
-    programs = n_cols * -(-Nq // cfg.queries_per_block)
     return fwd_variant(
-        cfg, few_programs=programs <= sm_count, save_argmax=save_argmax,
+        cfg, few_programs=few_programs(Nq, cfg.queries_per_block, n_cols, sm_count),
+        save_argmax=save_argmax,
         norm_from_tiles=norm_from_tiles, per_query_docs=per_query_docs, elem_bytes=elem_bytes,
     )
+
+
+def few_programs(Nq: int, queries_per_block: int, n_cols: int, sm_count: int) -> bool:
+    """Whether the forward's grid holds at most one program an SM (a few long documents), where
+    the measured tiles and kernels differ (NOTES.md sections 20 and 30)."""
+    return n_cols * -(-Nq // queries_per_block) <= sm_count
 
 
 @functools.lru_cache(maxsize=1024)

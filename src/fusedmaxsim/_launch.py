@@ -311,6 +311,30 @@ def chunk_splits(Lq: int, lq_tile: int, Nq: int, Ncols: int, per_query_docs: boo
     return max(1, min(chunks, fit, (2**31 - 1) // Ncols))
 
 
+def _take(t: Tensor | None, rows: slice | None) -> Tensor | None:
+    return t if rows is None or t is None else t[rows]
+
+
+def _launch_query_slices(launch_slice, scores: Tensor, qpb: int, splits: int) -> None:
+    """``launch_slice(rows, out, stride_out_split)`` over the query batch, shared by the Triton and
+    Gluon forwards. Grid axis 1 holds at most 65535 blocks: larger batches go in slices of
+    queries (``rows``; None in the common case, which launches the tensors as they are, with no
+    slicing on the host). With several chunk splits ``out`` is a buffer of partial scores, one
+    slice a split, added into ``scores`` after the launches."""
+    Nq, Ncols = scores.shape
+    out = scores if splits == 1 else _empty((splits, Nq, Ncols), torch.float32, scores.device)
+    stride_out_split = out.stride(0) if splits > 1 else 0
+    step = _MAX_GRID_Y * qpb
+    if Nq <= step:
+        launch_slice(None, out, stride_out_split)
+    else:
+        for q0 in range(0, Nq, step):
+            rows = slice(q0, min(Nq, q0 + step))
+            launch_slice(rows, out[rows] if splits == 1 else out[:, rows], stride_out_split)
+    if splits > 1:
+        torch.sum(out, 0, out=scores)
+
+
 def _launch_fwd(
     cfg, Q, D, qm, dm, q_inv, d_inv, scores, argmax, save_argmax, fp32_precision, norm_from_tiles,
     tau,
@@ -329,38 +353,25 @@ def _launch_fwd(
     )
     kernel = launcher(_maxsim_fwd_kernel)
     splits = chunk_splits(Lq, cfg.lq_tile, Nq, Ncols, per_query_docs)
-    out = scores if splits == 1 else _empty((splits, Nq, Ncols), torch.float32, Q.device)
 
-    def launch(Q, D, qm, dm, q_inv, d_inv, out, argmax):
-        n = Q.shape[0]
+    def launch_slice(rows, out, stride_out_split):
+        doc_rows = rows if per_query_docs else None  # per-query candidates: their documents too
+        q, d = _take(Q, rows), _take(D, doc_rows)
+        q_m, d_m = _take(qm, rows), _take(dm, doc_rows)
+        q_i, d_i = _take(q_inv, rows), _take(d_inv, doc_rows)
         kernel(
-            (Ncols * splits, _cdiv(n, qpb)),
+            (Ncols * splits, _cdiv(q.shape[0], qpb)),
             (
-                Q, D, Q if qm is None else qm, D if dm is None else dm,
-                Q if q_inv is None else q_inv, D if d_inv is None else d_inv, out, argmax,
-                n, Ncols, Lq, Ld, splits, out.stride(0) if splits > 1 else 0, dim, *Q.stride(),
-                *_doc_strides(D, per_query_docs), smooth_scale, smooth_unscale,
+                q, d, q if q_m is None else q_m, d if d_m is None else d_m,
+                q if q_i is None else q_i, d if d_i is None else d_i, out,
+                _take(argmax, rows) if save_argmax else argmax,
+                q.shape[0], Ncols, Lq, Ld, splits, stride_out_split, dim, *q.stride(),
+                *_doc_strides(d, per_query_docs), smooth_scale, smooth_unscale,
             ),
             consts,
         )
 
-    # Grid axis 1 holds at most 65535 blocks: larger query batches go in slices (the common
-    # case launches the tensors as they are, with no slicing on the host).
-    step = _MAX_GRID_Y * qpb
-    if Nq <= step:
-        launch(Q, D, qm, dm, q_inv, d_inv, out, argmax)
-    else:
-        for q0 in range(0, Nq, step):
-            sl = slice(q0, min(Nq, q0 + step))
-            per_query = (lambda t: t[sl]) if per_query_docs else (lambda t: t)
-            launch(
-                Q[sl], per_query(D), None if qm is None else qm[sl],
-                None if dm is None else per_query(dm), None if q_inv is None else q_inv[sl],
-                None if d_inv is None else per_query(d_inv), out[sl] if splits == 1 else out[:, sl],
-                argmax[sl] if save_argmax else argmax,
-            )
-    if splits > 1:
-        torch.sum(out, 0, out=scores)
+    _launch_query_slices(launch_slice, scores, qpb, splits)
 
 
 # The Gluon forward (``_kernels_hopper``, NOTES.md section 30): its document tiles and stages, and
@@ -394,7 +405,7 @@ def hopper_forward_applies(cfg, Q: Tensor, D: Tensor) -> bool:
     smooth max are the caller's to exclude): an NVIDIA Hopper GPU with Gluon, the cross product
     of 16-bit inputs with ``dim`` equal to the tile's (128), 64 or 128 rows a block, documents
     contiguous and 16-byte aligned for TMA, and rows that fit its int32 coordinates."""
-    if not (_kernels_hopper.AVAILABLE and Q.is_cuda and _hopper_index(_device_index(Q.device))):
+    if not (_kernels_hopper.AVAILABLE and _measured_tiles(Q.device)):
         return False
     dim = Q.shape[-1]
     return (
@@ -441,25 +452,23 @@ def launch_fwd_hopper(cfg, Q: Tensor, D: Tensor, scores: Tensor) -> None:
     d_desc = TensorDescriptor(documents, list(documents.shape), list(documents.stride()),
                               [_HOPPER_BLOCK_N, dim], d_layout)
     splits = chunk_splits(Lq, cfg.lq_tile, Nq, Ncols, False)
-    out = scores if splits == 1 else _empty((splits, Nq, Ncols), torch.float32, Q.device)
     consts = constants(
         LQ_TILE=cfg.lq_tile, QUERIES_PER_BLOCK=qpb, BLOCK_N=_HOPPER_BLOCK_N, BLOCK_K=dim,
         NUM_STAGES=_HOPPER_STAGES, Q_SMEM_LAYOUT=q_layout, MMA_LAYOUT=mma_layout,
         Q_LOAD_LAYOUT=q_load_layout, num_warps=4,
     )
     kernel = launcher(_kernels_hopper._maxsim_fwd_overlap_kernel)
-    step = _MAX_GRID_Y * qpb
-    for q0 in range(0, Nq, step):
-        rows = slice(q0, min(Nq, q0 + step))
-        part = Q[rows]
+
+    def launch_slice(rows, out, stride_out_split):
+        q = _take(Q, rows)
         kernel(
-            (Ncols * splits, _cdiv(part.shape[0], qpb)),
-            (part, d_desc, out[rows] if splits == 1 else out[:, rows], part.shape[0], Ncols, Lq, Ld,
-             splits, out.stride(0) if splits > 1 else 0, part.stride(0), part.stride(1)),
+            (Ncols * splits, _cdiv(q.shape[0], qpb)),
+            (q, d_desc, out, q.shape[0], Ncols, Lq, Ld, splits, stride_out_split, q.stride(0),
+             q.stride(1)),
             consts,
         )
-    if splits > 1:
-        torch.sum(out, 0, out=scores)
+
+    _launch_query_slices(launch_slice, scores, qpb, splits)
 
 
 def maxsim_fwd(
@@ -517,7 +526,7 @@ def maxsim_fwd(
         and Nq * Lq * Ncols * Ld * dim >= HOPPER_MIN_MACS
         # More programs than SMs: on a grid of at most one program an SM the Triton kernel's
         # 8-warp tiles are faster (longdoc: 0.066 against 0.079 ms).
-        and Ncols * _cdiv(Nq, cfg.queries_per_block) > _sm_count(device)
+        and not _configs.few_programs(Nq, cfg.queries_per_block, Ncols, _sm_count(device))
         and hopper_forward_applies(cfg, Q, D)
     ):
         try:
