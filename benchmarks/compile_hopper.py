@@ -12,11 +12,8 @@ its issue, as ptxas does when it cannot keep an accumulator in flight.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -24,9 +21,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from compile_report import dump  # noqa: E402
+
 from fusedmaxsim import _kernels_hopper, _launch  # noqa: E402
 
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 POINTERS = {"Q": "*bf16", "Out": "*fp32"}
 
 
@@ -69,13 +67,7 @@ def compile_forward(lq_tile: int, queries_per_block: int, block_n: int, stages: 
 
 
 def report(compiled) -> str:
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-resource-usage", cubin.name],
-                               capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-sass", cubin.name],
-                              capture_output=True, text=True, check=True).stdout
+    usage, sass = dump(compiled)
     registers = re.search(r"REG:(\d+)", usage).group(1)
     stack = re.search(r"STACK:(\d+)", usage).group(1)
     products = len(re.findall(r"HGMMA", sass))

@@ -63,8 +63,8 @@ def compile_sm90(kernel, constants: dict, num_warps: int, num_stages: int, maxnr
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def resources(compiled) -> tuple[int, int, int]:
-    """(registers, local-memory bytes a thread, SASS instructions)."""
+def dump(compiled) -> tuple[str, str]:
+    """(cuobjdump's resource usage, its SASS) of a kernel compiled offline."""
     path = Path("/tmp") / f"fusedmaxsim_compile_report_{os.getpid()}.cubin"
     path.write_bytes(compiled.asm["cubin"])
     try:
@@ -74,6 +74,12 @@ def resources(compiled) -> tuple[int, int, int]:
                               capture_output=True, text=True, check=True).stdout
     finally:
         path.unlink()
+    return usage, sass
+
+
+def resources(compiled) -> tuple[int, int, int]:
+    """(registers, local-memory bytes a thread, SASS instructions)."""
+    usage, sass = dump(compiled)
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))
     instructions = len([ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)])
