@@ -25,7 +25,7 @@ from compile_report import dump  # noqa: E402
 
 from fusedmaxsim import _kernels_hopper, _launch  # noqa: E402
 
-POINTERS = {"Q": "*bf16", "Out": "*fp32"}
+POINTERS = {"Q": "*bf16", "Out": "*fp32", "Argmax": "*i16"}
 
 
 def _descriptor_type(desc) -> str:
@@ -36,7 +36,8 @@ def _descriptor_type(desc) -> str:
     return mangle_type(desc)
 
 
-def compile_forward(lq_tile: int, queries_per_block: int, block_n: int, stages: int, dim: int = 128):
+def compile_forward(lq_tile: int, queries_per_block: int, block_n: int, stages: int, dim: int = 128,
+                    save_argmax: bool = False, normalize: bool = False):
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -47,7 +48,8 @@ def compile_forward(lq_tile: int, queries_per_block: int, block_n: int, stages: 
                             d_layout)
     kernel = _kernels_hopper._maxsim_fwd_overlap_kernel
     constants = dict(LQ_TILE=lq_tile, QUERIES_PER_BLOCK=queries_per_block, BLOCK_N=block_n,
-                     BLOCK_K=dim, NUM_STAGES=stages, Q_SMEM_LAYOUT=q_layout,
+                     BLOCK_K=dim, NUM_STAGES=stages, SAVE_ARGMAX=save_argmax,
+                     NORMALIZE=normalize, Q_SMEM_LAYOUT=q_layout,
                      MMA_LAYOUT=mma_layout, Q_LOAD_LAYOUT=q_load_layout)
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
@@ -80,10 +82,18 @@ def report(compiled) -> str:
 
 def main() -> None:
     print(f"triton {triton.__version__}, Gluon available: {_kernels_hopper.AVAILABLE}")
-    for lq_tile, qpb, block_n, stages in ((128, 1, 64, 4), (32, 4, 64, 4), (128, 1, 32, 6), (64, 1, 64, 4)):
-        label = f"rows {lq_tile}x{qpb}, {block_n}-token tiles, {stages} stages"
+    variants = [("scores", False, False, 128, 1, 64, 4), ("scores", False, False, 32, 4, 64, 4),
+                ("scores", False, False, 128, 1, 32, 6), ("scores", False, False, 64, 1, 64, 4)]
+    for kind, save_argmax, normalize in (("argmax", True, False), ("normalize", False, True)):
+        variants += [(kind, save_argmax, normalize, 128, 1, 32, 6),
+                     (kind, save_argmax, normalize, 32, 4, 32, 6),
+                     (kind, save_argmax, normalize, 128, 1, 64, 4)]
+    for kind, save_argmax, normalize, lq_tile, qpb, block_n, stages in variants:
+        label = f"{kind}, rows {lq_tile}x{qpb}, {block_n}-token tiles, {stages} stages"
         try:
-            print(f"  {label}: {report(compile_forward(lq_tile, qpb, block_n, stages))}", flush=True)
+            compiled = compile_forward(lq_tile, qpb, block_n, stages, save_argmax=save_argmax,
+                                       normalize=normalize)
+            print(f"  {label}: {report(compiled)}", flush=True)
         except Exception as exc:  # noqa: BLE001 (a release whose Gluon cannot build it: say so)
             print(f"  {label}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
 

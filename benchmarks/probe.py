@@ -6,13 +6,14 @@ memory, and the first calls' split; behind sections 18-21: the training rows' ho
 time, the forward's tile variants (registers, spills, parity, time), the host's side of a launch
 for every provider, and the query chunk height; behind sections 22-23: the query tile in
 registers, the small rows' GPU time alone, 256-row query blocks; behind section 25: the
-document-owned grad_D through the winner index. GPU times by ``triton.testing.do_bench``
+document-owned grad_D through the winner index; behind sections 30-31: the Gluon forward and its
+argmax and normalize variants. GPU times by ``triton.testing.do_bench``
 (median, ms).
 
     PYTHONPATH=src python3 benchmarks/probe.py [normalize] [kd] [smooth] [masked] [rerank] [memory] [cold]
         [small] [stages] [cold_profile] [steps] [host] [fwd_tiles] [launch] [chunks]
         [query_registers] [graph_times] [wide_rows] [winner_index] [chunk_splits] [occupancy]
-        [hopper_forward] [hopper_host]
+        [hopper_forward] [hopper_host] [hopper_variants]
 """
 
 from __future__ import annotations
@@ -908,6 +909,102 @@ def hopper_host() -> None:
         print(f"  {label:32s} issue {wall_us(fn, 400, issue_only=True):7.1f} us", flush=True)
 
 
+def _argmax_mismatches(Q, D, got, want) -> str:
+    """How many saved argmax entries differ from the Triton kernel's, and the largest gap between
+    the two winners' fp32 similarities (0 where the two are tied)."""
+    differ = (got.long() != want.long()).nonzero()
+    if differ.numel() == 0:
+        return "argmax equal"
+    i, j, s = differ.unbind(1)
+    q = Q[i, s].float()
+    gap = ((q * D[j, got[i, j, s].long()].float()).sum(-1)
+           - (q * D[j, want[i, j, s].long()].float()).sum(-1)).abs().max().item()
+    return f"argmax {differ.shape[0]} of {got.numel()} differ (winners {gap:.1e} apart)"
+
+
+def hopper_variants() -> None:
+    """The Gluon forward's argmax and normalize variants (benchmarks/NOTES.md section 31) against
+    the Triton forward of the same call: scores (and the argmax) compared, GPU ms of each under
+    several document tiles, what ``maxsim`` runs, and the training steps with each forward."""
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+
+    shapes = (
+        ("train_colpali, scores and argmax", True, False, rand(128, 128, 128), rand(128, 1024, 128)),
+        ("train_colbert, scores and argmax", True, False, rand(128, 32, 128), rand(128, 300, 128)),
+        ("256 x 256 ColPali, scores and argmax", True, False, rand(256, 128, 128),
+         rand(256, 1024, 128)),
+        ("rerank_colpali_norm", False, True, rand(1, 128, 128), rand(1000, 1024, 128)),
+        ("rerank_colpali_1030, normalize", False, True, rand(1, 1030, 128), rand(1000, 1030, 128)),
+        ("batch_colbert, normalize", False, True, rand(256, 32, 128), rand(256, 300, 128)),
+        ("longquery, normalize", False, True, rand(4, 2048, 128), rand(64, 1024, 128)),
+    )
+    saved = (_launch._HOPPER_ARGMAX_BLOCK_N, _launch._HOPPER_ARGMAX_STAGES,
+             _launch._HOPPER_NORM_BLOCK_N, _launch._HOPPER_NORM_STAGES, _launch.HOPPER_KERNEL)
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    for name, save_argmax, normalize, Q, D in shapes:
+        Nq, Lq, dim = Q.shape
+
+        def forward():
+            return _launch.maxsim_fwd(Q, D, None, None, None, None, save_argmax, "tf32", normalize)
+
+        cfg = fwd_config(Lq=Lq, dim=dim, Nq=Nq, per_query_docs=False, elem_bytes=2,
+                         save_argmax=save_argmax, norm_from_tiles=normalize, n_cols=D.shape[0],
+                         sm_count=sm_count)
+        if not _launch.hopper_forward_applies(cfg, Q, D):
+            print(f"-- {name}: the Gluon forward does not apply ({cfg})", flush=True)
+            continue
+        _launch.HOPPER_KERNEL = False
+        try:
+            want, want_arg = forward()
+            triton_ms = bench(forward)
+        finally:
+            _launch.HOPPER_KERNEL = saved[4]
+        step_docs = max(1, (1 << 30) // (Nq * Lq * D.shape[1]))  # float64 grids of 8 GiB at most
+        ref = torch.cat([maxsim_ref(Q.double(), D[j:j + step_docs].double(), normalize=normalize)
+                         for j in range(0, D.shape[0], step_docs)], dim=1)
+        row = f"-- {name}: Triton {triton_ms:.4f} ms ({relative_error(want, ref):.0e} from float64)"
+        for block_n, stages in ((32, 6), (64, 4), (32, 4)):
+            scores = torch.full_like(want, float("nan"))
+            arg = torch.full_like(want_arg, -7) if save_argmax else None
+            if save_argmax:
+                _launch._HOPPER_ARGMAX_BLOCK_N, _launch._HOPPER_ARGMAX_STAGES = block_n, stages
+            else:
+                _launch._HOPPER_NORM_BLOCK_N, _launch._HOPPER_NORM_STAGES = block_n, stages
+            try:
+                _launch.launch_fwd_hopper(cfg, Q, D, scores, arg, normalize)
+                err = relative_error(scores, want)
+                ms = bench(lambda: _launch.launch_fwd_hopper(cfg, Q, D, scores, arg, normalize))
+            except Exception as exc:  # noqa: BLE001
+                row += f"\n   Gluon {block_n}/{stages}: {type(exc).__name__}: {str(exc)[:300]}"
+                continue
+            finally:
+                (_launch._HOPPER_ARGMAX_BLOCK_N, _launch._HOPPER_ARGMAX_STAGES,
+                 _launch._HOPPER_NORM_BLOCK_N, _launch._HOPPER_NORM_STAGES) = saved[:4]
+            row += (f"\n   Gluon {block_n}-token tiles, {stages} stages: {ms:.4f} ms, scores {err:.0e} "
+                    f"from Triton's")
+            row += "" if err < 1e-5 else " PARITY FAILED"
+            if save_argmax:
+                row += ", " + _argmax_mismatches(Q, D, arg, want_arg)
+        got, _ = forward()
+        row += f"\n   maxsim_fwd as dispatched {bench(forward):.4f} ms ({relative_error(got, want):.0e})"
+        if save_argmax:
+            q = Q.detach().requires_grad_()
+            d = D.detach().requires_grad_()
+            g = torch.randn(Nq, D.shape[0], device="cuda")
+
+            def step():
+                maxsim(q, d).backward(g)
+
+            for on in (False, True):
+                _launch.HOPPER_KERNEL = on
+                try:
+                    row += f"\n   training step, {'Gluon' if on else 'Triton'} forward {bench(step):.4f} ms"
+                finally:
+                    _launch.HOPPER_KERNEL = saved[4]
+        print(row, flush=True)
+
+
 if __name__ == "__main__":
     wanted = set(sys.argv[1:]) or {"normalize", "kd", "smooth"}
     for name, probe in (("normalize", normalize_sweep), ("kd", kd_split), ("smooth", smooth_vs_naive),
@@ -919,7 +1016,7 @@ if __name__ == "__main__":
                         ("graph_times", graph_times), ("wide_rows", wide_rows),
                         ("winner_index", winner_index), ("chunk_splits", chunk_splits_ab),
                         ("occupancy", occupancy), ("hopper_forward", hopper_forward),
-                        ("hopper_host", hopper_host)):
+                        ("hopper_host", hopper_host), ("hopper_variants", hopper_variants)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()

@@ -229,6 +229,7 @@ hopper_only = pytest.mark.skipif(
 
 
 @hopper_only
+@pytest.mark.parametrize("variant", ["scores", "argmax", "normalize"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize(
     "q_shape,d_shape",
@@ -242,46 +243,58 @@ hopper_only = pytest.mark.skipif(
         pytest.param((4, 64, 128), (11, 200, 128), id="64-rows"),
     ],
 )
-def test_hopper_forward_matches_reference_and_triton(dtype, q_shape, d_shape):
-    """The Gluon forward (``_kernels_hopper``) on the shapes its loop treats apart: the scores of
-    float64 within the dtype's bound, Triton's to fp32 rounding, every score written (NaN-poisoned
-    output), a NaN in a document making its column NaN."""
+def test_hopper_forward_matches_reference_and_triton(variant, dtype, q_shape, d_shape):
+    """The Gluon forward (``_kernels_hopper``) and its variants (the argmax saved; normalized
+    tokens, a zero one among them) on the shapes its loop treats apart: the scores of float64
+    within the dtype's bound, Triton's to fp32 rounding and the same argmax, every score and
+    argmax written (NaN- and -7-poisoned outputs), a NaN in a document making its column NaN."""
     from fusedmaxsim import _launch
-    from fusedmaxsim._configs import fwd_config
+    from fusedmaxsim._configs import argmax_dtype, fwd_config
 
+    save_argmax, normalize = variant == "argmax", variant == "normalize"
     Q = torch.randn(q_shape, device="cuda", dtype=dtype)
     D = torch.randn(d_shape, device="cuda", dtype=dtype)
+    if normalize:
+        D[0, 0] = 0.0
     Nq, Lq, dim = q_shape
-    cfg = fwd_config(Lq=Lq, dim=dim, Nq=Nq, per_query_docs=False, elem_bytes=2)
+    cfg = fwd_config(Lq=Lq, dim=dim, Nq=Nq, per_query_docs=False, elem_bytes=2,
+                     save_argmax=save_argmax, norm_from_tiles=normalize)
     # The kernel takes d = 64; the dispatch keeps it to the dims where it was measured faster.
     assert _launch.hopper_forward_applies(cfg, Q, D) == (dim in _launch._HOPPER_DIMS)
     scores = torch.full((Nq, d_shape[0]), float("nan"), device="cuda")
-    _launch.launch_fwd_hopper(cfg, Q, D, scores)
-    assert_close_to_reference(scores, maxsim_ref(Q.double(), D.double()), BOUNDS[dtype][0], "scores")
-    with torch.no_grad(), settings.use_backend("triton"):
-        saved = _launch.HOPPER_KERNEL
-        _launch.HOPPER_KERNEL = False
-        try:
-            want = maxsim(Q, D)
-        finally:
-            _launch.HOPPER_KERNEL = saved
+    argmax = (torch.full((Nq, d_shape[0], Lq), -7, dtype=argmax_dtype(d_shape[1]), device="cuda")
+              if save_argmax else None)
+    _launch.launch_fwd_hopper(cfg, Q, D, scores, argmax, normalize)
+    ref = maxsim_ref(Q.double(), D.double(), normalize=normalize)
+    assert_close_to_reference(scores, ref, BOUNDS[dtype][0], "scores")
+    saved = _launch.HOPPER_KERNEL
+    _launch.HOPPER_KERNEL = False
+    try:
+        want, want_argmax = _launch.maxsim_fwd(Q, D, None, None, None, None, save_argmax, "tf32",
+                                               normalize)
+    finally:
+        _launch.HOPPER_KERNEL = saved
     torch.testing.assert_close(scores, want, rtol=1e-5, atol=1e-5)
+    if save_argmax:
+        assert torch.equal(argmax, want_argmax)
     D[1, d_shape[1] // 2, 3] = float("nan")
-    _launch.launch_fwd_hopper(cfg, Q, D, scores)
+    _launch.launch_fwd_hopper(cfg, Q, D, scores, argmax, normalize)
     assert scores[:, 1].isnan().all() and not scores[:, 0].isnan().any()
 
 
 @hopper_only
-def test_hopper_forward_is_what_inference_runs_where_it_applies(monkeypatch):
-    """``maxsim`` under no_grad takes the Gluon forward for unmasked 16-bit cross products with
-    more programs than SMs, and the Triton kernel for masks, normalization, the smooth max,
-    training and per-query candidates; each result matches float64."""
+def test_hopper_forward_is_what_the_dispatch_runs_where_it_applies(monkeypatch):
+    """``maxsim`` takes the Gluon forward for unmasked 16-bit cross products with more programs
+    than SMs, under no_grad with or without normalization and in training (the argmax saved),
+    and the Triton kernel for masks, the smooth max, per-query candidates and training with
+    normalization (its norms are computed before the kernel); each result matches float64."""
     from fusedmaxsim import _launch
 
     calls = []
     launch = _launch.launch_fwd_hopper
     monkeypatch.setattr(_launch, "launch_fwd_hopper", lambda *args: calls.append(1) or launch(*args))
     monkeypatch.setattr(_launch, "HOPPER_MIN_MACS", 0)
+    monkeypatch.setattr(_launch, "HOPPER_NORM_MIN_MACS", 0)
     Q = torch.randn(64, 32, 128, device="cuda", dtype=torch.bfloat16)
     D = torch.randn(80, 150, 128, device="cuda", dtype=torch.bfloat16)
     d_mask = masks_with_holes(D.shape[:-1], "cuda")
@@ -289,7 +302,7 @@ def test_hopper_forward_is_what_inference_runs_where_it_applies(monkeypatch):
         ("plain", True, lambda: maxsim(Q, D), lambda: maxsim_ref(Q.double(), D.double())),
         ("masked", False, lambda: maxsim(Q, D, d_mask=d_mask),
          lambda: maxsim_ref(Q.double(), D.double(), d_mask=d_mask)),
-        ("normalize", False, lambda: maxsim(Q, D, normalize=True),
+        ("normalize", True, lambda: maxsim(Q, D, normalize=True),
          lambda: maxsim_ref(Q.double(), D.double(), normalize=True)),
         ("smooth max", False, lambda: maxsim(Q, D, reduction="smoothmax"),
          lambda: maxsim_ref(Q.double(), D.double(), reduction="smoothmax")),
@@ -302,6 +315,9 @@ def test_hopper_forward_is_what_inference_runs_where_it_applies(monkeypatch):
             out = run()
         assert bool(calls) == gluon, name
         assert_close_to_reference(out, ref(), 2e-2, name)
-    calls.clear()
-    maxsim(leaf(Q.clone()), D)  # training: the forward saves the argmax
-    assert not calls
+    for normalize in (False, True):
+        calls.clear()
+        q, d = leaf(Q.clone()), leaf(D.clone())
+        maxsim(q, d, normalize=normalize)  # training: the forward saves the argmax
+        assert bool(calls) == (not normalize)
+        check_against_reference(Q, D, normalize=normalize, tol=BOUNDS[torch.bfloat16])

@@ -60,6 +60,8 @@ try:  # Gluon is experimental; without it (or on CPU) the Triton kernel serves e
 
     # The TMA load's name: `async_copy_global_to_shared` up to triton 3.6, `async_load` after.
     _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+    # The CTA barrier: `thread_barrier` up to triton 3.6, `barrier` after.
+    _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
     AVAILABLE = True
 except Exception:  # noqa: BLE001 (any import failure means: not available)
     AVAILABLE = False
@@ -72,22 +74,54 @@ if AVAILABLE:
         return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
     @gluon.jit
+    def _inverse_norms(x):
+        """``1 / max(‖row‖, 1e-12)`` in fp32 for each row of a register tile, as the Triton
+        kernel's ``_inverse_norm`` (``F.normalize``'s eps)."""
+        x = x.to(gl.float32)
+        return 1.0 / gl.maximum(gl.sqrt(gl.sum(x * x, axis=1)), 1e-12)
+
+    @gluon.jit
+    def _fold(s, run_max, run_arg, cols, SAVE_ARGMAX: gl.constexpr):
+        """One tile's similarities into the per-(row, slot) running max; strict '>' keeps the
+        earliest tile per slot, so the lowest token index wins ties (as the Triton kernel)."""
+        if SAVE_ARGMAX:
+            run_arg = gl.where(s > run_max, gl.expand_dims(cols, 0), run_arg)
+        run_max = _max_nan(run_max, s)
+        return run_max, run_arg
+
+    @gluon.jit
+    def _complete(acc, run_max, run_arg, d_desc, bars, d_smem, doc_row, done, t, n_tiles, Ld,
+                  o_c, NORMALIZE: gl.constexpr, SAVE_ARGMAX: gl.constexpr,
+                  TILE_LOAD_LAYOUT: gl.constexpr, MASK_TAIL: gl.constexpr):
+        """Tile ``t``'s product has completed: (with ``NORMALIZE``) scale its columns by the
+        tile's inverse norms, read from its slot before the slot is refilled; refill the slot;
+        fold the tile into the running max (columns from ``Ld`` on masked where ``MASK_TAIL``)."""
+        NUM_STAGES: gl.constexpr = d_smem.shape[0]
+        BLOCK_N: gl.constexpr = d_smem.shape[1]
+        if NORMALIZE:
+            tile = d_smem.index((done + t) % NUM_STAGES).load(TILE_LOAD_LAYOUT)
+            inv = gl.convert_layout(_inverse_norms(tile), gl.SliceLayout(0, acc.type.layout))
+            # Every warp's reads of the slot are done before its refill is issued.
+            _cta_barrier()
+            acc = acc * gl.expand_dims(inv, 0)
+        refill = t + NUM_STAGES
+        _load_tile(d_desc, bars, d_smem, doc_row + refill * BLOCK_N, (done + t) % NUM_STAGES,
+                   refill < n_tiles)
+        cols = t * BLOCK_N + o_c
+        if MASK_TAIL:
+            acc = gl.where(gl.expand_dims(cols < Ld, 0), acc, float("-inf"))
+        return _fold(acc, run_max, run_arg, cols, SAVE_ARGMAX)
+
+    @gluon.jit
     def _issue(q_smem, d_smem, bars, acc, tile):
         """The product of the query chunk with document tile ``tile`` (counted over the program),
-        issued once its TMA load has landed; not waited for."""
+        issued once its TMA load has landed; not waited for. ``acc`` is ignored
+        (``use_acc=False``): it names the registers the product is written over."""
         NUM_STAGES: gl.constexpr = d_smem.shape[0]
         slot = tile % NUM_STAGES
         mbarrier.wait(bars.index(slot), (tile // NUM_STAGES) & 1)
         return warpgroup_mma(q_smem, d_smem.index(slot).permute((1, 0)), acc, use_acc=False,
                              is_async=True)
-
-    @gluon.jit
-    def _refill(d_desc, bars, d_smem, doc_row, done, t, n_tiles, NUM_STAGES: gl.constexpr,
-                BLOCK_N: gl.constexpr):
-        """Tile ``t``'s product is complete: its slot takes tile ``t + NUM_STAGES``."""
-        refill = t + NUM_STAGES
-        _load_tile(d_desc, bars, d_smem, doc_row + refill * BLOCK_N, (done + t) % NUM_STAGES,
-                   refill < n_tiles)
 
     @gluon.jit
     def _load_tile(d_desc, bars, d_smem, row, slot, pred):
@@ -99,6 +133,7 @@ if AVAILABLE:
         Q,
         d_desc,
         Out,
+        Argmax,
         Nq,
         Ncols,
         Lq,
@@ -112,6 +147,8 @@ if AVAILABLE:
         BLOCK_N: gl.constexpr,
         BLOCK_K: gl.constexpr,
         NUM_STAGES: gl.constexpr,
+        SAVE_ARGMAX: gl.constexpr,
+        NORMALIZE: gl.constexpr,
         Q_SMEM_LAYOUT: gl.constexpr,
         MMA_LAYOUT: gl.constexpr,
         Q_LOAD_LAYOUT: gl.constexpr,
@@ -156,47 +193,70 @@ if AVAILABLE:
             b_q = gl.load(ptrs, mask=gl.expand_dims(lq_valid, 1), other=0.0)
             q_smem.store(b_q)
             fence_async_shared()
+            if NORMALIZE:
+                q_inv = gl.convert_layout(_inverse_norms(b_q), rows_of)
 
             for s in gl.static_range(NUM_STAGES):
                 _load_tile(d_desc, bars, d_smem, doc_row + s * BLOCK_N, (done + s) % NUM_STAGES, s < n_tiles)
 
-            # The element-wise running max over the tiles, reduced over its columns once per chunk.
+            # The element-wise running max (and argmax) over the tiles, reduced over its columns
+            # once per chunk.
             run_max = gl.full([BLOCK_M, BLOCK_N], float("-inf"), gl.float32, mma)
+            run_arg = gl.full([BLOCK_M, BLOCK_N], -1, gl.int32, mma) if SAVE_ARGMAX else 0
             # Two products alternate in fixed registers, `acc_a` and `acc_b`: one in flight while
             # the other is folded. (A loop that copied the product in flight from one variable to
             # the other would read its registers before the wait, and ptxas then serializes every
-            # product: C7514.) The previous value is the accumulator operand, ignored
-            # (`use_acc=False`), so that each product writes over the registers it replaces.
+            # product: C7514.) The accumulator operand of `_issue` is ignored; it is the previous
+            # product, so that each product writes over the registers it replaces. With the
+            # argmax it is the running max instead: the argmax's fold of a waited product is long
+            # enough that LLVM schedules part of it after the next issue, which then has to copy
+            # the product in flight at the loop's back edge and ptxas serializes every product
+            # (C7515); naming the running max makes the issue wait for the fold.
             acc_a = _issue(q_smem, d_smem, bars, zero, done)
             acc_b = zero
             t = 1
             for _ in range(0, (n_tiles - 1) // 2):
-                acc_b = _issue(q_smem, d_smem, bars, acc_b, done + t)
+                acc_b = _issue(q_smem, d_smem, bars, run_max if SAVE_ARGMAX else acc_b, done + t)
                 acc_a = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
-                _refill(d_desc, bars, d_smem, doc_row, done, t - 1, n_tiles, NUM_STAGES, BLOCK_N)
-                run_max = _max_nan(run_max, acc_a)
-                acc_a = _issue(q_smem, d_smem, bars, acc_a, done + t + 1)
+                run_max, run_arg = _complete(acc_a, run_max, run_arg, d_desc, bars, d_smem, doc_row,
+                                             done, t - 1, n_tiles, Ld, o_c, NORMALIZE, SAVE_ARGMAX,
+                                             q_load, False)
+                acc_a = _issue(q_smem, d_smem, bars, run_max if SAVE_ARGMAX else acc_a,
+                               done + t + 1)
                 acc_b = warpgroup_mma_wait(num_outstanding=1, deps=(acc_b,))
-                _refill(d_desc, bars, d_smem, doc_row, done, t, n_tiles, NUM_STAGES, BLOCK_N)
-                run_max = _max_nan(run_max, acc_b)
+                run_max, run_arg = _complete(acc_b, run_max, run_arg, d_desc, bars, d_smem, doc_row,
+                                             done, t, n_tiles, Ld, o_c, NORMALIZE, SAVE_ARGMAX,
+                                             q_load, False)
                 t += 2
             # The last tile may run past the document: its columns from Ld on are masked.
             if t < n_tiles:
-                pending = _issue(q_smem, d_smem, bars, acc_b, done + t)
+                pending = _issue(q_smem, d_smem, bars, run_max if SAVE_ARGMAX else acc_b, done + t)
                 before_last = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
-                run_max = _max_nan(run_max, before_last)
+                run_max, run_arg = _complete(before_last, run_max, run_arg, d_desc, bars, d_smem,
+                                             doc_row, done, t - 1, n_tiles, Ld, o_c, NORMALIZE,
+                                             SAVE_ARGMAX, q_load, False)
                 last = warpgroup_mma_wait(num_outstanding=0, deps=(pending,))
             else:
                 last = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a,))
-            cols = (n_tiles - 1) * BLOCK_N + o_c
-            last = gl.where(gl.expand_dims(cols < Ld, 0), last, float("-inf"))
-            run_max = _max_nan(run_max, last)
+            run_max, run_arg = _complete(last, run_max, run_arg, d_desc, bars, d_smem, doc_row,
+                                         done, n_tiles - 1, n_tiles, Ld, o_c, NORMALIZE,
+                                         SAVE_ARGMAX, q_load, True)
             done += n_tiles
 
             row_max = gl.reduce(run_max, 1, _max_nan)
             o_s = chunk + o_r % LQ_TILE
             m_row = (o_query < Nq) & (o_s < Lq)
-            row_sums += gl.where(m_row, row_max, 0.0)
+            if NORMALIZE:
+                row_sums += gl.where(m_row, row_max * q_inv, 0.0)
+            else:
+                row_sums += gl.where(m_row, row_max, 0.0)
+            if SAVE_ARGMAX:
+                no_slot = 2147483647
+                row_arg = gl.min(gl.where(run_max == gl.expand_dims(row_max, 1), run_arg, no_slot),
+                                 axis=1)
+                row_arg = gl.where((row_arg == no_slot) | (row_max == float("-inf")), -1, row_arg)
+                gl.store(Argmax + (o_query.to(gl.int64) * Ncols + i_col) * Lq + o_s,
+                         row_arg.to(Argmax.dtype.element_ty), mask=m_row)
 
         for s in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(bars.index(s))

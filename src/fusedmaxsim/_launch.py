@@ -380,10 +380,24 @@ def _launch_fwd(
 # time, so it pays from ~0.2 ms of GPU time on: at rerank_colpali's 2^34 multiply-adds (0.085
 # ms) it saved 7 µs, less than it cost a single call.
 _HOPPER_BLOCK_N, _HOPPER_STAGES = 64, 4
+# The argmax forward carries a third [BLOCK_M, BLOCK_N] tile (the running argmax): 32-token tiles
+# keep it in registers, more stages keep the same bytes in flight.
+_HOPPER_ARGMAX_BLOCK_N, _HOPPER_ARGMAX_STAGES = 32, 6
+_HOPPER_NORM_BLOCK_N, _HOPPER_NORM_STAGES = 32, 6
+
+
+def hopper_tiles(save_argmax: bool, normalize: bool) -> tuple[int, int]:
+    """(document tile, stages) of the Gluon forward's variant."""
+    if save_argmax:
+        return _HOPPER_ARGMAX_BLOCK_N, _HOPPER_ARGMAX_STAGES
+    if normalize:
+        return _HOPPER_NORM_BLOCK_N, _HOPPER_NORM_STAGES
+    return _HOPPER_BLOCK_N, _HOPPER_STAGES
 # d = 64 ran slower than the Triton kernel (0.133 against 0.117 ms at 64 x 32 against 512 x 300);
 # the kernel itself takes 64 (tested), the dispatch does not.
 _HOPPER_DIMS = (128,)
 HOPPER_MIN_MACS = 1 << 35
+HOPPER_NORM_MIN_MACS = 1 << 33
 HOPPER_KERNEL = os.environ.get("FUSEDMAXSIM_HOPPER_KERNEL", "1") != "0"
 
 
@@ -436,9 +450,14 @@ def hopper_layouts(
     )
 
 
-def launch_fwd_hopper(cfg, Q: Tensor, D: Tensor, scores: Tensor) -> None:
-    """The inference forward through ``_kernels_hopper`` (the caller checked
-    :func:`hopper_forward_applies`), query chunks split over programs as in :func:`_launch_fwd`."""
+def launch_fwd_hopper(
+    cfg, Q: Tensor, D: Tensor, scores: Tensor, argmax: Tensor | None = None,
+    normalize: bool = False,
+) -> None:
+    """The forward through ``_kernels_hopper`` (the caller checked :func:`hopper_forward_applies`),
+    query chunks split over programs as in :func:`_launch_fwd`; with ``argmax`` (``[Nq, Ncols,
+    Lq]``) the training forward, with ``normalize`` cosine similarities with the norms computed
+    from the tiles."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     Nq, Lq, dim = Q.shape
@@ -446,16 +465,18 @@ def launch_fwd_hopper(cfg, Q: Tensor, D: Tensor, scores: Tensor) -> None:
     if Q.stride(-1) != 1:
         Q = Q.contiguous()
     qpb = cfg.queries_per_block
+    save_argmax = argmax is not None
+    block_n, stages = hopper_tiles(save_argmax, normalize)
     q_layout, d_layout, mma_layout, q_load_layout = hopper_layouts(
-        Q.dtype, cfg.lq_tile * qpb, _HOPPER_BLOCK_N, dim)
+        Q.dtype, cfg.lq_tile * qpb, block_n, dim)
     documents = D.view(Ncols * Ld, dim)
     d_desc = TensorDescriptor(documents, list(documents.shape), list(documents.stride()),
-                              [_HOPPER_BLOCK_N, dim], d_layout)
+                              [block_n, dim], d_layout)
     splits = chunk_splits(Lq, cfg.lq_tile, Nq, Ncols, False)
     consts = constants(
-        LQ_TILE=cfg.lq_tile, QUERIES_PER_BLOCK=qpb, BLOCK_N=_HOPPER_BLOCK_N, BLOCK_K=dim,
-        NUM_STAGES=_HOPPER_STAGES, Q_SMEM_LAYOUT=q_layout, MMA_LAYOUT=mma_layout,
-        Q_LOAD_LAYOUT=q_load_layout, num_warps=4,
+        LQ_TILE=cfg.lq_tile, QUERIES_PER_BLOCK=qpb, BLOCK_N=block_n, BLOCK_K=dim,
+        NUM_STAGES=stages, SAVE_ARGMAX=save_argmax, NORMALIZE=normalize,
+        Q_SMEM_LAYOUT=q_layout, MMA_LAYOUT=mma_layout, Q_LOAD_LAYOUT=q_load_layout, num_warps=4,
     )
     kernel = launcher(_kernels_hopper._maxsim_fwd_overlap_kernel)
 
@@ -463,8 +484,8 @@ def launch_fwd_hopper(cfg, Q: Tensor, D: Tensor, scores: Tensor) -> None:
         q = _take(Q, rows)
         kernel(
             (Ncols * splits, _cdiv(q.shape[0], qpb)),
-            (q, d_desc, out, q.shape[0], Ncols, Lq, Ld, splits, stride_out_split, q.stride(0),
-             q.stride(1)),
+            (q, d_desc, out, _take(argmax, rows) if save_argmax else out, q.shape[0], Ncols, Lq,
+             Ld, splits, stride_out_split, q.stride(0), q.stride(1)),
             consts,
         )
 
@@ -519,18 +540,21 @@ def maxsim_fwd(
         q_inv = q_inv.contiguous()
     if d_inv is not None:
         d_inv = d_inv.contiguous()
-    plain_inference = not (save_argmax or qm is not None or dm is not None or q_inv is not None
-                           or norm_from_tiles or tau)
+    # The Gluon forward's variants: scores, scores and argmax, scores of normalized tokens with
+    # their norms from the tiles; none with masks, precomputed norms or the smooth max.
+    hopper_variant = not (qm is not None or dm is not None or q_inv is not None or tau)
     if (
-        HOPPER_KERNEL and plain_inference and not _configs.is_forced()
-        and Nq * Lq * Ncols * Ld * dim >= HOPPER_MIN_MACS
+        HOPPER_KERNEL and hopper_variant and not _configs.is_forced()
+        and Nq * Lq * Ncols * Ld * dim >= (HOPPER_NORM_MIN_MACS if norm_from_tiles
+                                           else HOPPER_MIN_MACS)
         # More programs than SMs: on a grid of at most one program an SM the Triton kernel's
         # 8-warp tiles are faster (longdoc: 0.066 against 0.079 ms).
         and not _configs.few_programs(Nq, cfg.queries_per_block, Ncols, _sm_count(device))
         and hopper_forward_applies(cfg, Q, D)
     ):
         try:
-            launch_fwd_hopper(cfg, Q, D, scores)
+            launch_fwd_hopper(cfg, Q, D, scores, argmax if save_argmax else None,
+                              norm_from_tiles)
             return scores, argmax
         except Exception as exc:  # noqa: BLE001 (Gluon is experimental: any failure to build)
             _hopper_kernel_failed(exc)
