@@ -37,12 +37,12 @@ def _descriptor_type(desc) -> str:
 
 
 def compile_forward(lq_tile: int, queries_per_block: int, block_n: int, stages: int, dim: int = 128,
-                    save_argmax: bool = False, normalize: bool = False):
+                    save_argmax: bool = False, normalize: bool = False, warps: int = 4):
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    q_layout, d_layout, mma_layout, q_load_layout = _launch.hopper_layouts(
-        torch.bfloat16, lq_tile * queries_per_block, block_n, dim)
+    q_layout, d_layout, mma_layout, q_load_layout, tile_load_layout = _launch.hopper_layouts(
+        torch.bfloat16, lq_tile * queries_per_block, block_n, dim, warps)
     documents = torch.empty(64 * 1024, dim, dtype=torch.bfloat16)
     desc = TensorDescriptor(documents, list(documents.shape), list(documents.stride()), [block_n, dim],
                             d_layout)
@@ -50,7 +50,8 @@ def compile_forward(lq_tile: int, queries_per_block: int, block_n: int, stages: 
     constants = dict(LQ_TILE=lq_tile, QUERIES_PER_BLOCK=queries_per_block, BLOCK_N=block_n,
                      BLOCK_K=dim, NUM_STAGES=stages, SAVE_ARGMAX=save_argmax,
                      NORMALIZE=normalize, Q_SMEM_LAYOUT=q_layout,
-                     MMA_LAYOUT=mma_layout, Q_LOAD_LAYOUT=q_load_layout)
+                     MMA_LAYOUT=mma_layout, Q_LOAD_LAYOUT=q_load_layout,
+                     TILE_LOAD_LAYOUT=tile_load_layout)
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constants or name == "num_warps":
@@ -62,10 +63,10 @@ def compile_forward(lq_tile: int, queries_per_block: int, block_n: int, stages: 
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             signature[name] = "i32"
-    constants["num_warps"] = 4
+    constants["num_warps"] = warps
     source = GluonASTSource(kernel, signature,
                             {(kernel.arg_names.index(k),): v for k, v in constants.items()}, attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
 
 
 def report(compiled) -> str:
@@ -82,17 +83,18 @@ def report(compiled) -> str:
 
 def main() -> None:
     print(f"triton {triton.__version__}, Gluon available: {_kernels_hopper.AVAILABLE}")
-    variants = [("scores", False, False, 128, 1, 64, 4), ("scores", False, False, 32, 4, 64, 4),
-                ("scores", False, False, 128, 1, 32, 6), ("scores", False, False, 64, 1, 64, 4)]
-    for kind, save_argmax, normalize in (("argmax", True, False), ("normalize", False, True)):
-        variants += [(kind, save_argmax, normalize, 128, 1, 32, 6),
-                     (kind, save_argmax, normalize, 32, 4, 32, 6),
-                     (kind, save_argmax, normalize, 128, 1, 64, 4)]
-    for kind, save_argmax, normalize, lq_tile, qpb, block_n, stages in variants:
-        label = f"{kind}, rows {lq_tile}x{qpb}, {block_n}-token tiles, {stages} stages"
+    variants = []  # (kind, argmax, normalize, query tile rows, queries a block, tile, stages, warps)
+    for kind, save_argmax, normalize in (("scores", False, False), ("argmax", True, False),
+                                         ("normalize", False, True)):
+        for lq_tile, qpb in ((128, 1), (32, 4)):
+            for block_n, stages, warps in ((64, 4, 4), (32, 6, 4), (64, 4, 8), (32, 6, 8)):
+                variants.append((kind, save_argmax, normalize, lq_tile, qpb, block_n, stages, warps))
+    variants.append(("scores", False, False, 64, 1, 64, 4, 4))
+    for kind, save_argmax, normalize, lq_tile, qpb, block_n, stages, warps in variants:
+        label = f"{kind}, rows {lq_tile}x{qpb}, {block_n}-token tiles, {stages} stages, {warps} warps"
         try:
             compiled = compile_forward(lq_tile, qpb, block_n, stages, save_argmax=save_argmax,
-                                       normalize=normalize)
+                                       normalize=normalize, warps=warps)
             print(f"  {label}: {report(compiled)}", flush=True)
         except Exception as exc:  # noqa: BLE001 (a release whose Gluon cannot build it: say so)
             print(f"  {label}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)

@@ -827,7 +827,7 @@ def hopper_forward() -> None:
         ("train_colbert's shape, no_grad", rand(128, 32, 128), rand(128, 300, 128)),
         ("d = 64: 64 x 32 against 512 x 300", rand(64, 32, 64), rand(512, 300, 64)),
     )
-    saved = _launch._HOPPER_STAGES, _launch.HOPPER_KERNEL
+    saved = _launch._HOPPER_TILES, _launch.HOPPER_KERNEL
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     for name, Q, D in shapes:
         Nq, Lq, dim = Q.shape
@@ -849,7 +849,7 @@ def hopper_forward() -> None:
             _launch.HOPPER_KERNEL = saved[1]
         row = f"-- {name}: Triton {triton_ms:.4f} ms"
         for stages in (4, 3):
-            _launch._HOPPER_STAGES = stages
+            _launch._HOPPER_TILES = (64, stages, 4)
             scores = torch.full_like(want, float("nan"))
             try:
                 _launch.launch_fwd_hopper(cfg, Q, D, scores)
@@ -859,7 +859,7 @@ def hopper_forward() -> None:
                 row += f" | Gluon {stages} stages: {type(exc).__name__}: {str(exc)[:200]}"
                 continue
             finally:
-                _launch._HOPPER_STAGES = saved[0]
+                _launch._HOPPER_TILES = saved[0]
             row += f" | Gluon {stages} stages {ms:.4f} ms ({err:.0e} from Triton's)"
             row += "" if err < 1e-5 else " PARITY FAILED"
         got = library()
@@ -881,7 +881,7 @@ def hopper_host() -> None:
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     cfg = fwd_config(Lq=128, dim=128, Nq=1, per_query_docs=False, elem_bytes=2, n_cols=1000,
                      sm_count=sm_count)
-    layouts = _launch.hopper_layouts(Q.dtype, 128, _launch._HOPPER_BLOCK_N, 128)
+    layouts = _launch.hopper_layouts(Q.dtype, 128, _launch._HOPPER_TILES[0], 128)
     flat = D.view(-1, 128)
 
     def library():
@@ -902,7 +902,7 @@ def hopper_host() -> None:
         ("_launch.maxsim_fwd, Triton", lambda: _launch._launch_fwd(
             cfg, Q, D, None, None, None, None, scores, scores, False, "tf32", False, 0.0)),
         ("TensorDescriptor(...) alone", lambda: TensorDescriptor(
-            flat, list(flat.shape), list(flat.stride()), [_launch._HOPPER_BLOCK_N, 128], layouts[1])),
+            flat, list(flat.shape), list(flat.stride()), [_launch._HOPPER_TILES[0], 128], layouts[1])),
         ("hopper_forward_applies alone", lambda: _launch.hopper_forward_applies(cfg, Q, D)),
     )
     for label, fn in rows:
@@ -923,13 +923,18 @@ def _argmax_mismatches(Q, D, got, want) -> str:
 
 
 def hopper_variants() -> None:
-    """The Gluon forward's argmax and normalize variants (benchmarks/NOTES.md section 31) against
-    the Triton forward of the same call: scores (and the argmax) compared, GPU ms of each under
-    several document tiles, what ``maxsim`` runs, and the training steps with each forward."""
+    """The Gluon forward and its argmax and normalize variants (benchmarks/NOTES.md section 31)
+    against the Triton forward of the same call: scores (and the argmax) compared, GPU ms of each
+    under several document tiles, stages and warps, what ``maxsim`` runs, and the training steps
+    with each forward."""
     def rand(*shape):
         return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
 
     shapes = (
+        ("batch_colbert", False, False, rand(256, 32, 128), rand(256, 300, 128)),
+        ("rerank_colpali", False, False, rand(1, 128, 128), rand(1000, 1024, 128)),
+        ("longquery", False, False, rand(4, 2048, 128), rand(64, 1024, 128)),
+        ("train_colpali's shape, scores", False, False, rand(128, 128, 128), rand(128, 1024, 128)),
         ("train_colpali, scores and argmax", True, False, rand(128, 128, 128), rand(128, 1024, 128)),
         ("train_colbert, scores and argmax", True, False, rand(128, 32, 128), rand(128, 300, 128)),
         ("256 x 256 ColPali, scores and argmax", True, False, rand(256, 128, 128),
@@ -939,8 +944,8 @@ def hopper_variants() -> None:
         ("batch_colbert, normalize", False, True, rand(256, 32, 128), rand(256, 300, 128)),
         ("longquery, normalize", False, True, rand(4, 2048, 128), rand(64, 1024, 128)),
     )
-    saved = (_launch._HOPPER_ARGMAX_BLOCK_N, _launch._HOPPER_ARGMAX_STAGES,
-             _launch._HOPPER_NORM_BLOCK_N, _launch._HOPPER_NORM_STAGES, _launch.HOPPER_KERNEL)
+    saved = (_launch._HOPPER_TILES, _launch._HOPPER_ARGMAX_TILES, _launch._HOPPER_NORM_TILES,
+             _launch.HOPPER_KERNEL)
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     for name, save_argmax, normalize, Q, D in shapes:
         Nq, Lq, dim = Q.shape
@@ -959,29 +964,26 @@ def hopper_variants() -> None:
             want, want_arg = forward()
             triton_ms = bench(forward)
         finally:
-            _launch.HOPPER_KERNEL = saved[4]
+            _launch.HOPPER_KERNEL = saved[3]
         step_docs = max(1, (1 << 30) // (Nq * Lq * D.shape[1]))  # float64 grids of 8 GiB at most
         ref = torch.cat([maxsim_ref(Q.double(), D[j:j + step_docs].double(), normalize=normalize)
                          for j in range(0, D.shape[0], step_docs)], dim=1)
         row = f"-- {name}: Triton {triton_ms:.4f} ms ({relative_error(want, ref):.0e} from float64)"
-        for block_n, stages in ((32, 6), (64, 4), (32, 4)):
+        for tiles in ((64, 4, 4), (32, 6, 4), (64, 4, 8), (32, 6, 8), (64, 3, 8)):
+            block_n, stages, warps = tiles
             scores = torch.full_like(want, float("nan"))
             arg = torch.full_like(want_arg, -7) if save_argmax else None
-            if save_argmax:
-                _launch._HOPPER_ARGMAX_BLOCK_N, _launch._HOPPER_ARGMAX_STAGES = block_n, stages
-            else:
-                _launch._HOPPER_NORM_BLOCK_N, _launch._HOPPER_NORM_STAGES = block_n, stages
+            _launch._HOPPER_TILES = _launch._HOPPER_ARGMAX_TILES = _launch._HOPPER_NORM_TILES = tiles
             try:
                 _launch.launch_fwd_hopper(cfg, Q, D, scores, arg, normalize)
                 err = relative_error(scores, want)
                 ms = bench(lambda: _launch.launch_fwd_hopper(cfg, Q, D, scores, arg, normalize))
             except Exception as exc:  # noqa: BLE001
-                row += f"\n   Gluon {block_n}/{stages}: {type(exc).__name__}: {str(exc)[:300]}"
+                row += f"\n   Gluon {tiles}: {type(exc).__name__}: {str(exc)[:300]}"
                 continue
             finally:
-                (_launch._HOPPER_ARGMAX_BLOCK_N, _launch._HOPPER_ARGMAX_STAGES,
-                 _launch._HOPPER_NORM_BLOCK_N, _launch._HOPPER_NORM_STAGES) = saved[:4]
-            row += (f"\n   Gluon {block_n}-token tiles, {stages} stages: {ms:.4f} ms, scores {err:.0e} "
+                _launch._HOPPER_TILES, _launch._HOPPER_ARGMAX_TILES, _launch._HOPPER_NORM_TILES = saved[:3]
+            row += (f"\n   Gluon {block_n}-token tiles, {stages} stages, {warps} warps: {ms:.4f} ms, scores {err:.0e} "
                     f"from Triton's")
             row += "" if err < 1e-5 else " PARITY FAILED"
             if save_argmax:
@@ -1001,7 +1003,7 @@ def hopper_variants() -> None:
                 try:
                     row += f"\n   training step, {'Gluon' if on else 'Triton'} forward {bench(step):.4f} ms"
                 finally:
-                    _launch.HOPPER_KERNEL = saved[4]
+                    _launch.HOPPER_KERNEL = saved[3]
         print(row, flush=True)
 
 

@@ -152,6 +152,7 @@ if AVAILABLE:
         Q_SMEM_LAYOUT: gl.constexpr,
         MMA_LAYOUT: gl.constexpr,
         Q_LOAD_LAYOUT: gl.constexpr,
+        TILE_LOAD_LAYOUT: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         BLOCK_M: gl.constexpr = LQ_TILE * QUERIES_PER_BLOCK
@@ -220,13 +221,13 @@ if AVAILABLE:
                 acc_a = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
                 run_max, run_arg = _complete(acc_a, run_max, run_arg, d_desc, bars, d_smem, doc_row,
                                              done, t - 1, n_tiles, Ld, o_c, NORMALIZE, SAVE_ARGMAX,
-                                             q_load, False)
+                                             TILE_LOAD_LAYOUT, False)
                 acc_a = _issue(q_smem, d_smem, bars, run_max if SAVE_ARGMAX else acc_a,
                                done + t + 1)
                 acc_b = warpgroup_mma_wait(num_outstanding=1, deps=(acc_b,))
                 run_max, run_arg = _complete(acc_b, run_max, run_arg, d_desc, bars, d_smem, doc_row,
                                              done, t, n_tiles, Ld, o_c, NORMALIZE, SAVE_ARGMAX,
-                                             q_load, False)
+                                             TILE_LOAD_LAYOUT, False)
                 t += 2
             # The last tile may run past the document: its columns from Ld on are masked.
             if t < n_tiles:
@@ -234,13 +235,13 @@ if AVAILABLE:
                 before_last = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
                 run_max, run_arg = _complete(before_last, run_max, run_arg, d_desc, bars, d_smem,
                                              doc_row, done, t - 1, n_tiles, Ld, o_c, NORMALIZE,
-                                             SAVE_ARGMAX, q_load, False)
+                                             SAVE_ARGMAX, TILE_LOAD_LAYOUT, False)
                 last = warpgroup_mma_wait(num_outstanding=0, deps=(pending,))
             else:
                 last = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a,))
             run_max, run_arg = _complete(last, run_max, run_arg, d_desc, bars, d_smem, doc_row,
                                          done, n_tiles - 1, n_tiles, Ld, o_c, NORMALIZE,
-                                         SAVE_ARGMAX, q_load, True)
+                                         SAVE_ARGMAX, TILE_LOAD_LAYOUT, True)
             done += n_tiles
 
             row_max = gl.reduce(run_max, 1, _max_nan)

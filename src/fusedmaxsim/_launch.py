@@ -379,20 +379,22 @@ def _launch_fwd(
 # the Triton kernel's (the TMA descriptor is encoded on every launch) and saves 5-17% of the GPU
 # time, so it pays from ~0.2 ms of GPU time on: at rerank_colpali's 2^34 multiply-adds (0.085
 # ms) it saved 7 µs, less than it cost a single call.
-_HOPPER_BLOCK_N, _HOPPER_STAGES = 64, 4
+_HOPPER_TILES = (64, 4, 4)  # document tile, stages, warps
 # The argmax forward carries a third [BLOCK_M, BLOCK_N] tile (the running argmax): 32-token tiles
 # keep it in registers, more stages keep the same bytes in flight.
-_HOPPER_ARGMAX_BLOCK_N, _HOPPER_ARGMAX_STAGES = 32, 6
-_HOPPER_NORM_BLOCK_N, _HOPPER_NORM_STAGES = 32, 6
+_HOPPER_ARGMAX_TILES = (32, 6, 4)
+_HOPPER_NORM_TILES = (32, 6, 4)
 
 
-def hopper_tiles(save_argmax: bool, normalize: bool) -> tuple[int, int]:
-    """(document tile, stages) of the Gluon forward's variant."""
+def hopper_tiles(save_argmax: bool, normalize: bool) -> tuple[int, int, int]:
+    """(document tile, stages, warps) of the Gluon forward's variant."""
     if save_argmax:
-        return _HOPPER_ARGMAX_BLOCK_N, _HOPPER_ARGMAX_STAGES
+        return _HOPPER_ARGMAX_TILES
     if normalize:
-        return _HOPPER_NORM_BLOCK_N, _HOPPER_NORM_STAGES
-    return _HOPPER_BLOCK_N, _HOPPER_STAGES
+        return _HOPPER_NORM_TILES
+    return _HOPPER_TILES
+
+
 # d = 64 ran slower than the Triton kernel (0.133 against 0.117 ms at 64 x 32 against 512 x 300);
 # the kernel itself takes 64 (tested), the dispatch does not.
 _HOPPER_DIMS = (128,)
@@ -435,7 +437,8 @@ def hopper_layouts(
     torch_dtype: torch.dtype, block_m: int, block_n: int, block_k: int, warps: int = 4
 ):
     """(query tile in shared memory, document tile in shared memory, the products' registers,
-    the query chunk's load): the Gluon forward's layouts, built once per shape."""
+    the query chunk's load, a document tile's load from shared memory): the Gluon forward's
+    layouts, built once per shape. With 8 warps, two warp groups split the rows of a product."""
     from triton.experimental.gluon import language as gl
 
     dtype = gl.bfloat16 if torch_dtype == torch.bfloat16 else gl.float16
@@ -447,6 +450,8 @@ def hopper_layouts(
             version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, block_n, 16]
         ),
         gl.BlockedLayout([1, 8], [32 // k_threads, k_threads], [warps, 1], [1, 0]),
+        # A token's squares summed mostly in one thread: four threads a token.
+        gl.BlockedLayout([1, block_k // 4], [8, 4], [warps, 1], [1, 0]),
     )
 
 
@@ -466,9 +471,9 @@ def launch_fwd_hopper(
         Q = Q.contiguous()
     qpb = cfg.queries_per_block
     save_argmax = argmax is not None
-    block_n, stages = hopper_tiles(save_argmax, normalize)
-    q_layout, d_layout, mma_layout, q_load_layout = hopper_layouts(
-        Q.dtype, cfg.lq_tile * qpb, block_n, dim)
+    block_n, stages, warps = hopper_tiles(save_argmax, normalize)
+    q_layout, d_layout, mma_layout, q_load_layout, tile_load_layout = hopper_layouts(
+        Q.dtype, cfg.lq_tile * qpb, block_n, dim, warps)
     documents = D.view(Ncols * Ld, dim)
     d_desc = TensorDescriptor(documents, list(documents.shape), list(documents.stride()),
                               [block_n, dim], d_layout)
@@ -476,7 +481,8 @@ def launch_fwd_hopper(
     consts = constants(
         LQ_TILE=cfg.lq_tile, QUERIES_PER_BLOCK=qpb, BLOCK_N=block_n, BLOCK_K=dim,
         NUM_STAGES=stages, SAVE_ARGMAX=save_argmax, NORMALIZE=normalize,
-        Q_SMEM_LAYOUT=q_layout, MMA_LAYOUT=mma_layout, Q_LOAD_LAYOUT=q_load_layout, num_warps=4,
+        Q_SMEM_LAYOUT=q_layout, MMA_LAYOUT=mma_layout, Q_LOAD_LAYOUT=q_load_layout,
+        TILE_LOAD_LAYOUT=tile_load_layout, num_warps=warps,
     )
     kernel = launcher(_kernels_hopper._maxsim_fwd_overlap_kernel)
 
