@@ -25,7 +25,7 @@ from compile_report import dump  # noqa: E402
 
 from fusedmaxsim import _kernels_hopper, _launch  # noqa: E402
 
-POINTERS = {"Q": "*bf16", "Out": "*fp32", "Argmax": "*i16"}
+POINTERS = {"Q": "*bf16", "Out": "*fp32"}
 
 
 def _descriptor_type(desc) -> str:
@@ -37,7 +37,7 @@ def _descriptor_type(desc) -> str:
 
 
 def compile_forward(lq_tile: int, queries_per_block: int, block_n: int, stages: int, dim: int = 128,
-                    save_argmax: bool = False, normalize: bool = False, warps: int = 4):
+                    normalize: bool = False, warps: int = 4):
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -48,8 +48,7 @@ def compile_forward(lq_tile: int, queries_per_block: int, block_n: int, stages: 
                             d_layout)
     kernel = _kernels_hopper._maxsim_fwd_overlap_kernel
     constants = dict(LQ_TILE=lq_tile, QUERIES_PER_BLOCK=queries_per_block, BLOCK_N=block_n,
-                     BLOCK_K=dim, NUM_STAGES=stages, SAVE_ARGMAX=save_argmax,
-                     NORMALIZE=normalize, Q_SMEM_LAYOUT=q_layout,
+                     BLOCK_K=dim, NUM_STAGES=stages, NORMALIZE=normalize, Q_SMEM_LAYOUT=q_layout,
                      MMA_LAYOUT=mma_layout, Q_LOAD_LAYOUT=q_load_layout,
                      TILE_LOAD_LAYOUT=tile_load_layout)
     signature, attrs = {}, {}
@@ -83,18 +82,18 @@ def report(compiled) -> str:
 
 def main() -> None:
     print(f"triton {triton.__version__}, Gluon available: {_kernels_hopper.AVAILABLE}")
-    variants = []  # (kind, argmax, normalize, query tile rows, queries a block, tile, stages, warps)
-    for kind, save_argmax, normalize in (("scores", False, False), ("argmax", True, False),
-                                         ("normalize", False, True)):
+    variants = []  # (normalize, query tile rows, queries a block, document tile, stages, warps)
+    for normalize in (False, True):
         for lq_tile, qpb in ((128, 1), (32, 4)):
-            for block_n, stages, warps in ((64, 4, 4), (32, 6, 4), (64, 4, 8), (32, 6, 8)):
-                variants.append((kind, save_argmax, normalize, lq_tile, qpb, block_n, stages, warps))
-    variants.append(("scores", False, False, 64, 1, 64, 4, 4))
-    for kind, save_argmax, normalize, lq_tile, qpb, block_n, stages, warps in variants:
-        label = f"{kind}, rows {lq_tile}x{qpb}, {block_n}-token tiles, {stages} stages, {warps} warps"
+            for block_n, stages, warps in ((64, 4, 4), (32, 6, 4), (64, 4, 8)):
+                variants.append((normalize, lq_tile, qpb, block_n, stages, warps))
+    variants.append((False, 64, 1, 64, 4, 4))
+    for normalize, lq_tile, qpb, block_n, stages, warps in variants:
+        label = (f"{'normalize' if normalize else 'scores'}, rows {lq_tile}x{qpb}, "
+                 f"{block_n}-token tiles, {stages} stages, {warps} warps")
         try:
-            compiled = compile_forward(lq_tile, qpb, block_n, stages, save_argmax=save_argmax,
-                                       normalize=normalize, warps=warps)
+            compiled = compile_forward(lq_tile, qpb, block_n, stages, normalize=normalize,
+                                       warps=warps)
             print(f"  {label}: {report(compiled)}", flush=True)
         except Exception as exc:  # noqa: BLE001 (a release whose Gluon cannot build it: say so)
             print(f"  {label}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)

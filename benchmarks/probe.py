@@ -909,101 +909,65 @@ def hopper_host() -> None:
         print(f"  {label:32s} issue {wall_us(fn, 400, issue_only=True):7.1f} us", flush=True)
 
 
-def _argmax_mismatches(Q, D, got, want) -> str:
-    """How many saved argmax entries differ from the Triton kernel's, and the largest gap between
-    the two winners' fp32 similarities (0 where the two are tied)."""
-    differ = (got.long() != want.long()).nonzero()
-    if differ.numel() == 0:
-        return "argmax equal"
-    i, j, s = differ.unbind(1)
-    q = Q[i, s].float()
-    gap = ((q * D[j, got[i, j, s].long()].float()).sum(-1)
-           - (q * D[j, want[i, j, s].long()].float()).sum(-1)).abs().max().item()
-    return f"argmax {differ.shape[0]} of {got.numel()} differ (winners {gap:.1e} apart)"
-
-
 def hopper_variants() -> None:
-    """The Gluon forward and its argmax and normalize variants (benchmarks/NOTES.md section 31)
-    against the Triton forward of the same call: scores (and the argmax) compared, GPU ms of each
-    under several document tiles, stages and warps, what ``maxsim`` runs, and the training steps
-    with each forward."""
+    """The Gluon forward, plain and normalizing (benchmarks/NOTES.md section 31), against the
+    Triton forward of the same call: scores compared, GPU ms of each under several document
+    tiles, stages and warps, and what ``maxsim_fwd`` runs. (Record ``2026-12-01_6a7deb9`` has
+    the argmax variant too, since dropped.)"""
     def rand(*shape):
         return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
 
     shapes = (
-        ("batch_colbert", False, False, rand(256, 32, 128), rand(256, 300, 128)),
-        ("rerank_colpali", False, False, rand(1, 128, 128), rand(1000, 1024, 128)),
-        ("longquery", False, False, rand(4, 2048, 128), rand(64, 1024, 128)),
-        ("train_colpali's shape, scores", False, False, rand(128, 128, 128), rand(128, 1024, 128)),
-        ("train_colpali, scores and argmax", True, False, rand(128, 128, 128), rand(128, 1024, 128)),
-        ("train_colbert, scores and argmax", True, False, rand(128, 32, 128), rand(128, 300, 128)),
-        ("256 x 256 ColPali, scores and argmax", True, False, rand(256, 128, 128),
-         rand(256, 1024, 128)),
-        ("rerank_colpali_norm", False, True, rand(1, 128, 128), rand(1000, 1024, 128)),
-        ("rerank_colpali_1030, normalize", False, True, rand(1, 1030, 128), rand(1000, 1030, 128)),
-        ("batch_colbert, normalize", False, True, rand(256, 32, 128), rand(256, 300, 128)),
-        ("longquery, normalize", False, True, rand(4, 2048, 128), rand(64, 1024, 128)),
+        ("batch_colbert", False, rand(256, 32, 128), rand(256, 300, 128)),
+        ("rerank_colpali", False, rand(1, 128, 128), rand(1000, 1024, 128)),
+        ("longquery", False, rand(4, 2048, 128), rand(64, 1024, 128)),
+        ("train_colpali's shape, scores", False, rand(128, 128, 128), rand(128, 1024, 128)),
+        ("rerank_colpali_norm", True, rand(1, 128, 128), rand(1000, 1024, 128)),
+        ("rerank_colpali_1030, normalize", True, rand(1, 1030, 128), rand(1000, 1030, 128)),
+        ("batch_colbert, normalize", True, rand(256, 32, 128), rand(256, 300, 128)),
+        ("longquery, normalize", True, rand(4, 2048, 128), rand(64, 1024, 128)),
     )
-    saved = (_launch._HOPPER_TILES, _launch._HOPPER_ARGMAX_TILES, _launch._HOPPER_NORM_TILES,
-             _launch.HOPPER_KERNEL)
+    saved = _launch._HOPPER_TILES, _launch._HOPPER_NORM_TILES, _launch.HOPPER_KERNEL
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
-    for name, save_argmax, normalize, Q, D in shapes:
+    for name, normalize, Q, D in shapes:
         Nq, Lq, dim = Q.shape
 
         def forward():
-            return _launch.maxsim_fwd(Q, D, None, None, None, None, save_argmax, "tf32", normalize)
+            return _launch.maxsim_fwd(Q, D, None, None, None, None, False, "tf32", normalize)[0]
 
         cfg = fwd_config(Lq=Lq, dim=dim, Nq=Nq, per_query_docs=False, elem_bytes=2,
-                         save_argmax=save_argmax, norm_from_tiles=normalize, n_cols=D.shape[0],
-                         sm_count=sm_count)
+                         norm_from_tiles=normalize, n_cols=D.shape[0], sm_count=sm_count)
         if not _launch.hopper_forward_applies(cfg, Q, D):
             print(f"-- {name}: the Gluon forward does not apply ({cfg})", flush=True)
             continue
         _launch.HOPPER_KERNEL = False
         try:
-            want, want_arg = forward()
+            want = forward()
             triton_ms = bench(forward)
         finally:
-            _launch.HOPPER_KERNEL = saved[3]
+            _launch.HOPPER_KERNEL = saved[2]
         step_docs = max(1, (1 << 30) // (Nq * Lq * D.shape[1]))  # float64 grids of 8 GiB at most
         ref = torch.cat([maxsim_ref(Q.double(), D[j:j + step_docs].double(), normalize=normalize)
                          for j in range(0, D.shape[0], step_docs)], dim=1)
         row = f"-- {name}: Triton {triton_ms:.4f} ms ({relative_error(want, ref):.0e} from float64)"
-        for tiles in ((64, 4, 4), (32, 6, 4), (64, 4, 8), (32, 6, 8), (64, 3, 8)):
+        for tiles in ((64, 4, 4), (64, 3, 4), (64, 5, 4), (32, 6, 4)):
             block_n, stages, warps = tiles
             scores = torch.full_like(want, float("nan"))
-            arg = torch.full_like(want_arg, -7) if save_argmax else None
-            _launch._HOPPER_TILES = _launch._HOPPER_ARGMAX_TILES = _launch._HOPPER_NORM_TILES = tiles
+            _launch._HOPPER_TILES = _launch._HOPPER_NORM_TILES = tiles
             try:
-                _launch.launch_fwd_hopper(cfg, Q, D, scores, arg, normalize)
+                _launch.launch_fwd_hopper(cfg, Q, D, scores, normalize)
                 err = relative_error(scores, want)
-                ms = bench(lambda: _launch.launch_fwd_hopper(cfg, Q, D, scores, arg, normalize))
+                ms = bench(lambda: _launch.launch_fwd_hopper(cfg, Q, D, scores, normalize))
             except Exception as exc:  # noqa: BLE001
                 row += f"\n   Gluon {tiles}: {type(exc).__name__}: {str(exc)[:300]}"
                 continue
             finally:
-                _launch._HOPPER_TILES, _launch._HOPPER_ARGMAX_TILES, _launch._HOPPER_NORM_TILES = saved[:3]
-            row += (f"\n   Gluon {block_n}-token tiles, {stages} stages, {warps} warps: {ms:.4f} ms, scores {err:.0e} "
-                    f"from Triton's")
+                _launch._HOPPER_TILES, _launch._HOPPER_NORM_TILES = saved[:2]
+            row += (f"\n   Gluon {block_n}-token tiles, {stages} stages, {warps} warps: {ms:.4f} ms, "
+                    f"scores {err:.0e} from Triton's")
             row += "" if err < 1e-5 else " PARITY FAILED"
-            if save_argmax:
-                row += ", " + _argmax_mismatches(Q, D, arg, want_arg)
-        got, _ = forward()
+        got = forward()
         row += f"\n   maxsim_fwd as dispatched {bench(forward):.4f} ms ({relative_error(got, want):.0e})"
-        if save_argmax:
-            q = Q.detach().requires_grad_()
-            d = D.detach().requires_grad_()
-            g = torch.randn(Nq, D.shape[0], device="cuda")
-
-            def step():
-                maxsim(q, d).backward(g)
-
-            for on in (False, True):
-                _launch.HOPPER_KERNEL = on
-                try:
-                    row += f"\n   training step, {'Gluon' if on else 'Triton'} forward {bench(step):.4f} ms"
-                finally:
-                    _launch.HOPPER_KERNEL = saved[3]
         print(row, flush=True)
 
 

@@ -3,12 +3,15 @@ previous tile's max.
 
 Math
 ----
-The inference forward of ``_kernels._maxsim_fwd_kernel`` without masks, normalization or the
-smooth max: the same products and maxima (a chunk's row sums may be added in another order, so
-scores can differ from Triton's in the last bit)::
+The inference forward of ``_kernels._maxsim_fwd_kernel`` without masks, the argmax or the
+smooth max, with or without normalization (the norms from the tiles, ``NORMALIZE``): the same
+products, norms and maxima (a chunk's row sums may be added in another order, so scores can
+differ from Triton's in the last bit)::
 
     S[i, j, s, t] = <Q[i, s], D[j, t]>            (fp32 accumulation of 16-bit inputs)
     score[i, j]   = Σ_s max_t S[i, j, s, t]
+    NORMALIZE:      Σ_s inv(Q[i, s]) · max_t S[i, j, s, t] · inv(D[j, t]),
+                    inv(x) = 1 / max(‖x‖, 1e-12) in fp32 from the 16-bit tokens
 
 Why a second kernel
 -------------------
@@ -20,7 +23,10 @@ this (section 20). Here the loop is written out: the product of tile ``t`` is is
 asynchronously, then the kernel waits only for the product of tile ``t - 1`` and folds it into
 the running max while tile ``t``'s product runs. Document tiles arrive by TMA into a ring of
 ``NUM_STAGES`` shared-memory slots, each with its mbarrier; a slot is refilled as soon as the
-product that read it is known to be complete.
+product that read it is known to be complete. With ``NORMALIZE`` the tile's inverse norms are
+read back from its slot (four threads a token), moved into the product's column layout and
+applied before the fold, all while the next product runs; a CTA barrier orders those reads
+before the slot's refill.
 
 Grid mapping
 ------------
@@ -37,9 +43,11 @@ Caveats
   to the Triton kernel.
 * Two ``[BLOCK_M, BLOCK_N]`` fp32 products live at once (the one in flight and the one being
   folded), beside the running max: ``BLOCK_N`` stays at 32-64.
-* No argmax: written like this loop, its products were serialized by ptxas (C7515: the product
-  in flight was copied at the loop's back edge) and the training forward ran 1.6x slower than
-  Triton's; section 30 of benchmarks/NOTES.md has the way around it, not yet measured.
+* No argmax: with it this loop ran slower than the Triton kernel under every tile, stage and
+  warp count measured (benchmarks/NOTES.md sections 30-31): its longer fold, not the wait for
+  the product, sets the pace.
+* One warp group (4 warps): two warp groups splitting the rows were slower in every variant
+  (section 31).
 * NaN propagates through the max as in the Triton kernel.
 """
 
@@ -81,18 +89,8 @@ if AVAILABLE:
         return 1.0 / gl.maximum(gl.sqrt(gl.sum(x * x, axis=1)), 1e-12)
 
     @gluon.jit
-    def _fold(s, run_max, run_arg, cols, SAVE_ARGMAX: gl.constexpr):
-        """One tile's similarities into the per-(row, slot) running max; strict '>' keeps the
-        earliest tile per slot, so the lowest token index wins ties (as the Triton kernel)."""
-        if SAVE_ARGMAX:
-            run_arg = gl.where(s > run_max, gl.expand_dims(cols, 0), run_arg)
-        run_max = _max_nan(run_max, s)
-        return run_max, run_arg
-
-    @gluon.jit
-    def _complete(acc, run_max, run_arg, d_desc, bars, d_smem, doc_row, done, t, n_tiles, Ld,
-                  o_c, NORMALIZE: gl.constexpr, SAVE_ARGMAX: gl.constexpr,
-                  TILE_LOAD_LAYOUT: gl.constexpr, MASK_TAIL: gl.constexpr):
+    def _complete(acc, run_max, d_desc, bars, d_smem, doc_row, done, t, n_tiles, Ld, o_c,
+                  NORMALIZE: gl.constexpr, TILE_LOAD_LAYOUT: gl.constexpr, MASK_TAIL: gl.constexpr):
         """Tile ``t``'s product has completed: (with ``NORMALIZE``) scale its columns by the
         tile's inverse norms, read from its slot before the slot is refilled; refill the slot;
         fold the tile into the running max (columns from ``Ld`` on masked where ``MASK_TAIL``)."""
@@ -107,10 +105,9 @@ if AVAILABLE:
         refill = t + NUM_STAGES
         _load_tile(d_desc, bars, d_smem, doc_row + refill * BLOCK_N, (done + t) % NUM_STAGES,
                    refill < n_tiles)
-        cols = t * BLOCK_N + o_c
         if MASK_TAIL:
-            acc = gl.where(gl.expand_dims(cols < Ld, 0), acc, float("-inf"))
-        return _fold(acc, run_max, run_arg, cols, SAVE_ARGMAX)
+            acc = gl.where(gl.expand_dims(t * BLOCK_N + o_c < Ld, 0), acc, float("-inf"))
+        return _max_nan(run_max, acc)
 
     @gluon.jit
     def _issue(q_smem, d_smem, bars, acc, tile):
@@ -133,7 +130,6 @@ if AVAILABLE:
         Q,
         d_desc,
         Out,
-        Argmax,
         Nq,
         Ncols,
         Lq,
@@ -147,7 +143,6 @@ if AVAILABLE:
         BLOCK_N: gl.constexpr,
         BLOCK_K: gl.constexpr,
         NUM_STAGES: gl.constexpr,
-        SAVE_ARGMAX: gl.constexpr,
         NORMALIZE: gl.constexpr,
         Q_SMEM_LAYOUT: gl.constexpr,
         MMA_LAYOUT: gl.constexpr,
@@ -200,64 +195,45 @@ if AVAILABLE:
             for s in gl.static_range(NUM_STAGES):
                 _load_tile(d_desc, bars, d_smem, doc_row + s * BLOCK_N, (done + s) % NUM_STAGES, s < n_tiles)
 
-            # The element-wise running max (and argmax) over the tiles, reduced over its columns
-            # once per chunk.
+            # The element-wise running max over the tiles, reduced over its columns once per chunk.
             run_max = gl.full([BLOCK_M, BLOCK_N], float("-inf"), gl.float32, mma)
-            run_arg = gl.full([BLOCK_M, BLOCK_N], -1, gl.int32, mma) if SAVE_ARGMAX else 0
             # Two products alternate in fixed registers, `acc_a` and `acc_b`: one in flight while
             # the other is folded. (A loop that copied the product in flight from one variable to
             # the other would read its registers before the wait, and ptxas then serializes every
-            # product: C7514.) The accumulator operand of `_issue` is ignored; it is the previous
-            # product, so that each product writes over the registers it replaces. With the
-            # argmax it is the running max instead: the argmax's fold of a waited product is long
-            # enough that LLVM schedules part of it after the next issue, which then has to copy
-            # the product in flight at the loop's back edge and ptxas serializes every product
-            # (C7515); naming the running max makes the issue wait for the fold.
+            # product: C7514.) The previous value is the accumulator operand, ignored
+            # (`use_acc=False`), so that each product writes over the registers it replaces.
             acc_a = _issue(q_smem, d_smem, bars, zero, done)
             acc_b = zero
             t = 1
             for _ in range(0, (n_tiles - 1) // 2):
-                acc_b = _issue(q_smem, d_smem, bars, run_max if SAVE_ARGMAX else acc_b, done + t)
+                acc_b = _issue(q_smem, d_smem, bars, acc_b, done + t)
                 acc_a = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
-                run_max, run_arg = _complete(acc_a, run_max, run_arg, d_desc, bars, d_smem, doc_row,
-                                             done, t - 1, n_tiles, Ld, o_c, NORMALIZE, SAVE_ARGMAX,
-                                             TILE_LOAD_LAYOUT, False)
-                acc_a = _issue(q_smem, d_smem, bars, run_max if SAVE_ARGMAX else acc_a,
-                               done + t + 1)
+                run_max = _complete(acc_a, run_max, d_desc, bars, d_smem, doc_row, done, t - 1,
+                                    n_tiles, Ld, o_c, NORMALIZE, TILE_LOAD_LAYOUT, False)
+                acc_a = _issue(q_smem, d_smem, bars, acc_a, done + t + 1)
                 acc_b = warpgroup_mma_wait(num_outstanding=1, deps=(acc_b,))
-                run_max, run_arg = _complete(acc_b, run_max, run_arg, d_desc, bars, d_smem, doc_row,
-                                             done, t, n_tiles, Ld, o_c, NORMALIZE, SAVE_ARGMAX,
-                                             TILE_LOAD_LAYOUT, False)
+                run_max = _complete(acc_b, run_max, d_desc, bars, d_smem, doc_row, done, t,
+                                    n_tiles, Ld, o_c, NORMALIZE, TILE_LOAD_LAYOUT, False)
                 t += 2
             # The last tile may run past the document: its columns from Ld on are masked.
             if t < n_tiles:
-                pending = _issue(q_smem, d_smem, bars, run_max if SAVE_ARGMAX else acc_b, done + t)
+                pending = _issue(q_smem, d_smem, bars, acc_b, done + t)
                 before_last = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
-                run_max, run_arg = _complete(before_last, run_max, run_arg, d_desc, bars, d_smem,
-                                             doc_row, done, t - 1, n_tiles, Ld, o_c, NORMALIZE,
-                                             SAVE_ARGMAX, TILE_LOAD_LAYOUT, False)
+                run_max = _complete(before_last, run_max, d_desc, bars, d_smem, doc_row, done,
+                                    t - 1, n_tiles, Ld, o_c, NORMALIZE, TILE_LOAD_LAYOUT, False)
                 last = warpgroup_mma_wait(num_outstanding=0, deps=(pending,))
             else:
                 last = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a,))
-            run_max, run_arg = _complete(last, run_max, run_arg, d_desc, bars, d_smem, doc_row,
-                                         done, n_tiles - 1, n_tiles, Ld, o_c, NORMALIZE,
-                                         SAVE_ARGMAX, TILE_LOAD_LAYOUT, True)
+            run_max = _complete(last, run_max, d_desc, bars, d_smem, doc_row, done, n_tiles - 1,
+                                n_tiles, Ld, o_c, NORMALIZE, TILE_LOAD_LAYOUT, True)
             done += n_tiles
 
             row_max = gl.reduce(run_max, 1, _max_nan)
             o_s = chunk + o_r % LQ_TILE
             m_row = (o_query < Nq) & (o_s < Lq)
             if NORMALIZE:
-                row_sums += gl.where(m_row, row_max * q_inv, 0.0)
-            else:
-                row_sums += gl.where(m_row, row_max, 0.0)
-            if SAVE_ARGMAX:
-                no_slot = 2147483647
-                row_arg = gl.min(gl.where(run_max == gl.expand_dims(row_max, 1), run_arg, no_slot),
-                                 axis=1)
-                row_arg = gl.where((row_arg == no_slot) | (row_max == float("-inf")), -1, row_arg)
-                gl.store(Argmax + (o_query.to(gl.int64) * Ncols + i_col) * Lq + o_s,
-                         row_arg.to(Argmax.dtype.element_ty), mask=m_row)
+                row_max = row_max * q_inv
+            row_sums += gl.where(m_row, row_max, 0.0)
 
         for s in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(bars.index(s))

@@ -374,25 +374,16 @@ def _launch_fwd(
     _launch_query_slices(launch_slice, scores, qpb, splits)
 
 
-# The Gluon forward (``_kernels_hopper``, NOTES.md section 30): its document tiles and stages, and
-# the least work (multiply-adds) for which it is taken. Its call costs the host ~26 µs more than
-# the Triton kernel's (the TMA descriptor is encoded on every launch) and saves 5-17% of the GPU
-# time, so it pays from ~0.2 ms of GPU time on: at rerank_colpali's 2^34 multiply-adds (0.085
-# ms) it saved 7 µs, less than it cost a single call.
-_HOPPER_TILES = (64, 4, 4)  # document tile, stages, warps
-# The argmax forward carries a third [BLOCK_M, BLOCK_N] tile (the running argmax): 32-token tiles
-# keep it in registers, more stages keep the same bytes in flight.
-_HOPPER_ARGMAX_TILES = (32, 6, 4)
-_HOPPER_NORM_TILES = (32, 6, 4)
-
-
-def hopper_tiles(save_argmax: bool, normalize: bool) -> tuple[int, int, int]:
-    """(document tile, stages, warps) of the Gluon forward's variant."""
-    if save_argmax:
-        return _HOPPER_ARGMAX_TILES
-    if normalize:
-        return _HOPPER_NORM_TILES
-    return _HOPPER_TILES
+# The Gluon forward (``_kernels_hopper``, NOTES.md sections 30-31): its (document tile, stages,
+# warps) for the plain and the normalizing variant, the fastest of the 32- and 64-token tiles,
+# 3 to 6 stages and 4 or 8 warps measured; and the least work (multiply-adds) for which each is
+# taken. Its call costs the host ~26 µs more than the Triton kernel's (the TMA descriptor is
+# encoded on every launch). The plain variant saves 5-17% of the GPU time, so it pays from ~0.2
+# ms of GPU time on: at rerank_colpali's 2^34 multiply-adds (0.085 ms) it saved 7 µs, less than
+# it cost a single call. The normalizing one saves 11-21% (rerank_colpali_norm, 2^34: 0.137 →
+# 0.116 ms), so it pays from about half that work.
+_HOPPER_TILES = (64, 4, 4)
+_HOPPER_NORM_TILES = (64, 4, 4)
 
 
 # d = 64 ran slower than the Triton kernel (0.133 against 0.117 ms at 64 x 32 against 512 x 300);
@@ -417,8 +408,8 @@ def _hopper_kernel_failed(exc: Exception) -> None:
 
 
 def hopper_forward_applies(cfg, Q: Tensor, D: Tensor) -> bool:
-    """Whether ``_kernels_hopper`` can run this inference forward (masks, normalization and the
-    smooth max are the caller's to exclude): an NVIDIA Hopper GPU with Gluon, the cross product
+    """Whether ``_kernels_hopper`` can run this inference forward (the argmax, masks, precomputed
+    norms and the smooth max are the caller's to exclude): an NVIDIA Hopper GPU with Gluon, the cross product
     of 16-bit inputs with ``dim`` equal to the tile's (128), 64 or 128 rows a block, documents
     contiguous and 16-byte aligned for TMA, and rows that fit its int32 coordinates."""
     if not (_kernels_hopper.AVAILABLE and _measured_tiles(Q.device)):
@@ -455,14 +446,10 @@ def hopper_layouts(
     )
 
 
-def launch_fwd_hopper(
-    cfg, Q: Tensor, D: Tensor, scores: Tensor, argmax: Tensor | None = None,
-    normalize: bool = False,
-) -> None:
-    """The forward through ``_kernels_hopper`` (the caller checked :func:`hopper_forward_applies`),
-    query chunks split over programs as in :func:`_launch_fwd`; with ``argmax`` (``[Nq, Ncols,
-    Lq]``) the training forward, with ``normalize`` cosine similarities with the norms computed
-    from the tiles."""
+def launch_fwd_hopper(cfg, Q: Tensor, D: Tensor, scores: Tensor, normalize: bool = False) -> None:
+    """The inference forward through ``_kernels_hopper`` (the caller checked
+    :func:`hopper_forward_applies`), query chunks split over programs as in :func:`_launch_fwd`;
+    with ``normalize``, of normalized tokens with their norms computed from the tiles."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     Nq, Lq, dim = Q.shape
@@ -470,8 +457,7 @@ def launch_fwd_hopper(
     if Q.stride(-1) != 1:
         Q = Q.contiguous()
     qpb = cfg.queries_per_block
-    save_argmax = argmax is not None
-    block_n, stages, warps = hopper_tiles(save_argmax, normalize)
+    block_n, stages, warps = _HOPPER_NORM_TILES if normalize else _HOPPER_TILES
     q_layout, d_layout, mma_layout, q_load_layout, tile_load_layout = hopper_layouts(
         Q.dtype, cfg.lq_tile * qpb, block_n, dim, warps)
     documents = D.view(Ncols * Ld, dim)
@@ -480,7 +466,7 @@ def launch_fwd_hopper(
     splits = chunk_splits(Lq, cfg.lq_tile, Nq, Ncols, False)
     consts = constants(
         LQ_TILE=cfg.lq_tile, QUERIES_PER_BLOCK=qpb, BLOCK_N=block_n, BLOCK_K=dim,
-        NUM_STAGES=stages, SAVE_ARGMAX=save_argmax, NORMALIZE=normalize,
+        NUM_STAGES=stages, NORMALIZE=normalize,
         Q_SMEM_LAYOUT=q_layout, MMA_LAYOUT=mma_layout, Q_LOAD_LAYOUT=q_load_layout,
         TILE_LOAD_LAYOUT=tile_load_layout, num_warps=warps,
     )
@@ -490,8 +476,8 @@ def launch_fwd_hopper(
         q = _take(Q, rows)
         kernel(
             (Ncols * splits, _cdiv(q.shape[0], qpb)),
-            (q, d_desc, out, _take(argmax, rows) if save_argmax else out, q.shape[0], Ncols, Lq,
-             Ld, splits, stride_out_split, q.stride(0), q.stride(1)),
+            (q, d_desc, out, q.shape[0], Ncols, Lq, Ld, splits, stride_out_split, q.stride(0),
+             q.stride(1)),
             consts,
         )
 
@@ -546,9 +532,10 @@ def maxsim_fwd(
         q_inv = q_inv.contiguous()
     if d_inv is not None:
         d_inv = d_inv.contiguous()
-    # The Gluon forward's variants: scores, scores and argmax, scores of normalized tokens with
-    # their norms from the tiles; none with masks, precomputed norms or the smooth max.
-    hopper_variant = not (qm is not None or dm is not None or q_inv is not None or tau)
+    # The Gluon forward's variants: scores, and scores of normalized tokens with their norms from
+    # the tiles; not the argmax, masks, precomputed norms or the smooth max.
+    hopper_variant = not (save_argmax or qm is not None or dm is not None or q_inv is not None
+                          or tau)
     if (
         HOPPER_KERNEL and hopper_variant and not _configs.is_forced()
         and Nq * Lq * Ncols * Ld * dim >= (HOPPER_NORM_MIN_MACS if norm_from_tiles
@@ -559,8 +546,7 @@ def maxsim_fwd(
         and hopper_forward_applies(cfg, Q, D)
     ):
         try:
-            launch_fwd_hopper(cfg, Q, D, scores, argmax if save_argmax else None,
-                              norm_from_tiles)
+            launch_fwd_hopper(cfg, Q, D, scores, norm_from_tiles)
             return scores, argmax
         except Exception as exc:  # noqa: BLE001 (Gluon is experimental: any failure to build)
             _hopper_kernel_failed(exc)
