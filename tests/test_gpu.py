@@ -277,6 +277,28 @@ def test_hopper_forward_matches_reference_and_triton(normalize, dtype, q_shape, 
 
 
 @hopper_only
+@pytest.mark.parametrize("normalize", [False, True], ids=["scores", "normalize"])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_hopper_forward_walks_several_chunks_in_one_program(monkeypatch, normalize, splits):
+    """A program that walks several query chunks (chunk splits capped): the ring of document tiles
+    (and, normalizing, of their norms) carries its slots and phases from one chunk into the next,
+    over the same document, with its chunks uneven (five chunks over two programs)."""
+    from fusedmaxsim import _launch
+    from fusedmaxsim._configs import fwd_config
+
+    Q = torch.randn(3, 600, 128, device="cuda", dtype=torch.bfloat16)
+    D = torch.randn(20, 333, 128, device="cuda", dtype=torch.bfloat16)
+    monkeypatch.setattr(_launch, "_SPLIT_PARTIALS_MAX_BYTES", splits * 4 * 3 * 20)
+    cfg = fwd_config(Lq=600, dim=128, Nq=3, per_query_docs=False, elem_bytes=2,
+                     norm_from_tiles=normalize)
+    assert _launch.chunk_splits(600, cfg.lq_tile, 3, 20, False) == splits
+    scores = torch.full((3, 20), float("nan"), device="cuda")
+    _launch.launch_fwd_hopper(cfg, Q, D, scores, normalize)
+    assert_close_to_reference(scores, maxsim_ref(Q.double(), D.double(), normalize=normalize),
+                              BOUNDS[torch.bfloat16][0], "scores")
+
+
+@hopper_only
 def test_hopper_forward_is_what_the_dispatch_runs_where_it_applies(monkeypatch):
     """``maxsim`` under no_grad takes the Gluon forward for unmasked 16-bit cross products with
     more programs than SMs, with or without normalization, and the Triton kernel for masks, the
