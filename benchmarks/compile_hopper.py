@@ -50,8 +50,7 @@ def compile_forward(lq_tile: int, queries_per_block: int, block_n: int, stages: 
     constants = dict(LQ_TILE=lq_tile, QUERIES_PER_BLOCK=queries_per_block, BLOCK_N=block_n,
                      BLOCK_K=dim, NUM_STAGES=stages, NORMALIZE=normalize, Q_SMEM_LAYOUT=q_layout,
                      MMA_LAYOUT=mma_layout, Q_LOAD_LAYOUT=q_load_layout,
-                     TILE_LOAD_LAYOUT=tile_load_layout,
-                     NORM_WORKER_REGS=_launch._HOPPER_NORM_WORKER_REGS)
+                     TILE_LOAD_LAYOUT=tile_load_layout)
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constants or name == "num_warps":
@@ -66,7 +65,7 @@ def compile_forward(lq_tile: int, queries_per_block: int, block_n: int, stages: 
     constants["num_warps"] = warps
     source = GluonASTSource(kernel, signature,
                             {(kernel.arg_names.index(k),): v for k, v in constants.items()}, attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, **({"maxnreg": _launch._HOPPER_NORM_MAXNREG} if normalize else {})))
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
 
 
 def report(compiled) -> str:

@@ -68,6 +68,8 @@ try:  # Gluon is experimental; without it (or on CPU) the Triton kernel serves e
 
     # The TMA load's name: `async_copy_global_to_shared` up to triton 3.6, `async_load` after.
     _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+    # The CTA barrier: `thread_barrier` up to triton 3.6, `barrier` after.
+    _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
     AVAILABLE = True
 except Exception:  # noqa: BLE001 (any import failure means: not available)
     AVAILABLE = False
@@ -87,69 +89,25 @@ if AVAILABLE:
         return 1.0 / gl.maximum(gl.sqrt(gl.sum(x * x, axis=1)), 1e-12)
 
     @gluon.jit
-    def _complete(acc, run_max, d_desc, bars, d_smem, norms, normed_bars, empty_bars, doc_row,
-                  done, t, n_tiles, Ld, o_c, NORMALIZE: gl.constexpr, MASK_TAIL: gl.constexpr):
-        """Tile ``t``'s product has completed: free its slot and fold it into the running max
-        (columns from ``Ld`` on masked where ``MASK_TAIL``). Unnormalized, the slot is refilled
-        here; with ``NORMALIZE``, the tile's inverse norms (from the norm partition) scale its
-        columns first and the slot is handed back to the loader partition."""
+    def _complete(acc, run_max, d_desc, bars, d_smem, doc_row, done, t, n_tiles, Ld, o_c,
+                  NORMALIZE: gl.constexpr, TILE_LOAD_LAYOUT: gl.constexpr, MASK_TAIL: gl.constexpr):
+        """Tile ``t``'s product has completed: (with ``NORMALIZE``) scale its columns by the
+        tile's inverse norms, read from its slot before the slot is refilled; refill the slot;
+        fold the tile into the running max (columns from ``Ld`` on masked where ``MASK_TAIL``)."""
         NUM_STAGES: gl.constexpr = d_smem.shape[0]
         BLOCK_N: gl.constexpr = d_smem.shape[1]
-        tile = done + t
-        slot = tile % NUM_STAGES
         if NORMALIZE:
-            mbarrier.wait(normed_bars.index(slot), (tile // NUM_STAGES) & 1)
-            inv = norms.index(slot).load(gl.SliceLayout(0, acc.type.layout))
-            mbarrier.arrive(empty_bars.index(slot), count=1)
+            tile = d_smem.index((done + t) % NUM_STAGES).load(TILE_LOAD_LAYOUT)
+            inv = gl.convert_layout(_inverse_norms(tile), gl.SliceLayout(0, acc.type.layout))
+            # Every warp's reads of the slot are done before its refill is issued.
+            _cta_barrier()
             acc = acc * gl.expand_dims(inv, 0)
-        else:
-            refill = t + NUM_STAGES
-            _load_tile(d_desc, bars, d_smem, doc_row + refill * BLOCK_N, slot, refill < n_tiles)
+        refill = t + NUM_STAGES
+        _load_tile(d_desc, bars, d_smem, doc_row + refill * BLOCK_N, (done + t) % NUM_STAGES,
+                   refill < n_tiles)
         if MASK_TAIL:
             acc = gl.where(gl.expand_dims(t * BLOCK_N + o_c < Ld, 0), acc, float("-inf"))
         return _max_nan(run_max, acc)
-
-    @gluon.jit
-    def _program_tiles(Lq, Ld, n_splits, LQ_TILE: gl.constexpr, BLOCK_N: gl.constexpr):
-        """(the program's document row, its document's tiles, the tiles it walks over all its
-        query chunks): what the loader and norm partitions iterate over."""
-        i_col = gl.program_id(0) // n_splits
-        i_split = gl.program_id(0) % n_splits
-        n_tiles = gl.cdiv(Ld, BLOCK_N)
-        n_chunks = gl.cdiv(Lq - i_split * LQ_TILE, n_splits * LQ_TILE)
-        return i_col * Ld, n_tiles, n_chunks * n_tiles
-
-    @gluon.jit
-    def _tile_loader(d_desc, d_smem, ready_bars, empty_bars, Lq, Ld, n_splits,
-                     LQ_TILE: gl.constexpr):
-        """Loader partition (one warp): every document tile of the program, chunk after chunk,
-        into the ring as soon as its slot is handed back."""
-        NUM_STAGES: gl.constexpr = d_smem.shape[0]
-        BLOCK_N: gl.constexpr = d_smem.shape[1]
-        doc_row, n_tiles, total = _program_tiles(Lq, Ld, n_splits, LQ_TILE, BLOCK_N)
-        for tile in range(total):
-            slot = tile % NUM_STAGES
-            # A new mbarrier counts as having completed the phase before its first: the first
-            # round of slots is free.
-            mbarrier.wait(empty_bars.index(slot), ((tile // NUM_STAGES) & 1) ^ 1)
-            _load_tile(d_desc, ready_bars, d_smem, doc_row + (tile % n_tiles) * BLOCK_N, slot, True)
-
-    @gluon.jit
-    def _norm_worker(d_smem, norms, ready_bars, normed_bars, Lq, Ld, n_splits,
-                     LQ_TILE: gl.constexpr, TILE_LOAD_LAYOUT: gl.constexpr):
-        """Norm partition (four warps): each tile's inverse norms, read back from its slot once it
-        has landed (four threads a token), into the ring of norms beside it."""
-        NUM_STAGES: gl.constexpr = d_smem.shape[0]
-        BLOCK_N: gl.constexpr = d_smem.shape[1]
-        doc_row, n_tiles, total = _program_tiles(Lq, Ld, n_splits, LQ_TILE, BLOCK_N)
-        for tile in range(total):
-            slot = tile % NUM_STAGES
-            mbarrier.wait(ready_bars.index(slot), (tile // NUM_STAGES) & 1)
-            inv = _inverse_norms(d_smem.index(slot).load(TILE_LOAD_LAYOUT))
-            # The slot's reads before the loader's next TMA write into it (another proxy).
-            fence_async_shared()
-            norms.index(slot).store(inv)
-            mbarrier.arrive(normed_bars.index(slot), count=1)
 
     @gluon.jit
     def _issue(q_smem, d_smem, bars, acc, tile):
@@ -166,103 +124,6 @@ if AVAILABLE:
     def _load_tile(d_desc, bars, d_smem, row, slot, pred):
         mbarrier.expect(bars.index(slot), d_desc.block_type.nbytes, pred=pred)
         _tma_load(d_desc, [row, 0], bars.index(slot), d_smem.index(slot), pred=pred)
-
-    @gluon.jit
-    def _consumer(Q, Out, d_desc, q_smem, d_smem, bars, norms, normed_bars, empty_bars, Nq, Ncols,
-                  Lq, Ld, n_splits, stride_out_split, stride_q_seq, stride_q_tok,
-                  LQ_TILE: gl.constexpr, QUERIES_PER_BLOCK: gl.constexpr, NORMALIZE: gl.constexpr,
-                  MMA_LAYOUT: gl.constexpr, Q_LOAD_LAYOUT: gl.constexpr):
-        """The products and the running max (the whole program unnormalized; the default
-        partition with ``NORMALIZE``), and the program's scores."""
-        NUM_STAGES: gl.constexpr = d_smem.shape[0]
-        BLOCK_N: gl.constexpr = d_smem.shape[1]
-        BLOCK_K: gl.constexpr = d_smem.shape[2]
-        BLOCK_M: gl.constexpr = LQ_TILE * QUERIES_PER_BLOCK
-        mma: gl.constexpr = MMA_LAYOUT
-        q_load: gl.constexpr = Q_LOAD_LAYOUT
-        rows_of: gl.constexpr = gl.SliceLayout(1, mma)
-        cols_of: gl.constexpr = gl.SliceLayout(0, mma)
-
-        i_col = gl.program_id(0) // n_splits
-        i_split = gl.program_id(0) % n_splits
-        i_blk = gl.program_id(1)
-        doc_row = i_col * Ld
-        n_tiles = gl.cdiv(Ld, BLOCK_N)
-
-        o_r = gl.arange(0, BLOCK_M, layout=rows_of)
-        o_query = i_blk * QUERIES_PER_BLOCK + o_r // LQ_TILE
-        o_c = gl.arange(0, BLOCK_N, layout=cols_of)
-        lq_r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_load))
-        lq_query = i_blk * QUERIES_PER_BLOCK + lq_r // LQ_TILE
-        lq_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, q_load))
-        zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
-        row_sums = gl.zeros([BLOCK_M], gl.float32, rows_of)
-
-        done = 0  # document tiles consumed so far: tile `done + t` uses slot (done + t) % NUM_STAGES
-        for chunk in range(i_split * LQ_TILE, Lq, n_splits * LQ_TILE):
-            # The query chunk through registers into shared memory (rows past the query or the
-            # batch as zeros); the previous chunk's products have all completed.
-            lq_s = chunk + lq_r % LQ_TILE
-            lq_valid = (lq_query < Nq) & (lq_s < Lq)
-            ptrs = Q + gl.expand_dims(lq_query.to(gl.int64) * stride_q_seq + lq_s * stride_q_tok, 1) \
-                + gl.expand_dims(lq_k, 0)
-            b_q = gl.load(ptrs, mask=gl.expand_dims(lq_valid, 1), other=0.0)
-            q_smem.store(b_q)
-            fence_async_shared()
-            if NORMALIZE:
-                q_inv = gl.convert_layout(_inverse_norms(b_q), rows_of)
-            else:
-                for s in gl.static_range(NUM_STAGES):
-                    _load_tile(d_desc, bars, d_smem, doc_row + s * BLOCK_N, (done + s) % NUM_STAGES,
-                               s < n_tiles)
-
-            # The element-wise running max over the tiles, reduced over its columns once per chunk.
-            run_max = gl.full([BLOCK_M, BLOCK_N], float("-inf"), gl.float32, mma)
-            # Two products alternate in fixed registers, `acc_a` and `acc_b`: one in flight while
-            # the other is folded. (A loop that copied the product in flight from one variable to
-            # the other would read its registers before the wait, and ptxas then serializes every
-            # product: C7514.) The previous value is the accumulator operand, ignored
-            # (`use_acc=False`), so that each product writes over the registers it replaces.
-            acc_a = _issue(q_smem, d_smem, bars, zero, done)
-            acc_b = zero
-            t = 1
-            for _ in range(0, (n_tiles - 1) // 2):
-                acc_b = _issue(q_smem, d_smem, bars, acc_b, done + t)
-                acc_a = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
-                run_max = _complete(acc_a, run_max, d_desc, bars, d_smem, norms, normed_bars,
-                                    empty_bars, doc_row, done, t - 1, n_tiles, Ld, o_c, NORMALIZE,
-                                    False)
-                acc_a = _issue(q_smem, d_smem, bars, acc_a, done + t + 1)
-                acc_b = warpgroup_mma_wait(num_outstanding=1, deps=(acc_b,))
-                run_max = _complete(acc_b, run_max, d_desc, bars, d_smem, norms, normed_bars,
-                                    empty_bars, doc_row, done, t, n_tiles, Ld, o_c, NORMALIZE, False)
-                t += 2
-            # The last tile may run past the document: its columns from Ld on are masked.
-            if t < n_tiles:
-                pending = _issue(q_smem, d_smem, bars, acc_b, done + t)
-                before_last = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
-                run_max = _complete(before_last, run_max, d_desc, bars, d_smem, norms, normed_bars,
-                                    empty_bars, doc_row, done, t - 1, n_tiles, Ld, o_c, NORMALIZE,
-                                    False)
-                last = warpgroup_mma_wait(num_outstanding=0, deps=(pending,))
-            else:
-                last = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a,))
-            run_max = _complete(last, run_max, d_desc, bars, d_smem, norms, normed_bars, empty_bars,
-                                doc_row, done, n_tiles - 1, n_tiles, Ld, o_c, NORMALIZE, True)
-            done += n_tiles
-
-            row_max = gl.reduce(run_max, 1, _max_nan)
-            o_s = chunk + o_r % LQ_TILE
-            m_row = (o_query < Nq) & (o_s < Lq)
-            if NORMALIZE:
-                row_max = row_max * q_inv
-            row_sums += gl.where(m_row, row_max, 0.0)
-
-        out = Out + i_split.to(gl.int64) * stride_out_split + i_col
-        for q in gl.static_range(QUERIES_PER_BLOCK):
-            query = i_blk * QUERIES_PER_BLOCK + q
-            total = gl.sum(gl.where(o_r // LQ_TILE == q, row_sums, 0.0), axis=0)
-            gl.store(out + query.to(gl.int64) * Ncols, total, mask=query < Nq)
 
     @gluon.jit(do_not_specialize=["Nq", "Ncols", "Lq", "Ld", "n_splits", "stride_out_split"])
     def _maxsim_fwd_overlap_kernel(
@@ -287,48 +148,97 @@ if AVAILABLE:
         MMA_LAYOUT: gl.constexpr,
         Q_LOAD_LAYOUT: gl.constexpr,
         TILE_LOAD_LAYOUT: gl.constexpr,
-        NORM_WORKER_REGS: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         BLOCK_M: gl.constexpr = LQ_TILE * QUERIES_PER_BLOCK
+        mma: gl.constexpr = MMA_LAYOUT
+        q_load: gl.constexpr = Q_LOAD_LAYOUT
+        rows_of: gl.constexpr = gl.SliceLayout(1, mma)
+        cols_of: gl.constexpr = gl.SliceLayout(0, mma)
+
+        i_col = gl.program_id(0) // n_splits
+        i_split = gl.program_id(0) % n_splits
+        i_blk = gl.program_id(1)
+        doc_row = i_col * Ld
+        n_tiles = gl.cdiv(Ld, BLOCK_N)
+
         q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [BLOCK_M, BLOCK_K], Q_SMEM_LAYOUT)
         d_smem = gl.allocate_shared_memory(d_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K],
                                            d_desc.layout)
         bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(NUM_STAGES):
             mbarrier.init(bars.index(s), count=1)
-        if NORMALIZE:
-            # Three partitions: the loader fills the ring, the norm partition computes each
-            # tile's inverse norms, the default partition runs the products and the max.
-            norms = gl.allocate_shared_memory(
-                gl.float32, [NUM_STAGES, BLOCK_N],
-                gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
-            normed_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1],
-                                                    mbarrier.MBarrierLayout())
-            empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1],
-                                                   mbarrier.MBarrierLayout())
+
+        o_r = gl.arange(0, BLOCK_M, layout=rows_of)
+        o_query = i_blk * QUERIES_PER_BLOCK + o_r // LQ_TILE
+        o_c = gl.arange(0, BLOCK_N, layout=cols_of)
+        lq_r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_load))
+        lq_query = i_blk * QUERIES_PER_BLOCK + lq_r // LQ_TILE
+        lq_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, q_load))
+        zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+        row_sums = gl.zeros([BLOCK_M], gl.float32, rows_of)
+
+        done = 0  # document tiles consumed so far: tile `done + t` uses slot (done + t) % NUM_STAGES
+        for chunk in range(i_split * LQ_TILE, Lq, n_splits * LQ_TILE):
+            # The query chunk through registers into shared memory (rows past the query or the
+            # batch as zeros); the previous chunk's products have all completed.
+            lq_s = chunk + lq_r % LQ_TILE
+            lq_valid = (lq_query < Nq) & (lq_s < Lq)
+            ptrs = Q + gl.expand_dims(lq_query.to(gl.int64) * stride_q_seq + lq_s * stride_q_tok, 1) \
+                + gl.expand_dims(lq_k, 0)
+            b_q = gl.load(ptrs, mask=gl.expand_dims(lq_valid, 1), other=0.0)
+            q_smem.store(b_q)
+            fence_async_shared()
+            if NORMALIZE:
+                q_inv = gl.convert_layout(_inverse_norms(b_q), rows_of)
+
             for s in gl.static_range(NUM_STAGES):
-                mbarrier.init(normed_bars.index(s), count=1)
-                mbarrier.init(empty_bars.index(s), count=1)
-            gl.warp_specialize(
-                [
-                    (_consumer, (Q, Out, d_desc, q_smem, d_smem, bars, norms, normed_bars,
-                                 empty_bars, Nq, Ncols, Lq, Ld, n_splits, stride_out_split,
-                                 stride_q_seq, stride_q_tok, LQ_TILE, QUERIES_PER_BLOCK, NORMALIZE,
-                                 MMA_LAYOUT, Q_LOAD_LAYOUT)),
-                    (_tile_loader, (d_desc, d_smem, bars, empty_bars, Lq, Ld, n_splits, LQ_TILE)),
-                    (_norm_worker, (d_smem, norms, bars, normed_bars, Lq, Ld, n_splits, LQ_TILE,
-                                    TILE_LOAD_LAYOUT)),
-                ],
-                [1, 4],
-                [24, NORM_WORKER_REGS],
-            )
-            for s in gl.static_range(NUM_STAGES):
-                mbarrier.invalidate(normed_bars.index(s))
-                mbarrier.invalidate(empty_bars.index(s))
-        else:
-            _consumer(Q, Out, d_desc, q_smem, d_smem, bars, bars, bars, bars, Nq, Ncols, Lq, Ld,
-                      n_splits, stride_out_split, stride_q_seq, stride_q_tok, LQ_TILE,
-                      QUERIES_PER_BLOCK, NORMALIZE, MMA_LAYOUT, Q_LOAD_LAYOUT)
+                _load_tile(d_desc, bars, d_smem, doc_row + s * BLOCK_N, (done + s) % NUM_STAGES, s < n_tiles)
+
+            # The element-wise running max over the tiles, reduced over its columns once per chunk.
+            run_max = gl.full([BLOCK_M, BLOCK_N], float("-inf"), gl.float32, mma)
+            # Two products alternate in fixed registers, `acc_a` and `acc_b`: one in flight while
+            # the other is folded. (A loop that copied the product in flight from one variable to
+            # the other would read its registers before the wait, and ptxas then serializes every
+            # product: C7514.) The previous value is the accumulator operand, ignored
+            # (`use_acc=False`), so that each product writes over the registers it replaces.
+            acc_a = _issue(q_smem, d_smem, bars, zero, done)
+            acc_b = zero
+            t = 1
+            for _ in range(0, (n_tiles - 1) // 2):
+                acc_b = _issue(q_smem, d_smem, bars, acc_b, done + t)
+                acc_a = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
+                run_max = _complete(acc_a, run_max, d_desc, bars, d_smem, doc_row, done, t - 1,
+                                    n_tiles, Ld, o_c, NORMALIZE, TILE_LOAD_LAYOUT, False)
+                acc_a = _issue(q_smem, d_smem, bars, acc_a, done + t + 1)
+                acc_b = warpgroup_mma_wait(num_outstanding=1, deps=(acc_b,))
+                run_max = _complete(acc_b, run_max, d_desc, bars, d_smem, doc_row, done, t,
+                                    n_tiles, Ld, o_c, NORMALIZE, TILE_LOAD_LAYOUT, False)
+                t += 2
+            # The last tile may run past the document: its columns from Ld on are masked.
+            if t < n_tiles:
+                pending = _issue(q_smem, d_smem, bars, acc_b, done + t)
+                before_last = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
+                run_max = _complete(before_last, run_max, d_desc, bars, d_smem, doc_row, done,
+                                    t - 1, n_tiles, Ld, o_c, NORMALIZE, TILE_LOAD_LAYOUT, False)
+                last = warpgroup_mma_wait(num_outstanding=0, deps=(pending,))
+            else:
+                last = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a,))
+            run_max = _complete(last, run_max, d_desc, bars, d_smem, doc_row, done, n_tiles - 1,
+                                n_tiles, Ld, o_c, NORMALIZE, TILE_LOAD_LAYOUT, True)
+            done += n_tiles
+
+            row_max = gl.reduce(run_max, 1, _max_nan)
+            o_s = chunk + o_r % LQ_TILE
+            m_row = (o_query < Nq) & (o_s < Lq)
+            if NORMALIZE:
+                row_max = row_max * q_inv
+            row_sums += gl.where(m_row, row_max, 0.0)
+
         for s in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(bars.index(s))
+        out = Out + i_split.to(gl.int64) * stride_out_split + i_col
+        for q in gl.static_range(QUERIES_PER_BLOCK):
+            query = i_blk * QUERIES_PER_BLOCK + q
+            total = gl.sum(gl.where(o_r // LQ_TILE == q, row_sums, 0.0), axis=0)
+            gl.store(out + query.to(gl.int64) * Ncols, total, mask=query < Nq)

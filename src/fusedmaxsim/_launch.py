@@ -384,10 +384,6 @@ def _launch_fwd(
 # 0.116 ms), so it pays from about half that work.
 _HOPPER_TILES = (64, 4, 4)
 _HOPPER_NORM_TILES = (64, 4, 4)
-# The normalizing variant adds a loader warp and a norm warp group beside the 4 warps of the
-# products (12 warps as allocated): registers a thread across the program, and the norm
-# partition's share (the products' partition takes the rest, up to 256).
-_HOPPER_NORM_MAXNREG, _HOPPER_NORM_WORKER_REGS = 168, 128
 
 
 # d = 64 ran slower than the Triton kernel (0.133 against 0.117 ms at 64 x 32 against 512 x 300);
@@ -472,8 +468,7 @@ def launch_fwd_hopper(cfg, Q: Tensor, D: Tensor, scores: Tensor, normalize: bool
         LQ_TILE=cfg.lq_tile, QUERIES_PER_BLOCK=qpb, BLOCK_N=block_n, BLOCK_K=dim,
         NUM_STAGES=stages, NORMALIZE=normalize,
         Q_SMEM_LAYOUT=q_layout, MMA_LAYOUT=mma_layout, Q_LOAD_LAYOUT=q_load_layout,
-        TILE_LOAD_LAYOUT=tile_load_layout, NORM_WORKER_REGS=_HOPPER_NORM_WORKER_REGS,
-        num_warps=warps, **({"maxnreg": _HOPPER_NORM_MAXNREG} if normalize else {}),
+        TILE_LOAD_LAYOUT=tile_load_layout, num_warps=warps,
     )
     kernel = launcher(_kernels_hopper._maxsim_fwd_overlap_kernel)
 
