@@ -827,7 +827,7 @@ def hopper_forward() -> None:
         ("train_colbert's shape, no_grad", rand(128, 32, 128), rand(128, 300, 128)),
         ("d = 64: 64 x 32 against 512 x 300", rand(64, 32, 64), rand(512, 300, 64)),
     )
-    saved = _launch._HOPPER_TILES, _launch.HOPPER_KERNEL
+    saved = _launch._HOPPER_TILES, _launch.HOPPER_KERNEL, _launch._HOPPER_PACKED_TILES
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     for name, Q, D in shapes:
         Nq, Lq, dim = Q.shape
@@ -849,7 +849,7 @@ def hopper_forward() -> None:
             _launch.HOPPER_KERNEL = saved[1]
         row = f"-- {name}: Triton {triton_ms:.4f} ms"
         for stages in (4, 3):
-            _launch._HOPPER_TILES = (64, stages, 4)
+            _launch._HOPPER_TILES = _launch._HOPPER_PACKED_TILES = (64, stages, 4)
             scores = torch.full_like(want, float("nan"))
             try:
                 _launch.launch_fwd_hopper(cfg, Q, D, scores)
@@ -859,7 +859,7 @@ def hopper_forward() -> None:
                 row += f" | Gluon {stages} stages: {type(exc).__name__}: {str(exc)[:200]}"
                 continue
             finally:
-                _launch._HOPPER_TILES = saved[0]
+                _launch._HOPPER_TILES, _launch._HOPPER_PACKED_TILES = saved[0], saved[2]
             row += f" | Gluon {stages} stages {ms:.4f} ms ({err:.0e} from Triton's)"
             row += "" if err < 1e-5 else " PARITY FAILED"
         got = library()
@@ -927,7 +927,8 @@ def hopper_variants() -> None:
         ("batch_colbert, normalize", True, rand(256, 32, 128), rand(256, 300, 128)),
         ("longquery, normalize", True, rand(4, 2048, 128), rand(64, 1024, 128)),
     )
-    saved = _launch._HOPPER_TILES, _launch._HOPPER_NORM_TILES, _launch.HOPPER_KERNEL
+    saved = (_launch._HOPPER_TILES, _launch._HOPPER_NORM_TILES, _launch.HOPPER_KERNEL,
+             _launch._HOPPER_PACKED_TILES)
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     for name, normalize, Q, D in shapes:
         Nq, Lq, dim = Q.shape
@@ -953,7 +954,7 @@ def hopper_variants() -> None:
         for tiles in ((64, 4, 4), (64, 3, 4), (64, 5, 4), (32, 6, 4)):
             block_n, stages, warps = tiles
             scores = torch.full_like(want, float("nan"))
-            _launch._HOPPER_TILES = _launch._HOPPER_NORM_TILES = tiles
+            _launch._HOPPER_TILES = _launch._HOPPER_NORM_TILES = _launch._HOPPER_PACKED_TILES = tiles
             try:
                 _launch.launch_fwd_hopper(cfg, Q, D, scores, normalize)
                 err = relative_error(scores, want)
@@ -963,6 +964,7 @@ def hopper_variants() -> None:
                 continue
             finally:
                 _launch._HOPPER_TILES, _launch._HOPPER_NORM_TILES = saved[:2]
+                _launch._HOPPER_PACKED_TILES = saved[3]
             row += (f"\n   Gluon {block_n}-token tiles, {stages} stages, {warps} warps: {ms:.4f} ms, "
                     f"scores {err:.0e} from Triton's")
             row += "" if err < 1e-5 else " PARITY FAILED"
