@@ -281,8 +281,8 @@ def test_hopper_forward_matches_reference_and_triton(normalize, dtype, q_shape, 
 @pytest.mark.parametrize("splits", [1, 2])
 def test_hopper_forward_walks_several_chunks_in_one_program(monkeypatch, normalize, splits):
     """A program that walks several query chunks (chunk splits capped): the ring of document tiles
-    (and, normalizing, of their norms) carries its slots and phases from one chunk into the next,
-    over the same document, with its chunks uneven (five chunks over two programs)."""
+    carries its slots and mbarrier phases from one chunk into the next over the same document,
+    the chunks uneven over the programs (five chunks over one or two programs)."""
     from fusedmaxsim import _launch
     from fusedmaxsim._configs import fwd_config
 
