@@ -811,6 +811,16 @@ def occupancy() -> None:
     forward_tiles(_occupancy_variants, chosen=True)
 
 
+def _on_triton(fn):
+    """``fn()``'s result and GPU ms with the Gluon forward turned off (the Triton kernel's)."""
+    saved = _launch.HOPPER_KERNEL
+    _launch.HOPPER_KERNEL = False
+    try:
+        return fn(), bench(fn)
+    finally:
+        _launch.HOPPER_KERNEL = saved
+
+
 def hopper_forward() -> None:
     """The Gluon forward (``_kernels_hopper``: each tile's product overlapping the previous
     tile's max; benchmarks/NOTES.md section 30) against the Triton forward: scores compared,
@@ -827,7 +837,7 @@ def hopper_forward() -> None:
         ("train_colbert's shape, no_grad", rand(128, 32, 128), rand(128, 300, 128)),
         ("d = 64: 64 x 32 against 512 x 300", rand(64, 32, 64), rand(512, 300, 64)),
     )
-    saved = _launch._HOPPER_TILES, _launch.HOPPER_KERNEL, _launch._HOPPER_PACKED_TILES
+    saved = _launch._HOPPER_TILES, _launch._HOPPER_PACKED_TILES
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     for name, Q, D in shapes:
         Nq, Lq, dim = Q.shape
@@ -841,12 +851,7 @@ def hopper_forward() -> None:
             with torch.no_grad():
                 return maxsim(Q, D)
 
-        _launch.HOPPER_KERNEL = False
-        try:
-            want = library()
-            triton_ms = bench(library)
-        finally:
-            _launch.HOPPER_KERNEL = saved[1]
+        want, triton_ms = _on_triton(library)
         row = f"-- {name}: Triton {triton_ms:.4f} ms"
         for stages in (4, 3):
             _launch._HOPPER_TILES = _launch._HOPPER_PACKED_TILES = (64, stages, 4)
@@ -859,7 +864,7 @@ def hopper_forward() -> None:
                 row += f" | Gluon {stages} stages: {type(exc).__name__}: {str(exc)[:200]}"
                 continue
             finally:
-                _launch._HOPPER_TILES, _launch._HOPPER_PACKED_TILES = saved[0], saved[2]
+                _launch._HOPPER_TILES, _launch._HOPPER_PACKED_TILES = saved
             row += f" | Gluon {stages} stages {ms:.4f} ms ({err:.0e} from Triton's)"
             row += "" if err < 1e-5 else " PARITY FAILED"
         got = library()
@@ -927,8 +932,7 @@ def hopper_variants() -> None:
         ("batch_colbert, normalize", True, rand(256, 32, 128), rand(256, 300, 128)),
         ("longquery, normalize", True, rand(4, 2048, 128), rand(64, 1024, 128)),
     )
-    saved = (_launch._HOPPER_TILES, _launch._HOPPER_NORM_TILES, _launch.HOPPER_KERNEL,
-             _launch._HOPPER_PACKED_TILES)
+    saved = _launch._HOPPER_TILES, _launch._HOPPER_NORM_TILES, _launch._HOPPER_PACKED_TILES
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     for name, normalize, Q, D in shapes:
         Nq, Lq, dim = Q.shape
@@ -941,12 +945,7 @@ def hopper_variants() -> None:
         if not _launch.hopper_forward_applies(cfg, Q, D):
             print(f"-- {name}: the Gluon forward does not apply ({cfg})", flush=True)
             continue
-        _launch.HOPPER_KERNEL = False
-        try:
-            want = forward()
-            triton_ms = bench(forward)
-        finally:
-            _launch.HOPPER_KERNEL = saved[2]
+        want, triton_ms = _on_triton(forward)
         step_docs = max(1, (1 << 30) // (Nq * Lq * D.shape[1]))  # float64 grids of 8 GiB at most
         ref = torch.cat([maxsim_ref(Q.double(), D[j:j + step_docs].double(), normalize=normalize)
                          for j in range(0, D.shape[0], step_docs)], dim=1)
@@ -954,7 +953,8 @@ def hopper_variants() -> None:
         for tiles in ((64, 4, 4), (64, 3, 4), (64, 5, 4), (32, 6, 4)):
             block_n, stages, warps = tiles
             scores = torch.full_like(want, float("nan"))
-            _launch._HOPPER_TILES = _launch._HOPPER_NORM_TILES = _launch._HOPPER_PACKED_TILES = tiles
+            _launch._HOPPER_TILES = _launch._HOPPER_NORM_TILES = tiles
+            _launch._HOPPER_PACKED_TILES = tiles
             try:
                 _launch.launch_fwd_hopper(cfg, Q, D, scores, normalize)
                 err = relative_error(scores, want)
@@ -963,8 +963,8 @@ def hopper_variants() -> None:
                 row += f"\n   Gluon {tiles}: {type(exc).__name__}: {str(exc)[:300]}"
                 continue
             finally:
-                _launch._HOPPER_TILES, _launch._HOPPER_NORM_TILES = saved[:2]
-                _launch._HOPPER_PACKED_TILES = saved[3]
+                (_launch._HOPPER_TILES, _launch._HOPPER_NORM_TILES,
+                 _launch._HOPPER_PACKED_TILES) = saved
             row += (f"\n   Gluon {block_n}-token tiles, {stages} stages, {warps} warps: {ms:.4f} ms, "
                     f"scores {err:.0e} from Triton's")
             row += "" if err < 1e-5 else " PARITY FAILED"
