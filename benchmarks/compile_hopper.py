@@ -41,19 +41,17 @@ def compile_forward(lq_tile: int, queries_per_block: int, block_n: int, stages: 
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    q_layout, d_layout, mma_layout, q_load_layout, tile_load_layout = _launch.hopper_layouts(
-        torch.bfloat16, lq_tile * queries_per_block, block_n, dim, warps)
+    d_layout = _launch.hopper_layouts(torch.bfloat16, lq_tile * queries_per_block, block_n, dim,
+                                      warps)[1]
     documents = torch.empty(64 * 1024, dim, dtype=torch.bfloat16)
     desc = TensorDescriptor(documents, list(documents.shape), list(documents.stride()), [block_n, dim],
                             d_layout)
     kernel = _kernels_hopper._maxsim_fwd_overlap_kernel
-    constants = dict(LQ_TILE=lq_tile, QUERIES_PER_BLOCK=queries_per_block, BLOCK_N=block_n,
-                     BLOCK_K=dim, NUM_STAGES=stages, NORMALIZE=normalize, Q_SMEM_LAYOUT=q_layout,
-                     MMA_LAYOUT=mma_layout, Q_LOAD_LAYOUT=q_load_layout,
-                     TILE_LOAD_LAYOUT=tile_load_layout)
+    constants = _launch.hopper_constexprs(torch.bfloat16, lq_tile, queries_per_block, block_n,
+                                          stages, dim, warps, normalize)
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
-        if name in constants or name == "num_warps":
+        if name in constants:
             signature[name] = "constexpr"
         elif name == "d_desc":
             signature[name] = _descriptor_type(desc)
@@ -62,7 +60,6 @@ def compile_forward(lq_tile: int, queries_per_block: int, block_n: int, stages: 
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             signature[name] = "i32"
-    constants["num_warps"] = warps
     source = GluonASTSource(kernel, signature,
                             {(kernel.arg_names.index(k),): v for k, v in constants.items()}, attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))

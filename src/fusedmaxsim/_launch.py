@@ -450,6 +450,21 @@ def hopper_layouts(
     )
 
 
+def hopper_constexprs(
+    torch_dtype: torch.dtype, lq_tile: int, queries_per_block: int, block_n: int, stages: int,
+    dim: int, warps: int, normalize: bool,
+) -> dict:
+    """The Gluon forward's constexprs and ``num_warps`` for these tiles (the launcher's and the
+    offline compile's, ``benchmarks/compile_hopper.py``)."""
+    q_layout, _, mma_layout, q_load_layout, tile_load_layout = hopper_layouts(
+        torch_dtype, lq_tile * queries_per_block, block_n, dim, warps)
+    return dict(
+        LQ_TILE=lq_tile, QUERIES_PER_BLOCK=queries_per_block, BLOCK_N=block_n, BLOCK_K=dim,
+        NUM_STAGES=stages, NORMALIZE=normalize, Q_SMEM_LAYOUT=q_layout, MMA_LAYOUT=mma_layout,
+        Q_LOAD_LAYOUT=q_load_layout, TILE_LOAD_LAYOUT=tile_load_layout, num_warps=warps,
+    )
+
+
 def launch_fwd_hopper(cfg, Q: Tensor, D: Tensor, scores: Tensor, normalize: bool = False) -> None:
     """The inference forward through ``_kernels_hopper`` (the caller checked
     :func:`hopper_forward_applies`), query chunks split over programs as in :func:`_launch_fwd`;
@@ -463,18 +478,13 @@ def launch_fwd_hopper(cfg, Q: Tensor, D: Tensor, scores: Tensor, normalize: bool
     qpb = cfg.queries_per_block
     block_n, stages, warps = (_HOPPER_NORM_TILES if normalize
                               else _HOPPER_PACKED_TILES if qpb > 1 else _HOPPER_TILES)
-    q_layout, d_layout, mma_layout, q_load_layout, tile_load_layout = hopper_layouts(
-        Q.dtype, cfg.lq_tile * qpb, block_n, dim, warps)
+    d_layout = hopper_layouts(Q.dtype, cfg.lq_tile * qpb, block_n, dim, warps)[1]
     documents = D.view(Ncols * Ld, dim)
     d_desc = TensorDescriptor(documents, list(documents.shape), list(documents.stride()),
                               [block_n, dim], d_layout)
     splits = chunk_splits(Lq, cfg.lq_tile, Nq, Ncols, False)
-    consts = constants(
-        LQ_TILE=cfg.lq_tile, QUERIES_PER_BLOCK=qpb, BLOCK_N=block_n, BLOCK_K=dim,
-        NUM_STAGES=stages, NORMALIZE=normalize,
-        Q_SMEM_LAYOUT=q_layout, MMA_LAYOUT=mma_layout, Q_LOAD_LAYOUT=q_load_layout,
-        TILE_LOAD_LAYOUT=tile_load_layout, num_warps=warps,
-    )
+    consts = constants(**hopper_constexprs(Q.dtype, cfg.lq_tile, qpb, block_n, stages, dim, warps,
+                                           normalize))
     kernel = launcher(_kernels_hopper._maxsim_fwd_overlap_kernel)
 
     def launch_slice(rows, out, stride_out_split):
