@@ -13,13 +13,14 @@ argmax and normalize variants. GPU times by ``triton.testing.do_bench``
     PYTHONPATH=src python3 benchmarks/probe.py [normalize] [kd] [smooth] [masked] [rerank] [memory] [cold]
         [small] [stages] [cold_profile] [steps] [host] [fwd_tiles] [launch] [chunks]
         [query_registers] [graph_times] [wide_rows] [winner_index] [chunk_splits] [occupancy]
-        [hopper_forward] [hopper_host] [hopper_variants]
+        [hopper_forward] [hopper_host] [hopper_variants] [short_query]
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import io
 import os
 import subprocess
 import sys
@@ -912,6 +913,132 @@ def hopper_host() -> None:
     )
     for label, fn in rows:
         print(f"  {label:32s} issue {wall_us(fn, 400, issue_only=True):7.1f} us", flush=True)
+    _hopper_host_parts(Q, D, cfg, library, triton_library)
+
+
+def _hopper_host_parts(Q, D, cfg, library, triton_library) -> None:
+    """Where the Gluon launch's host time goes (benchmarks/NOTES.md section 32): Triton's
+    expansion of the TMA descriptor alone, the launch with that expansion memoized (a probe-only
+    patch of Triton's driver module), and a cProfile of each forward's calls."""
+    import cProfile
+    import pstats
+
+    from profile_host import wall_us
+    from triton.backends.nvidia import driver as nvidia_driver
+
+    scores = torch.empty(1, D.shape[0], device="cuda")
+    kernel = _launch.launcher(_launch._kernels_hopper._maxsim_fwd_overlap_kernel)
+    _launch.launch_fwd_hopper(cfg, Q, D, scores)
+    compiled = next(iter(kernel.compiled.values()))
+    meta = getattr(compiled.metadata, "tensordesc_meta", None)
+    print(f"  tensordesc_meta: {meta}", flush=True)
+    expand = nvidia_driver.make_tensordesc_arg
+    arity = expand.__code__.co_argcount
+    captured = []
+
+    def capture(arg, *rest):
+        captured.append(arg)
+        return expand(arg, *rest)
+
+    nvidia_driver.make_tensordesc_arg = capture
+    try:
+        _launch.launch_fwd_hopper(cfg, Q, D, scores)
+    finally:
+        nvidia_driver.make_tensordesc_arg = expand
+    desc = captured[0]
+    extra = (None,) * (arity - 2)
+    print(f"  make_tensordesc_arg alone        issue "
+          f"{wall_us(lambda: expand(desc, meta[0] if meta else None, *extra), 400, issue_only=True):7.1f} us",
+          flush=True)
+    memo: dict = {}
+
+    def memoized(arg, *rest):
+        key = (arg.base.data_ptr(), tuple(arg.shape), tuple(arg.strides), tuple(arg.block_shape))
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = expand(arg, *rest)
+        return found
+
+    nvidia_driver.make_tensordesc_arg = memoized
+    try:
+        got = torch.full_like(scores, float("nan"))
+        _launch.launch_fwd_hopper(cfg, Q, D, got)
+        _launch.launch_fwd_hopper(cfg, Q, D, scores)
+        torch.cuda.synchronize()
+        print(f"  (memoized launch: scores {relative_error(got, scores):.0e} apart)")
+        for label, fn in (("launch_fwd_hopper, memoized", lambda: _launch.launch_fwd_hopper(cfg, Q, D, scores)),
+                          ("maxsim, Gluon, memoized", library)):
+            print(f"  {label:32s} issue {wall_us(fn, 400, issue_only=True):7.1f} us", flush=True)
+    finally:
+        nvidia_driver.make_tensordesc_arg = expand
+    for label, fn in (("Gluon", library), ("Triton", triton_library)):
+        profiler = cProfile.Profile()
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        profiler.enable()
+        for _ in range(2000):
+            fn()
+        profiler.disable()
+        torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(22)
+        print(f"  -- cProfile, maxsim with the {label} forward, 2000 calls", flush=True)
+        print("\n".join("    " + line for line in text.getvalue().splitlines()[6:]), flush=True)
+
+
+def short_query() -> None:
+    """rerank_colbert (one 32-token query against 1000 and 10000 documents of 300 tokens, bf16;
+    benchmarks/NOTES.md section 32): the Triton kernel as dispatched (a 32-row tile, mma.sync),
+    the same kernel with a 64-row block half empty (the Hopper warp-group product), and the
+    Gluon forward with 64- and 128-row blocks; scores against float64, GPU ms each."""
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    saved = _launch._HOPPER_PACKED_TILES
+    for n_docs in (1000, 10000):
+        Q, D = rand(1, 32, 128), rand(n_docs, 300, 128)
+        ref = maxsim_ref(Q.double(), D.double()).float()
+
+        def forward():
+            return _launch.maxsim_fwd(Q, D, None, None, None, None, False, "tf32")[0]
+
+        base = fwd_config(Lq=32, dim=128, Nq=1, per_query_docs=False, elem_bytes=2, n_cols=n_docs,
+                          sm_count=sm_count)
+        print(f"-- 1 x 32 tokens against {n_docs} x 300: as dispatched ({base}) "
+              f"{bench(forward):.4f} ms, {relative_error(forward(), ref):.0e} from float64", flush=True)
+        for qpb, block_n, warps, stages in ((2, 64, 4, 3), (2, 64, 4, 4), (2, 128, 4, 3),
+                                            (2, 64, 8, 3), (1, 64, 2, 4), (1, 128, 4, 3)):
+            cfg = FwdConfig(32, qpb, block_n, 128, warps, stages)
+            with forced_configs(fwd=cfg):
+                try:
+                    err = relative_error(forward(), ref)
+                    ms = bench(forward)
+                    print(f"   Triton {cfg.lq_tile * qpb}-row block, bn={block_n} w={warps} s={stages}: "
+                          f"{ms:.4f} ms, {err:.0e}", flush=True)
+                except Exception as exc:  # noqa: BLE001
+                    print(f"   Triton {cfg}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        for qpb in (2, 4):
+            cfg = dataclasses.replace(base, queries_per_block=qpb)
+            if not _launch.hopper_forward_applies(cfg, Q, D):
+                print(f"   Gluon {cfg}: does not apply", flush=True)
+                continue
+            for tiles in ((64, 3, 4), (64, 4, 4), (64, 6, 4), (32, 6, 4), (128, 2, 4)):
+                _launch._HOPPER_PACKED_TILES = tiles
+                try:
+                    scores = torch.full((1, n_docs), float("nan"), device="cuda")
+                    _launch.launch_fwd_hopper(cfg, Q, D, scores)
+                    err = relative_error(scores, ref)
+                    ms = bench(lambda: _launch.launch_fwd_hopper(cfg, Q, D, scores))
+                    print(f"   Gluon {32 * qpb}-row block, tiles {tiles}: {ms:.4f} ms, {err:.0e}",
+                          flush=True)
+                except Exception as exc:  # noqa: BLE001
+                    print(f"   Gluon {qpb} {tiles}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                finally:
+                    _launch._HOPPER_PACKED_TILES = saved
+        del Q, D
+        torch.cuda.empty_cache()
 
 
 def hopper_variants() -> None:
@@ -984,7 +1111,8 @@ if __name__ == "__main__":
                         ("graph_times", graph_times), ("wide_rows", wide_rows),
                         ("winner_index", winner_index), ("chunk_splits", chunk_splits_ab),
                         ("occupancy", occupancy), ("hopper_forward", hopper_forward),
-                        ("hopper_host", hopper_host), ("hopper_variants", hopper_variants)):
+                        ("hopper_host", hopper_host), ("hopper_variants", hopper_variants),
+                        ("short_query", short_query)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()

@@ -465,6 +465,13 @@ def hopper_constexprs(
     )
 
 
+@functools.lru_cache(maxsize=None)
+def _hopper_constants(*args) -> Constants:
+    """:func:`hopper_constexprs` as the launcher's :class:`Constants`, built once per tile set:
+    hashing the layouts' dataclasses again on every launch cost microseconds of host time."""
+    return constants(**hopper_constexprs(*args))
+
+
 def launch_fwd_hopper(cfg, Q: Tensor, D: Tensor, scores: Tensor, normalize: bool = False) -> None:
     """The inference forward through ``_kernels_hopper`` (the caller checked
     :func:`hopper_forward_applies`), query chunks split over programs as in :func:`_launch_fwd`;
@@ -483,8 +490,7 @@ def launch_fwd_hopper(cfg, Q: Tensor, D: Tensor, scores: Tensor, normalize: bool
     d_desc = TensorDescriptor(documents, list(documents.shape), list(documents.stride()),
                               [block_n, dim], d_layout)
     splits = chunk_splits(Lq, cfg.lq_tile, Nq, Ncols, False)
-    consts = constants(**hopper_constexprs(Q.dtype, cfg.lq_tile, qpb, block_n, stages, dim, warps,
-                                           normalize))
+    consts = _hopper_constants(Q.dtype, cfg.lq_tile, qpb, block_n, stages, dim, warps, normalize)
     kernel = launcher(_kernels_hopper._maxsim_fwd_overlap_kernel)
 
     def launch_slice(rows, out, stride_out_split):
