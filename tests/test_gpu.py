@@ -231,6 +231,7 @@ hopper_only = pytest.mark.skipif(
 @hopper_only
 @pytest.mark.parametrize("normalize", [False, True], ids=["scores", "normalize"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("docs_per_program", [1, 3], ids=["1-doc", "3-docs"])
 @pytest.mark.parametrize(
     "q_shape,d_shape",
     [
@@ -241,13 +242,18 @@ hopper_only = pytest.mark.skipif(
         pytest.param((2, 128, 64), (9, 64, 64), id="d64-one-tile"),
         pytest.param((5, 130, 128), (7, 1, 128), id="Ld1-2-row-chunk"),
         pytest.param((4, 64, 128), (11, 200, 128), id="64-rows"),
+        # one 32-token query in a 64-row block (half of it empty slots)
+        pytest.param((1, 32, 128), (50, 300, 128), id="one-short-query"),
     ],
 )
-def test_hopper_forward_matches_reference_and_triton(normalize, dtype, q_shape, d_shape):
+def test_hopper_forward_matches_reference_and_triton(
+    normalize, dtype, docs_per_program, q_shape, d_shape
+):
     """The Gluon forward (``_kernels_hopper``), plain and normalizing (a zero token among the
-    documents), on the shapes its loop treats apart: the scores of float64 within the dtype's
-    bound, Triton's to fp32 rounding, every score written (NaN-poisoned output), a NaN in a
-    document making its column NaN."""
+    documents), on the shapes its loop treats apart, one document a program and three (the ring
+    of tiles running on from one document into the next; the last program's group short): the
+    scores of float64 within the dtype's bound, Triton's to fp32 rounding, every score written
+    (NaN-poisoned output), a NaN in a document making its column NaN."""
     from fusedmaxsim import _launch
     from fusedmaxsim._configs import fwd_config
 
@@ -261,7 +267,7 @@ def test_hopper_forward_matches_reference_and_triton(normalize, dtype, q_shape, 
     # The kernel takes d = 64; the dispatch keeps it to the dims where it was measured faster.
     assert _launch.hopper_forward_applies(cfg, Q, D) == (dim in _launch._HOPPER_DIMS)
     scores = torch.full((Nq, d_shape[0]), float("nan"), device="cuda")
-    _launch.launch_fwd_hopper(cfg, Q, D, scores, normalize)
+    _launch.launch_fwd_hopper(cfg, Q, D, scores, normalize, docs_per_program)
     ref = maxsim_ref(Q.double(), D.double(), normalize=normalize)
     assert_close_to_reference(scores, ref, BOUNDS[dtype][0], "scores")
     saved = _launch.HOPPER_KERNEL
@@ -272,17 +278,21 @@ def test_hopper_forward_matches_reference_and_triton(normalize, dtype, q_shape, 
         _launch.HOPPER_KERNEL = saved
     torch.testing.assert_close(scores, want, rtol=1e-5, atol=1e-5)
     D[1, d_shape[1] // 2, 3] = float("nan")
-    _launch.launch_fwd_hopper(cfg, Q, D, scores, normalize)
-    assert scores[:, 1].isnan().all() and not scores[:, 0].isnan().any()
+    _launch.launch_fwd_hopper(cfg, Q, D, scores, normalize, docs_per_program)
+    assert scores[:, 1].isnan().all() and not scores[:, [0, 2]].isnan().any()
 
 
 @hopper_only
 @pytest.mark.parametrize("normalize", [False, True], ids=["scores", "normalize"])
 @pytest.mark.parametrize("splits", [1, 2])
-def test_hopper_forward_walks_several_chunks_in_one_program(monkeypatch, normalize, splits):
-    """A program that walks several query chunks (chunk splits capped): the ring of document tiles
-    carries its slots and mbarrier phases from one chunk into the next over the same document,
-    the chunks uneven over the programs (five chunks over one or two programs)."""
+@pytest.mark.parametrize("docs_per_program", [1, 4], ids=["1-doc", "4-docs"])
+def test_hopper_forward_walks_several_chunks_in_one_program(
+    monkeypatch, normalize, splits, docs_per_program
+):
+    """A program that walks several query chunks (chunk splits capped), over one document or
+    four: the ring of document tiles carries its slots and mbarrier phases from one chunk into
+    the next and from one document into the next, the chunks uneven over the programs (five
+    chunks over one or two programs)."""
     from fusedmaxsim import _launch
     from fusedmaxsim._configs import fwd_config
 
@@ -293,7 +303,7 @@ def test_hopper_forward_walks_several_chunks_in_one_program(monkeypatch, normali
                      norm_from_tiles=normalize)
     assert _launch.chunk_splits(600, cfg.lq_tile, 3, 20, False) == splits
     scores = torch.full((3, 20), float("nan"), device="cuda")
-    _launch.launch_fwd_hopper(cfg, Q, D, scores, normalize)
+    _launch.launch_fwd_hopper(cfg, Q, D, scores, normalize, docs_per_program)
     assert_close_to_reference(scores, maxsim_ref(Q.double(), D.double(), normalize=normalize),
                               BOUNDS[torch.bfloat16][0], "scores")
 

@@ -387,6 +387,12 @@ _HOPPER_TILES = (64, 4, 4)
 # 4, in two runs).
 _HOPPER_PACKED_TILES = (64, 3, 4)
 _HOPPER_NORM_TILES = (64, 4, 4)
+# One short query a block, padded to 64 rows (rerank_colbert: 0.0330 ms against 0.0379-0.0398
+# at 64-token tiles, record 2026-12-01_126203e).
+_HOPPER_SHORT_TILES = (32, 6, 4)
+# Programs an SM that the Gluon forward's grid aims at, grouping documents per program beyond it
+# (hopper_docs_per_program).
+_HOPPER_PROGRAMS_PER_SM = 1 << 30
 
 
 # d = 64 ran slower than the Triton kernel (0.133 against 0.117 ms at 64 x 32 against 512 x 300);
@@ -423,8 +429,17 @@ def hopper_forward_applies(cfg, Q: Tensor, D: Tensor) -> bool:
         D.dim() == 3 and Q.dtype in (torch.bfloat16, torch.float16) and D.dtype == Q.dtype
         and dim == cfg.block_k and dim in _HOPPER_DIMS and D.is_contiguous()
         and D.data_ptr() % 16 == 0
-        and D.shape[0] * D.shape[1] < 2**31 and cfg.lq_tile * cfg.queries_per_block in (64, 128)
+        and D.shape[0] * D.shape[1] < 2**31
+        and hopper_block(cfg).lq_tile * hopper_block(cfg).queries_per_block in (64, 128)
     )
+
+
+@functools.lru_cache(maxsize=256)
+def hopper_block(cfg):
+    """``cfg`` with at least 64 query rows a block, the least a warp-group product takes: a
+    block of fewer (one short query) is padded with empty query slots."""
+    rows = cfg.lq_tile * cfg.queries_per_block
+    return cfg if rows >= 64 else dataclasses.replace(cfg, queries_per_block=64 // cfg.lq_tile)
 
 
 @functools.lru_cache(maxsize=None)
@@ -472,33 +487,74 @@ def _hopper_constants(*args) -> Constants:
     return constants(**hopper_constexprs(*args))
 
 
-def launch_fwd_hopper(cfg, Q: Tensor, D: Tensor, scores: Tensor, normalize: bool = False) -> None:
-    """The inference forward through ``_kernels_hopper`` (the caller checked
-    :func:`hopper_forward_applies`), query chunks split over programs as in :func:`_launch_fwd`;
-    with ``normalize``, of normalized tokens with their norms computed from the tiles."""
+def hopper_docs_per_program(cfg, Nq: int, Lq: int, Ncols: int, splits: int, sm_count: int) -> int:
+    """How many documents one program of the Gluon forward streams, its tiles one ring: enough
+    that the grid holds about ``_HOPPER_PROGRAMS_PER_SM`` programs an SM (none fewer than one
+    document)."""
+    programs = Ncols * _cdiv(Nq, cfg.queries_per_block) * splits
+    return max(1, programs // (_HOPPER_PROGRAMS_PER_SM * sm_count))
+
+
+def _tensor_descriptor(template, base: Tensor, shape: list, strides: list):
+    """``template`` (a Gluon ``TensorDescriptor``) for another base tensor, shape and strides,
+    without its constructor's checks, about 4 µs of host time a launch: the caller has made
+    the same checks (:func:`hopper_forward_applies`)."""
+    desc = object.__new__(type(template))
+    desc.__dict__.update(template.__dict__, base=base, shape=shape, strides=strides)
+    return desc
+
+
+@functools.lru_cache(maxsize=None)
+def _descriptor_template(torch_dtype: torch.dtype, block_n: int, dim: int, layout):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    example = torch.empty(block_n, dim, dtype=torch_dtype)
+    desc = TensorDescriptor(example, [block_n, dim], [dim, 1], [block_n, dim], layout)
+    return desc if hasattr(desc, "__dict__") and not hasattr(desc, "__slots__") else None
+
+
+def launch_fwd_hopper(
+    cfg, Q: Tensor, D: Tensor, scores: Tensor, normalize: bool = False,
+    docs_per_program: int | None = None,
+) -> None:
+    """The inference forward through ``_kernels_hopper`` (the caller checked
+    :func:`hopper_forward_applies`), query chunks split over programs as in :func:`_launch_fwd`
+    and documents grouped per program by :func:`hopper_docs_per_program` (or
+    ``docs_per_program``); with ``normalize``, of normalized tokens with their norms computed
+    from the tiles."""
     Nq, Lq, dim = Q.shape
     Ncols, Ld = D.shape[0], D.shape[1]
     if Q.stride(-1) != 1:
         Q = Q.contiguous()
-    qpb = cfg.queries_per_block
+    widened = hopper_block(cfg)
     block_n, stages, warps = (_HOPPER_NORM_TILES if normalize
-                              else _HOPPER_PACKED_TILES if qpb > 1 else _HOPPER_TILES)
+                              else _HOPPER_SHORT_TILES if widened is not cfg
+                              else _HOPPER_PACKED_TILES if cfg.queries_per_block > 1
+                              else _HOPPER_TILES)
+    cfg = widened
+    qpb = cfg.queries_per_block
     d_layout = hopper_layouts(Q.dtype, cfg.lq_tile * qpb, block_n, dim, warps)[1]
     documents = D.view(Ncols * Ld, dim)
-    d_desc = TensorDescriptor(documents, list(documents.shape), list(documents.stride()),
-                              [block_n, dim], d_layout)
+    template = _descriptor_template(Q.dtype, block_n, dim, d_layout)
+    if template is None:  # a Triton release whose descriptor is not a plain dataclass
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        d_desc = TensorDescriptor(documents, [Ncols * Ld, dim], [dim, 1], [block_n, dim], d_layout)
+    else:
+        d_desc = _tensor_descriptor(template, documents, [Ncols * Ld, dim], [dim, 1])
     splits = chunk_splits(Lq, cfg.lq_tile, Nq, Ncols, False)
+    if docs_per_program is None:
+        docs_per_program = hopper_docs_per_program(cfg, Nq, Lq, Ncols, splits, _sm_count(Q.device))
     consts = _hopper_constants(Q.dtype, cfg.lq_tile, qpb, block_n, stages, dim, warps, normalize)
     kernel = launcher(_kernels_hopper._maxsim_fwd_overlap_kernel)
+    doc_groups = _cdiv(Ncols, docs_per_program)
 
     def launch_slice(rows, out, stride_out_split):
         q = _take(Q, rows)
         kernel(
-            (Ncols * splits, _cdiv(q.shape[0], qpb)),
+            (doc_groups * splits, _cdiv(q.shape[0], qpb)),
             (q, d_desc, out, q.shape[0], Ncols, Lq, Ld, splits, stride_out_split, q.stride(0),
-             q.stride(1)),
+             q.stride(1), docs_per_program),
             consts,
         )
 
