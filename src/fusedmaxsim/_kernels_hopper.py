@@ -89,26 +89,57 @@ if AVAILABLE:
         return 1.0 / gl.maximum(gl.sqrt(gl.sum(x * x, axis=1)), 1e-12)
 
     @gluon.jit
-    def _complete(acc, run_max, d_desc, bars, d_smem, stream, done, t, o_c,
+    def _complete(acc, run_max, d_desc, bars, d_smem, stream, pass_rows, done, t, o_c,
                   NORMALIZE: gl.constexpr, TILE_LOAD_LAYOUT: gl.constexpr, MASK_TAIL: gl.constexpr):
-        """Tile ``t`` of the current document's pass (the program's tile ``done + t``) has
-        completed: (with ``NORMALIZE``) scale its columns by the tile's inverse norms, read from
-        its slot before the slot is refilled; refill the slot with the program's tile ``done + t
-        + NUM_STAGES``, of this pass or a later one; fold the tile into the running max (columns
-        from ``Ld`` on masked where ``MASK_TAIL``)."""
+        """Tile ``t`` of the current pass (the program's tile ``done + t``) has completed: (with
+        ``NORMALIZE``) scale its columns by the tile's inverse norms, read from its slot before
+        the slot is refilled; refill the slot with the program's tile ``done + t + NUM_STAGES``
+        (:func:`_refill`); fold the tile into the running max (columns from ``Ld`` on masked
+        where ``MASK_TAIL``)."""
         NUM_STAGES: gl.constexpr = d_smem.shape[0]
         BLOCK_N: gl.constexpr = d_smem.shape[1]
-        Ld = stream[4]
         if NORMALIZE:
             tile = d_smem.index((done + t) % NUM_STAGES).load(TILE_LOAD_LAYOUT)
             inv = gl.convert_layout(_inverse_norms(tile), gl.SliceLayout(0, acc.type.layout))
             # Every warp's reads of the slot are done before its refill is issued.
             _cta_barrier()
             acc = acc * gl.expand_dims(inv, 0)
-        _load_tile(d_desc, bars, d_smem, stream, done + t + NUM_STAGES)
+        _refill(d_desc, bars, d_smem, stream, pass_rows, done, t)
         if MASK_TAIL:
-            acc = gl.where(gl.expand_dims(t * BLOCK_N + o_c < Ld, 0), acc, float("-inf"))
+            acc = gl.where(gl.expand_dims(t * BLOCK_N + o_c < stream[4], 0), acc, float("-inf"))
         return _max_nan(run_max, acc)
+
+    @gluon.jit
+    def _refill(d_desc, bars, d_smem, stream, pass_rows, done, t):
+        """Load the program's tile ``done + t + NUM_STAGES`` into the slot that tile ``done + t``
+        has freed: tile ``t + NUM_STAGES`` of this pass or, past its end, a tile of the next
+        pass, whose document row is ``pass_rows`` = (this pass's row, the next pass's row,
+        whether there is a next pass). Without a division on the loop's path; a pass shorter
+        than the ring (a refill two passes ahead) takes :func:`_tile_row`'s."""
+        NUM_STAGES: gl.constexpr = d_smem.shape[0]
+        BLOCK_N: gl.constexpr = d_smem.shape[1]
+        n_tiles = stream[0]
+        this_row, next_row, has_next = pass_rows
+        ahead = t + NUM_STAGES
+        if n_tiles >= NUM_STAGES:
+            in_next = ahead >= n_tiles
+            row = gl.where(in_next, next_row + (ahead - n_tiles) * BLOCK_N, this_row + ahead * BLOCK_N)
+            pred = (ahead < n_tiles) | has_next
+        else:
+            row, pred = _tile_row(stream, done + ahead, BLOCK_N)
+        _load_tile(d_desc, bars, d_smem, row, (done + t) % NUM_STAGES, pred)
+
+    @gluon.jit
+    def _tile_row(stream, tile, BLOCK_N: gl.constexpr):
+        """The document row of the program's tile ``tile``, and whether the program has it.
+        ``stream`` = (tiles a pass, chunks a document, first document, passes, Ld): a program
+        streams its documents' tiles pass after pass (a pass: one document against one query
+        chunk; documents outer, chunks inner), numbered across passes, so that the ring of
+        slots is refilled from one pass into the next without a pause."""
+        n_tiles, n_chunks, doc_lo, n_passes, Ld = stream
+        pass_ = tile // n_tiles
+        row = (doc_lo + pass_ // n_chunks) * Ld + (tile - pass_ * n_tiles) * BLOCK_N
+        return row, pass_ < n_passes
 
     @gluon.jit
     def _issue(q_smem, d_smem, bars, acc, tile):
@@ -122,19 +153,7 @@ if AVAILABLE:
                              is_async=True)
 
     @gluon.jit
-    def _load_tile(d_desc, bars, d_smem, stream, tile):
-        """The TMA load of the program's document tile ``tile`` into its slot, if the program
-        has that tile. ``stream`` = (tiles a pass, passes, first document, documents, Ld): the
-        program streams its documents' tiles pass after pass (a pass: one document for one
-        query chunk; chunks outer, documents inner), so a tile's document and row follow from
-        its number, and the ring is refilled across passes without a pause."""
-        NUM_STAGES: gl.constexpr = d_smem.shape[0]
-        BLOCK_N: gl.constexpr = d_smem.shape[1]
-        n_tiles, n_chunks, doc_lo, n_passes, Ld = stream
-        slot = tile % NUM_STAGES
-        pass_ = tile // n_tiles
-        row = (doc_lo + pass_ // n_chunks) * Ld + (tile - pass_ * n_tiles) * BLOCK_N
-        pred = pass_ < n_passes
+    def _load_tile(d_desc, bars, d_smem, row, slot, pred):
         mbarrier.expect(bars.index(slot), d_desc.block_type.nbytes, pred=pred)
         _tma_load(d_desc, [row, 0], bars.index(slot), d_smem.index(slot), pred=pred)
 
@@ -195,7 +214,8 @@ if AVAILABLE:
         zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
 
         for s in gl.static_range(NUM_STAGES):
-            _load_tile(d_desc, bars, d_smem, stream, s)
+            row, pred = _tile_row(stream, s, BLOCK_N)
+            _load_tile(d_desc, bars, d_smem, row, s, pred)
         done = 0  # document tiles consumed so far: tile `done + t` uses slot (done + t) % NUM_STAGES
         if NORMALIZE:
             q_inv = gl.zeros([BLOCK_M], gl.float32, rows_of)
@@ -216,6 +236,9 @@ if AVAILABLE:
                     if NORMALIZE:
                         q_inv = gl.convert_layout(_inverse_norms(b_q), rows_of)
 
+                more_chunks = chunk + n_splits * LQ_TILE < Lq
+                pass_rows = (i_col * Ld, gl.where(more_chunks, i_col * Ld, (i_col + 1) * Ld),
+                             more_chunks | (i_col + 1 < doc_lo + n_docs))
                 # The element-wise running max over the tiles, reduced over its columns once a
                 # pass.
                 run_max = gl.full([BLOCK_M, BLOCK_N], float("-inf"), gl.float32, mma)
@@ -231,24 +254,25 @@ if AVAILABLE:
                 for _ in range(0, (n_tiles - 1) // 2):
                     acc_b = _issue(q_smem, d_smem, bars, acc_b, done + t)
                     acc_a = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
-                    run_max = _complete(acc_a, run_max, d_desc, bars, d_smem, stream, done, t - 1,
-                                        o_c, NORMALIZE, TILE_LOAD_LAYOUT, False)
+                    run_max = _complete(acc_a, run_max, d_desc, bars, d_smem, stream, pass_rows,
+                                        done, t - 1, o_c, NORMALIZE, TILE_LOAD_LAYOUT, False)
                     acc_a = _issue(q_smem, d_smem, bars, acc_a, done + t + 1)
                     acc_b = warpgroup_mma_wait(num_outstanding=1, deps=(acc_b,))
-                    run_max = _complete(acc_b, run_max, d_desc, bars, d_smem, stream, done, t,
-                                        o_c, NORMALIZE, TILE_LOAD_LAYOUT, False)
+                    run_max = _complete(acc_b, run_max, d_desc, bars, d_smem, stream, pass_rows,
+                                        done, t, o_c, NORMALIZE, TILE_LOAD_LAYOUT, False)
                     t += 2
                 # The last tile may run past the document: its columns from Ld on are masked.
                 if t < n_tiles:
                     pending = _issue(q_smem, d_smem, bars, acc_b, done + t)
                     before_last = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
-                    run_max = _complete(before_last, run_max, d_desc, bars, d_smem, stream, done,
-                                        t - 1, o_c, NORMALIZE, TILE_LOAD_LAYOUT, False)
+                    run_max = _complete(before_last, run_max, d_desc, bars, d_smem, stream,
+                                        pass_rows, done, t - 1, o_c, NORMALIZE, TILE_LOAD_LAYOUT,
+                                        False)
                     last = warpgroup_mma_wait(num_outstanding=0, deps=(pending,))
                 else:
                     last = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a,))
-                run_max = _complete(last, run_max, d_desc, bars, d_smem, stream, done, n_tiles - 1,
-                                    o_c, NORMALIZE, TILE_LOAD_LAYOUT, True)
+                run_max = _complete(last, run_max, d_desc, bars, d_smem, stream, pass_rows, done,
+                                    n_tiles - 1, o_c, NORMALIZE, TILE_LOAD_LAYOUT, True)
                 done += n_tiles
 
                 row_max = gl.reduce(run_max, 1, _max_nan)
