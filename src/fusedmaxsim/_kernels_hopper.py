@@ -89,7 +89,7 @@ if AVAILABLE:
         return 1.0 / gl.maximum(gl.sqrt(gl.sum(x * x, axis=1)), 1e-12)
 
     @gluon.jit
-    def _complete(acc, run_max, d_desc, bars, d_smem, stream, pass_rows, done, t, o_c,
+    def _complete(acc, run_max, d_desc, bars, d_smem, n_tiles, Ld, pass_rows, done, t, o_c,
                   NORMALIZE: gl.constexpr, TILE_LOAD_LAYOUT: gl.constexpr, MASK_TAIL: gl.constexpr):
         """Tile ``t`` of the current pass (the program's tile ``done + t``) has completed: (with
         ``NORMALIZE``) scale its columns by the tile's inverse norms, read from its slot before
@@ -104,42 +104,24 @@ if AVAILABLE:
             # Every warp's reads of the slot are done before its refill is issued.
             _cta_barrier()
             acc = acc * gl.expand_dims(inv, 0)
-        _refill(d_desc, bars, d_smem, stream, pass_rows, done, t)
+        _refill(d_desc, bars, d_smem, n_tiles, pass_rows, done, t)
         if MASK_TAIL:
-            acc = gl.where(gl.expand_dims(t * BLOCK_N + o_c < stream[4], 0), acc, float("-inf"))
+            acc = gl.where(gl.expand_dims(t * BLOCK_N + o_c < Ld, 0), acc, float("-inf"))
         return _max_nan(run_max, acc)
 
     @gluon.jit
-    def _refill(d_desc, bars, d_smem, stream, pass_rows, done, t):
+    def _refill(d_desc, bars, d_smem, n_tiles, pass_rows, done, t):
         """Load the program's tile ``done + t + NUM_STAGES`` into the slot that tile ``done + t``
-        has freed: tile ``t + NUM_STAGES`` of this pass or, past its end, a tile of the next
-        pass, whose document row is ``pass_rows`` = (this pass's row, the next pass's row,
-        whether there is a next pass). Without a division on the loop's path; a pass shorter
-        than the ring (a refill two passes ahead) takes :func:`_tile_row`'s."""
+        has freed: tile ``t + NUM_STAGES`` of this pass or, past its end, one of the next pass's
+        first tiles. ``pass_rows`` = (this pass's document row, the next pass's, whether the
+        refills run on into the next pass: there is one, and a pass fills the ring)."""
         NUM_STAGES: gl.constexpr = d_smem.shape[0]
         BLOCK_N: gl.constexpr = d_smem.shape[1]
-        n_tiles = stream[0]
-        this_row, next_row, has_next = pass_rows
+        this_row, next_row, into_next = pass_rows
         ahead = t + NUM_STAGES
-        if n_tiles >= NUM_STAGES:
-            in_next = ahead >= n_tiles
-            row = gl.where(in_next, next_row + (ahead - n_tiles) * BLOCK_N, this_row + ahead * BLOCK_N)
-            pred = (ahead < n_tiles) | has_next
-        else:
-            row, pred = _tile_row(stream, done + ahead, BLOCK_N)
-        _load_tile(d_desc, bars, d_smem, row, (done + t) % NUM_STAGES, pred)
-
-    @gluon.jit
-    def _tile_row(stream, tile, BLOCK_N: gl.constexpr):
-        """The document row of the program's tile ``tile``, and whether the program has it.
-        ``stream`` = (tiles a pass, chunks a document, first document, passes, Ld): a program
-        streams its documents' tiles pass after pass (a pass: one document against one query
-        chunk; documents outer, chunks inner), numbered across passes, so that the ring of
-        slots is refilled from one pass into the next without a pause."""
-        n_tiles, n_chunks, doc_lo, n_passes, Ld = stream
-        pass_ = tile // n_tiles
-        row = (doc_lo + pass_ // n_chunks) * Ld + (tile - pass_ * n_tiles) * BLOCK_N
-        return row, pass_ < n_passes
+        in_next = ahead >= n_tiles
+        row = gl.where(in_next, next_row + (ahead - n_tiles) * BLOCK_N, this_row + ahead * BLOCK_N)
+        _load_tile(d_desc, bars, d_smem, row, (done + t) % NUM_STAGES, (ahead < n_tiles) | into_next)
 
     @gluon.jit
     def _issue(q_smem, d_smem, bars, acc, tile):
@@ -196,7 +178,6 @@ if AVAILABLE:
         n_docs = gl.minimum(docs_per_program, Ncols - doc_lo)
         n_tiles = gl.cdiv(Ld, BLOCK_N)
         n_chunks = gl.cdiv(Lq - i_split * LQ_TILE, n_splits * LQ_TILE)
-        stream = (n_tiles, n_chunks, doc_lo, n_docs * n_chunks, Ld)
 
         q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [BLOCK_M, BLOCK_K], Q_SMEM_LAYOUT)
         d_smem = gl.allocate_shared_memory(d_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K],
@@ -213,9 +194,6 @@ if AVAILABLE:
         lq_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, q_load))
         zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
 
-        for s in gl.static_range(NUM_STAGES):
-            row, pred = _tile_row(stream, s, BLOCK_N)
-            _load_tile(d_desc, bars, d_smem, row, s, pred)
         done = 0  # document tiles consumed so far: tile `done + t` uses slot (done + t) % NUM_STAGES
         if NORMALIZE:
             q_inv = gl.zeros([BLOCK_M], gl.float32, rows_of)
@@ -236,9 +214,15 @@ if AVAILABLE:
                     if NORMALIZE:
                         q_inv = gl.convert_layout(_inverse_norms(b_q), rows_of)
 
+                # A pass's first tiles: loaded by the previous pass's refills where passes fill
+                # the ring, else here.
+                if (done == 0) | (n_tiles < NUM_STAGES):
+                    for s in gl.static_range(NUM_STAGES):
+                        _load_tile(d_desc, bars, d_smem, i_col * Ld + s * BLOCK_N,
+                                   (done + s) % NUM_STAGES, s < n_tiles)
                 more_chunks = chunk + n_splits * LQ_TILE < Lq
                 pass_rows = (i_col * Ld, gl.where(more_chunks, i_col * Ld, (i_col + 1) * Ld),
-                             more_chunks | (i_col + 1 < doc_lo + n_docs))
+                             (more_chunks | (i_col + 1 < doc_lo + n_docs)) & (n_tiles >= NUM_STAGES))
                 # The element-wise running max over the tiles, reduced over its columns once a
                 # pass.
                 run_max = gl.full([BLOCK_M, BLOCK_N], float("-inf"), gl.float32, mma)
@@ -254,24 +238,24 @@ if AVAILABLE:
                 for _ in range(0, (n_tiles - 1) // 2):
                     acc_b = _issue(q_smem, d_smem, bars, acc_b, done + t)
                     acc_a = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
-                    run_max = _complete(acc_a, run_max, d_desc, bars, d_smem, stream, pass_rows,
+                    run_max = _complete(acc_a, run_max, d_desc, bars, d_smem, n_tiles, Ld, pass_rows,
                                         done, t - 1, o_c, NORMALIZE, TILE_LOAD_LAYOUT, False)
                     acc_a = _issue(q_smem, d_smem, bars, acc_a, done + t + 1)
                     acc_b = warpgroup_mma_wait(num_outstanding=1, deps=(acc_b,))
-                    run_max = _complete(acc_b, run_max, d_desc, bars, d_smem, stream, pass_rows,
+                    run_max = _complete(acc_b, run_max, d_desc, bars, d_smem, n_tiles, Ld, pass_rows,
                                         done, t, o_c, NORMALIZE, TILE_LOAD_LAYOUT, False)
                     t += 2
                 # The last tile may run past the document: its columns from Ld on are masked.
                 if t < n_tiles:
                     pending = _issue(q_smem, d_smem, bars, acc_b, done + t)
                     before_last = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
-                    run_max = _complete(before_last, run_max, d_desc, bars, d_smem, stream,
+                    run_max = _complete(before_last, run_max, d_desc, bars, d_smem, n_tiles, Ld,
                                         pass_rows, done, t - 1, o_c, NORMALIZE, TILE_LOAD_LAYOUT,
                                         False)
                     last = warpgroup_mma_wait(num_outstanding=0, deps=(pending,))
                 else:
                     last = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a,))
-                run_max = _complete(last, run_max, d_desc, bars, d_smem, stream, pass_rows, done,
+                run_max = _complete(last, run_max, d_desc, bars, d_smem, n_tiles, Ld, pass_rows, done,
                                     n_tiles - 1, o_c, NORMALIZE, TILE_LOAD_LAYOUT, True)
                 done += n_tiles
 
