@@ -13,7 +13,7 @@ argmax and normalize variants. GPU times by ``triton.testing.do_bench``
     PYTHONPATH=src python3 benchmarks/probe.py [normalize] [kd] [smooth] [masked] [rerank] [memory] [cold]
         [small] [stages] [cold_profile] [steps] [host] [fwd_tiles] [launch] [chunks]
         [query_registers] [graph_times] [wide_rows] [winner_index] [chunk_splits] [occupancy]
-        [hopper_forward] [hopper_host] [hopper_variants] [short_query] [doc_groups]
+        [hopper_forward] [hopper_host] [hopper_variants] [short_query] [doc_groups] [hopper_ab]
 """
 
 from __future__ import annotations
@@ -1167,6 +1167,81 @@ def doc_groups() -> None:
         torch.cuda.empty_cache()
 
 
+def hopper_ab() -> None:
+    """The Gluon forward of this tree against that of ``0a971e4`` (one document a program;
+    ``benchmarks/hopper_forward_0a971e4.py``, a copy kept for this comparison), both at the
+    dispatched tiles, interleaved in three rounds, and this tree's at 2-8 documents a program
+    (benchmarks/NOTES.md section 32)."""
+    import importlib.util as util
+
+    spec = util.spec_from_file_location(
+        "hopper_forward_0a971e4", Path(__file__).with_name("hopper_forward_0a971e4.py"))
+    before = util.module_from_spec(spec)
+    spec.loader.exec_module(before)
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+
+    warm = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(200):
+        warm @ warm
+    del warm
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = (
+        ("batch_colbert", False, (256, 32, 128), (256, 300, 128)),
+        ("rerank_colpali", False, (1, 128, 128), (1000, 1024, 128)),
+        ("rerank_colpali_norm", True, (1, 128, 128), (1000, 1024, 128)),
+        ("rerank_colpali_1030", False, (1, 1030, 128), (1000, 1030, 128)),
+        ("longquery", False, (4, 2048, 128), (64, 1024, 128)),
+        ("train_colpali's shape, scores", False, (128, 128, 128), (128, 1024, 128)),
+    )
+    for name, normalize, q_shape, d_shape in shapes:
+        Q, D = rand(*q_shape), rand(*d_shape)
+        Nq, Lq, dim = q_shape
+        Ncols, Ld = d_shape[0], d_shape[1]
+        cfg = fwd_config(Lq=Lq, dim=dim, Nq=Nq, per_query_docs=False, elem_bytes=2,
+                         norm_from_tiles=normalize, n_cols=Ncols, sm_count=sm_count)
+        qpb = cfg.queries_per_block
+        block_n, stages, warps = (_launch._HOPPER_NORM_TILES if normalize
+                                  else _launch._HOPPER_PACKED_TILES if qpb > 1 else _launch._HOPPER_TILES)
+        splits = _launch.chunk_splits(Lq, cfg.lq_tile, Nq, Ncols, False)
+        consts = _launch.hopper_constexprs(Q.dtype, cfg.lq_tile, qpb, block_n, stages, dim, warps,
+                                           normalize)
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        layout = _launch.hopper_layouts(Q.dtype, cfg.lq_tile * qpb, block_n, dim, warps)[1]
+        flat = D.view(Ncols * Ld, dim)
+        desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [block_n, dim], layout)
+        out = torch.empty((splits, Nq, Ncols), device="cuda")
+
+        def old():
+            before._maxsim_fwd_overlap_kernel[(Ncols * splits, -(-Nq // qpb))](
+                Q, desc, out, Nq, Ncols, Lq, Ld, splits, out.stride(0), Q.stride(0), Q.stride(1),
+                **consts)
+            return out.sum(0) if splits > 1 else out[0]
+
+        def new(group):
+            scores = torch.empty(Nq, Ncols, device="cuda")
+            _launch.launch_fwd_hopper(cfg, Q, D, scores, normalize, group)
+            return scores
+
+        want = new(1)
+        row = f"-- {name} ({splits} splits, old/new {relative_error(old(), want):.0e} apart):"
+        times = {"0a971e4": [], "1": [], "2": [], "4": [], "8": []}
+        for _ in range(3):
+            times["0a971e4"].append(bench(old))
+            for group in (1, 2, 4, 8):
+                got = new(group)
+                if relative_error(got, want) > 1e-5:
+                    row += f" PARITY FAILED at {group}"
+                times[str(group)].append(bench(lambda: new(group)))
+        for label, values in times.items():
+            row += f"\n   {label:8s} " + " ".join(f"{v:.4f}" for v in values)
+        print(row, flush=True)
+        del Q, D
+        torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
     wanted = set(sys.argv[1:]) or {"normalize", "kd", "smooth"}
     for name, probe in (("normalize", normalize_sweep), ("kd", kd_split), ("smooth", smooth_vs_naive),
@@ -1179,7 +1254,8 @@ if __name__ == "__main__":
                         ("winner_index", winner_index), ("chunk_splits", chunk_splits_ab),
                         ("occupancy", occupancy), ("hopper_forward", hopper_forward),
                         ("hopper_host", hopper_host), ("hopper_variants", hopper_variants),
-                        ("short_query", short_query), ("doc_groups", doc_groups)):
+                        ("short_query", short_query), ("doc_groups", doc_groups),
+                        ("hopper_ab", hopper_ab)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()
