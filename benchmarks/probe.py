@@ -13,7 +13,7 @@ argmax and normalize variants. GPU times by ``triton.testing.do_bench``
     PYTHONPATH=src python3 benchmarks/probe.py [normalize] [kd] [smooth] [masked] [rerank] [memory] [cold]
         [small] [stages] [cold_profile] [steps] [host] [fwd_tiles] [launch] [chunks]
         [query_registers] [graph_times] [wide_rows] [winner_index] [chunk_splits] [occupancy]
-        [hopper_forward] [hopper_host] [hopper_variants] [short_query] [doc_groups] [hopper_ab]
+        [hopper_forward] [hopper_host] [hopper_variants] [short_query]
 """
 
 from __future__ import annotations
@@ -1100,148 +1100,6 @@ def hopper_variants() -> None:
         print(row, flush=True)
 
 
-def doc_groups() -> None:
-    """The Gluon forward with several documents a program (benchmarks/NOTES.md section 32): GPU
-    ms under each count of documents a program and each document tile set, scores against the
-    Triton forward's, for the reranking shapes and the batched ones (no regression at 1)."""
-    def rand(*shape):
-        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
-
-    short, plain = ((32, 6, 4), (64, 3, 4)), ((64, 4, 4), (32, 6, 4))
-    shapes = (
-        ("rerank_colbert", False, (1, 32, 128), (1000, 300, 128), short, (1, 2, 3, 4, 6, 8)),
-        ("rerank_colbert, 10000 documents", False, (1, 32, 128), (10000, 300, 128), short,
-         (1, 2, 4, 8, 16)),
-        ("rerank_colpali", False, (1, 128, 128), (1000, 1024, 128), plain, (1, 2, 3, 4, 8)),
-        ("rerank_colpali_norm", True, (1, 128, 128), (1000, 1024, 128), ((64, 4, 4),),
-         (1, 2, 3, 4, 8)),
-        ("batch_colbert", False, (256, 32, 128), (256, 300, 128), ((64, 3, 4),), (1, 2, 4, 8, 16)),
-        ("longquery", False, (4, 2048, 128), (64, 1024, 128), ((64, 4, 4),), (1, 2, 4, 8)),
-        ("rerank_colpali_1030", False, (1, 1030, 128), (1000, 1030, 128), ((64, 4, 4),),
-         (1, 2, 4)),
-        ("train_colpali's shape, scores", False, (128, 128, 128), (128, 1024, 128),
-         ((64, 4, 4),), (1, 2, 4)),
-    )
-    names = ("_HOPPER_TILES", "_HOPPER_NORM_TILES", "_HOPPER_PACKED_TILES", "_HOPPER_SHORT_TILES")
-    saved = {name: getattr(_launch, name) for name in names}
-    warm = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    for _ in range(200):  # about a second of work first: the clocks up before the first shape
-        warm @ warm
-    del warm
-    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
-    for name, normalize, q_shape, d_shape, tile_sets, groups in shapes:
-        Q, D = rand(*q_shape), rand(*d_shape)
-        Nq, Lq, dim = q_shape
-
-        def forward():
-            return _launch.maxsim_fwd(Q, D, None, None, None, None, False, "tf32", normalize)[0]
-
-        cfg = fwd_config(Lq=Lq, dim=dim, Nq=Nq, per_query_docs=False, elem_bytes=2,
-                         norm_from_tiles=normalize, n_cols=d_shape[0], sm_count=sm_count)
-        want, triton_ms = _on_triton(forward)
-        splits = _launch.chunk_splits(Lq, cfg.lq_tile, Nq, d_shape[0], False)
-        print(f"-- {name}: Triton {triton_ms:.4f} ms; {splits} chunk splits; rule "
-              f"{_launch.hopper_docs_per_program(_launch.hopper_block(cfg), Nq, Lq, d_shape[0], splits, sm_count)}"
-              " documents a program", flush=True)
-        for tiles in tile_sets:
-            row = f"   tiles {tiles}:"
-            for group in groups:
-                for attr in names:
-                    setattr(_launch, attr, tiles)
-                try:
-                    scores = torch.full_like(want, float("nan"))
-                    _launch.launch_fwd_hopper(cfg, Q, D, scores, normalize, group)
-                    err = relative_error(scores, want)
-                    ms = bench(lambda: _launch.launch_fwd_hopper(cfg, Q, D, scores, normalize, group))
-                    row += f" {group}: {ms:.4f}" + ("" if err < 1e-5 else f" PARITY FAILED {err:.0e}")
-                except Exception as exc:  # noqa: BLE001
-                    row += f" {group}: {type(exc).__name__}: {str(exc)[:200]}"
-                finally:
-                    for attr, value in saved.items():
-                        setattr(_launch, attr, value)
-            print(row, flush=True)
-        got = forward()
-        print(f"   maxsim_fwd as dispatched {bench(forward):.4f} ms ({relative_error(got, want):.0e})",
-              flush=True)
-        del Q, D
-        torch.cuda.empty_cache()
-
-
-def hopper_ab() -> None:
-    """The Gluon forward of this tree against that of ``0a971e4`` (one document a program;
-    ``benchmarks/hopper_forward_0a971e4.py``, a copy kept for this comparison), both at the
-    dispatched tiles, interleaved in three rounds, and this tree's at 2-8 documents a program
-    (benchmarks/NOTES.md section 32)."""
-    import importlib.util as util
-
-    spec = util.spec_from_file_location(
-        "hopper_forward_0a971e4", Path(__file__).with_name("hopper_forward_0a971e4.py"))
-    before = util.module_from_spec(spec)
-    spec.loader.exec_module(before)
-
-    def rand(*shape):
-        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
-
-    warm = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    for _ in range(200):
-        warm @ warm
-    del warm
-    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
-    shapes = (
-        ("batch_colbert", False, (256, 32, 128), (256, 300, 128)),
-        ("rerank_colpali", False, (1, 128, 128), (1000, 1024, 128)),
-        ("rerank_colpali_norm", True, (1, 128, 128), (1000, 1024, 128)),
-        ("rerank_colpali_1030", False, (1, 1030, 128), (1000, 1030, 128)),
-        ("longquery", False, (4, 2048, 128), (64, 1024, 128)),
-        ("train_colpali's shape, scores", False, (128, 128, 128), (128, 1024, 128)),
-    )
-    for name, normalize, q_shape, d_shape in shapes:
-        Q, D = rand(*q_shape), rand(*d_shape)
-        Nq, Lq, dim = q_shape
-        Ncols, Ld = d_shape[0], d_shape[1]
-        cfg = fwd_config(Lq=Lq, dim=dim, Nq=Nq, per_query_docs=False, elem_bytes=2,
-                         norm_from_tiles=normalize, n_cols=Ncols, sm_count=sm_count)
-        qpb = cfg.queries_per_block
-        block_n, stages, warps = (_launch._HOPPER_NORM_TILES if normalize
-                                  else _launch._HOPPER_PACKED_TILES if qpb > 1 else _launch._HOPPER_TILES)
-        splits = _launch.chunk_splits(Lq, cfg.lq_tile, Nq, Ncols, False)
-        consts = _launch.hopper_constexprs(Q.dtype, cfg.lq_tile, qpb, block_n, stages, dim, warps,
-                                           normalize)
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-        layout = _launch.hopper_layouts(Q.dtype, cfg.lq_tile * qpb, block_n, dim, warps)[1]
-        flat = D.view(Ncols * Ld, dim)
-        desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [block_n, dim], layout)
-        out = torch.empty((splits, Nq, Ncols), device="cuda")
-
-        def old():
-            before._maxsim_fwd_overlap_kernel[(Ncols * splits, -(-Nq // qpb))](
-                Q, desc, out, Nq, Ncols, Lq, Ld, splits, out.stride(0), Q.stride(0), Q.stride(1),
-                **consts)
-            return out.sum(0) if splits > 1 else out[0]
-
-        def new(group):
-            scores = torch.empty(Nq, Ncols, device="cuda")
-            _launch.launch_fwd_hopper(cfg, Q, D, scores, normalize, group)
-            return scores
-
-        want = new(1)
-        row = f"-- {name} ({splits} splits, old/new {relative_error(old(), want):.0e} apart):"
-        times = {"0a971e4": [], "1": [], "2": [], "4": [], "8": []}
-        for _ in range(3):
-            times["0a971e4"].append(bench(old))
-            for group in (1, 2, 4, 8):
-                got = new(group)
-                if relative_error(got, want) > 1e-5:
-                    row += f" PARITY FAILED at {group}"
-                times[str(group)].append(bench(lambda: new(group)))
-        for label, values in times.items():
-            row += f"\n   {label:8s} " + " ".join(f"{v:.4f}" for v in values)
-        print(row, flush=True)
-        del Q, D
-        torch.cuda.empty_cache()
-
-
 if __name__ == "__main__":
     wanted = set(sys.argv[1:]) or {"normalize", "kd", "smooth"}
     for name, probe in (("normalize", normalize_sweep), ("kd", kd_split), ("smooth", smooth_vs_naive),
@@ -1254,8 +1112,7 @@ if __name__ == "__main__":
                         ("winner_index", winner_index), ("chunk_splits", chunk_splits_ab),
                         ("occupancy", occupancy), ("hopper_forward", hopper_forward),
                         ("hopper_host", hopper_host), ("hopper_variants", hopper_variants),
-                        ("short_query", short_query), ("doc_groups", doc_groups),
-                        ("hopper_ab", hopper_ab)):
+                        ("short_query", short_query)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()

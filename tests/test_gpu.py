@@ -231,7 +231,6 @@ hopper_only = pytest.mark.skipif(
 @hopper_only
 @pytest.mark.parametrize("normalize", [False, True], ids=["scores", "normalize"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("docs_per_program", [1, 3], ids=["1-doc", "3-docs"])
 @pytest.mark.parametrize(
     "q_shape,d_shape",
     [
@@ -246,14 +245,11 @@ hopper_only = pytest.mark.skipif(
         pytest.param((1, 32, 128), (50, 300, 128), id="one-short-query"),
     ],
 )
-def test_hopper_forward_matches_reference_and_triton(
-    normalize, dtype, docs_per_program, q_shape, d_shape
-):
+def test_hopper_forward_matches_reference_and_triton(normalize, dtype, q_shape, d_shape):
     """The Gluon forward (``_kernels_hopper``), plain and normalizing (a zero token among the
-    documents), on the shapes its loop treats apart, one document a program and three (the ring
-    of tiles running on from one document into the next; the last program's group short): the
-    scores of float64 within the dtype's bound, Triton's to fp32 rounding, every score written
-    (NaN-poisoned output), a NaN in a document making its column NaN."""
+    documents), on the shapes its loop treats apart: the scores of float64 within the dtype's
+    bound, Triton's to fp32 rounding, every score written (NaN-poisoned output), a NaN in a
+    document making its column NaN and no other."""
     from fusedmaxsim import _launch
     from fusedmaxsim._configs import fwd_config
 
@@ -267,7 +263,7 @@ def test_hopper_forward_matches_reference_and_triton(
     # The kernel takes d = 64; the dispatch keeps it to the dims where it was measured faster.
     assert _launch.hopper_forward_applies(cfg, Q, D) == (dim in _launch._HOPPER_DIMS)
     scores = torch.full((Nq, d_shape[0]), float("nan"), device="cuda")
-    _launch.launch_fwd_hopper(cfg, Q, D, scores, normalize, docs_per_program)
+    _launch.launch_fwd_hopper(cfg, Q, D, scores, normalize)
     ref = maxsim_ref(Q.double(), D.double(), normalize=normalize)
     assert_close_to_reference(scores, ref, BOUNDS[dtype][0], "scores")
     saved = _launch.HOPPER_KERNEL
@@ -278,21 +274,17 @@ def test_hopper_forward_matches_reference_and_triton(
         _launch.HOPPER_KERNEL = saved
     torch.testing.assert_close(scores, want, rtol=1e-5, atol=1e-5)
     D[1, d_shape[1] // 2, 3] = float("nan")
-    _launch.launch_fwd_hopper(cfg, Q, D, scores, normalize, docs_per_program)
+    _launch.launch_fwd_hopper(cfg, Q, D, scores, normalize)
     assert scores[:, 1].isnan().all() and not scores[:, [0, 2]].isnan().any()
 
 
 @hopper_only
 @pytest.mark.parametrize("normalize", [False, True], ids=["scores", "normalize"])
 @pytest.mark.parametrize("splits", [1, 2])
-@pytest.mark.parametrize("docs_per_program", [1, 4], ids=["1-doc", "4-docs"])
-def test_hopper_forward_walks_several_chunks_in_one_program(
-    monkeypatch, normalize, splits, docs_per_program
-):
-    """A program that walks several query chunks (chunk splits capped), over one document or
-    four: the ring of document tiles carries its slots and mbarrier phases from one chunk into
-    the next and from one document into the next, the chunks uneven over the programs (five
-    chunks over one or two programs)."""
+def test_hopper_forward_walks_several_chunks_in_one_program(monkeypatch, normalize, splits):
+    """A program that walks several query chunks (chunk splits capped): the ring of document tiles
+    carries its slots and mbarrier phases from one chunk into the next over the same document,
+    the chunks uneven over the programs (five chunks over one or two programs)."""
     from fusedmaxsim import _launch
     from fusedmaxsim._configs import fwd_config
 
@@ -303,7 +295,7 @@ def test_hopper_forward_walks_several_chunks_in_one_program(
                      norm_from_tiles=normalize)
     assert _launch.chunk_splits(600, cfg.lq_tile, 3, 20, False) == splits
     scores = torch.full((3, 20), float("nan"), device="cuda")
-    _launch.launch_fwd_hopper(cfg, Q, D, scores, normalize, docs_per_program)
+    _launch.launch_fwd_hopper(cfg, Q, D, scores, normalize)
     assert_close_to_reference(scores, maxsim_ref(Q.double(), D.double(), normalize=normalize),
                               BOUNDS[torch.bfloat16][0], "scores")
 
@@ -311,25 +303,28 @@ def test_hopper_forward_walks_several_chunks_in_one_program(
 @hopper_only
 def test_hopper_forward_is_what_the_dispatch_runs_where_it_applies(monkeypatch):
     """``maxsim`` under no_grad takes the Gluon forward for unmasked 16-bit cross products with
-    more programs than SMs, with or without normalization, and the Triton kernel for masks, the
-    smooth max, per-query candidates and training (the argmax saved); each result matches
-    float64."""
+    more programs than SMs, with or without normalization, a single short query included, and
+    the Triton kernel for masks, the smooth max, per-query candidates and training (the argmax
+    saved); each result matches float64."""
     from fusedmaxsim import _launch
 
     calls = []
     launch = _launch.launch_fwd_hopper
     monkeypatch.setattr(_launch, "launch_fwd_hopper", lambda *args: calls.append(1) or launch(*args))
     monkeypatch.setattr(_launch, "HOPPER_MIN_MACS", 0)
-    monkeypatch.setattr(_launch, "HOPPER_NORM_MIN_MACS", 0)
     Q = torch.randn(64, 32, 128, device="cuda", dtype=torch.bfloat16)
     D = torch.randn(80, 150, 128, device="cuda", dtype=torch.bfloat16)
     d_mask = masks_with_holes(D.shape[:-1], "cuda")
+    many_docs = D.repeat(4, 1, 1)
     cases = (
         ("plain", True, lambda: maxsim(Q, D), lambda: maxsim_ref(Q.double(), D.double())),
         ("masked", False, lambda: maxsim(Q, D, d_mask=d_mask),
          lambda: maxsim_ref(Q.double(), D.double(), d_mask=d_mask)),
         ("normalize", True, lambda: maxsim(Q, D, normalize=True),
          lambda: maxsim_ref(Q.double(), D.double(), normalize=True)),
+        # one 32-token query, padded to a 64-row block, against more documents than SMs
+        ("one short query", True, lambda: maxsim(Q[:1], many_docs),
+         lambda: maxsim_ref(Q[:1].double(), many_docs.double())),
         ("smooth max", False, lambda: maxsim(Q, D, reduction="smoothmax"),
          lambda: maxsim_ref(Q.double(), D.double(), reduction="smoothmax")),
         ("candidates", False, lambda: maxsim(Q[:8], D[:16].view(8, 2, 150, 128)),

@@ -89,13 +89,11 @@ if AVAILABLE:
         return 1.0 / gl.maximum(gl.sqrt(gl.sum(x * x, axis=1)), 1e-12)
 
     @gluon.jit
-    def _complete(acc, run_max, d_desc, bars, d_smem, n_tiles, Ld, pass_rows, done, t, o_c,
+    def _complete(acc, run_max, d_desc, bars, d_smem, doc_row, done, t, n_tiles, Ld, o_c,
                   NORMALIZE: gl.constexpr, TILE_LOAD_LAYOUT: gl.constexpr, MASK_TAIL: gl.constexpr):
-        """Tile ``t`` of the current pass (the program's tile ``done + t``) has completed: (with
-        ``NORMALIZE``) scale its columns by the tile's inverse norms, read from its slot before
-        the slot is refilled; refill the slot with the program's tile ``done + t + NUM_STAGES``
-        (:func:`_refill`); fold the tile into the running max (columns from ``Ld`` on masked
-        where ``MASK_TAIL``)."""
+        """Tile ``t``'s product has completed: (with ``NORMALIZE``) scale its columns by the
+        tile's inverse norms, read from its slot before the slot is refilled; refill the slot;
+        fold the tile into the running max (columns from ``Ld`` on masked where ``MASK_TAIL``)."""
         NUM_STAGES: gl.constexpr = d_smem.shape[0]
         BLOCK_N: gl.constexpr = d_smem.shape[1]
         if NORMALIZE:
@@ -104,24 +102,12 @@ if AVAILABLE:
             # Every warp's reads of the slot are done before its refill is issued.
             _cta_barrier()
             acc = acc * gl.expand_dims(inv, 0)
-        _refill(d_desc, bars, d_smem, n_tiles, pass_rows, done, t)
+        refill = t + NUM_STAGES
+        _load_tile(d_desc, bars, d_smem, doc_row + refill * BLOCK_N, (done + t) % NUM_STAGES,
+                   refill < n_tiles)
         if MASK_TAIL:
             acc = gl.where(gl.expand_dims(t * BLOCK_N + o_c < Ld, 0), acc, float("-inf"))
         return _max_nan(run_max, acc)
-
-    @gluon.jit
-    def _refill(d_desc, bars, d_smem, n_tiles, pass_rows, done, t):
-        """Load the program's tile ``done + t + NUM_STAGES`` into the slot that tile ``done + t``
-        has freed: tile ``t + NUM_STAGES`` of this pass or, past its end, one of the next pass's
-        first tiles. ``pass_rows`` = (this pass's document row, the next pass's, whether the
-        refills run on into the next pass: there is one, and a pass fills the ring)."""
-        NUM_STAGES: gl.constexpr = d_smem.shape[0]
-        BLOCK_N: gl.constexpr = d_smem.shape[1]
-        this_row, next_row, into_next = pass_rows
-        ahead = t + NUM_STAGES
-        in_next = ahead >= n_tiles
-        row = gl.where(in_next, next_row + (ahead - n_tiles) * BLOCK_N, this_row + ahead * BLOCK_N)
-        _load_tile(d_desc, bars, d_smem, row, (done + t) % NUM_STAGES, (ahead < n_tiles) | into_next)
 
     @gluon.jit
     def _issue(q_smem, d_smem, bars, acc, tile):
@@ -139,8 +125,7 @@ if AVAILABLE:
         mbarrier.expect(bars.index(slot), d_desc.block_type.nbytes, pred=pred)
         _tma_load(d_desc, [row, 0], bars.index(slot), d_smem.index(slot), pred=pred)
 
-    @gluon.jit(do_not_specialize=["Nq", "Ncols", "Lq", "Ld", "n_splits", "stride_out_split",
-                                  "docs_per_program"])
+    @gluon.jit(do_not_specialize=["Nq", "Ncols", "Lq", "Ld", "n_splits", "stride_out_split"])
     def _maxsim_fwd_overlap_kernel(
         Q,
         d_desc,
@@ -153,7 +138,6 @@ if AVAILABLE:
         stride_out_split,
         stride_q_seq,
         stride_q_tok,
-        docs_per_program,
         LQ_TILE: gl.constexpr,
         QUERIES_PER_BLOCK: gl.constexpr,
         BLOCK_N: gl.constexpr,
@@ -172,12 +156,11 @@ if AVAILABLE:
         rows_of: gl.constexpr = gl.SliceLayout(1, mma)
         cols_of: gl.constexpr = gl.SliceLayout(0, mma)
 
+        i_col = gl.program_id(0) // n_splits
         i_split = gl.program_id(0) % n_splits
         i_blk = gl.program_id(1)
-        doc_lo = gl.program_id(0) // n_splits * docs_per_program
-        n_docs = gl.minimum(docs_per_program, Ncols - doc_lo)
+        doc_row = i_col * Ld
         n_tiles = gl.cdiv(Ld, BLOCK_N)
-        n_chunks = gl.cdiv(Lq - i_split * LQ_TILE, n_splits * LQ_TILE)
 
         q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [BLOCK_M, BLOCK_K], Q_SMEM_LAYOUT)
         d_smem = gl.allocate_shared_memory(d_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K],
@@ -193,84 +176,69 @@ if AVAILABLE:
         lq_query = i_blk * QUERIES_PER_BLOCK + lq_r // LQ_TILE
         lq_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, q_load))
         zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+        row_sums = gl.zeros([BLOCK_M], gl.float32, rows_of)
 
         done = 0  # document tiles consumed so far: tile `done + t` uses slot (done + t) % NUM_STAGES
-        if NORMALIZE:
-            q_inv = gl.zeros([BLOCK_M], gl.float32, rows_of)
-        for i_col in range(doc_lo, doc_lo + n_docs):
-            row_sums = gl.zeros([BLOCK_M], gl.float32, rows_of)
-            for chunk in range(i_split * LQ_TILE, Lq, n_splits * LQ_TILE):
-                # The query chunk through registers into shared memory (rows past the query or
-                # the batch as zeros), once a program where it has one chunk; the previous
-                # pass's products have all completed.
-                if (n_chunks > 1) | (i_col == doc_lo):
-                    lq_s = chunk + lq_r % LQ_TILE
-                    lq_valid = (lq_query < Nq) & (lq_s < Lq)
-                    ptrs = Q + gl.expand_dims(lq_query.to(gl.int64) * stride_q_seq
-                                              + lq_s * stride_q_tok, 1) + gl.expand_dims(lq_k, 0)
-                    b_q = gl.load(ptrs, mask=gl.expand_dims(lq_valid, 1), other=0.0)
-                    q_smem.store(b_q)
-                    fence_async_shared()
-                    if NORMALIZE:
-                        q_inv = gl.convert_layout(_inverse_norms(b_q), rows_of)
+        for chunk in range(i_split * LQ_TILE, Lq, n_splits * LQ_TILE):
+            # The query chunk through registers into shared memory (rows past the query or the
+            # batch as zeros); the previous chunk's products have all completed.
+            lq_s = chunk + lq_r % LQ_TILE
+            lq_valid = (lq_query < Nq) & (lq_s < Lq)
+            ptrs = Q + gl.expand_dims(lq_query.to(gl.int64) * stride_q_seq + lq_s * stride_q_tok, 1) \
+                + gl.expand_dims(lq_k, 0)
+            b_q = gl.load(ptrs, mask=gl.expand_dims(lq_valid, 1), other=0.0)
+            q_smem.store(b_q)
+            fence_async_shared()
+            if NORMALIZE:
+                q_inv = gl.convert_layout(_inverse_norms(b_q), rows_of)
 
-                # A pass's first tiles: loaded by the previous pass's refills where passes fill
-                # the ring, else here.
-                if (done == 0) | (n_tiles < NUM_STAGES):
-                    for s in gl.static_range(NUM_STAGES):
-                        _load_tile(d_desc, bars, d_smem, i_col * Ld + s * BLOCK_N,
-                                   (done + s) % NUM_STAGES, s < n_tiles)
-                more_chunks = chunk + n_splits * LQ_TILE < Lq
-                pass_rows = (i_col * Ld, gl.where(more_chunks, i_col * Ld, (i_col + 1) * Ld),
-                             (more_chunks | (i_col + 1 < doc_lo + n_docs)) & (n_tiles >= NUM_STAGES))
-                # The element-wise running max over the tiles, reduced over its columns once a
-                # pass.
-                run_max = gl.full([BLOCK_M, BLOCK_N], float("-inf"), gl.float32, mma)
-                # Two products alternate in fixed registers, `acc_a` and `acc_b`: one in flight
-                # while the other is folded. (A loop that copied the product in flight from one
-                # variable to the other would read its registers before the wait, and ptxas then
-                # serializes every product: C7514.) The previous value is the accumulator
-                # operand, ignored (`use_acc=False`), so that each product writes over the
-                # registers it replaces.
-                acc_a = _issue(q_smem, d_smem, bars, zero, done)
-                acc_b = zero
-                t = 1
-                for _ in range(0, (n_tiles - 1) // 2):
-                    acc_b = _issue(q_smem, d_smem, bars, acc_b, done + t)
-                    acc_a = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
-                    run_max = _complete(acc_a, run_max, d_desc, bars, d_smem, n_tiles, Ld, pass_rows,
-                                        done, t - 1, o_c, NORMALIZE, TILE_LOAD_LAYOUT, False)
-                    acc_a = _issue(q_smem, d_smem, bars, acc_a, done + t + 1)
-                    acc_b = warpgroup_mma_wait(num_outstanding=1, deps=(acc_b,))
-                    run_max = _complete(acc_b, run_max, d_desc, bars, d_smem, n_tiles, Ld, pass_rows,
-                                        done, t, o_c, NORMALIZE, TILE_LOAD_LAYOUT, False)
-                    t += 2
-                # The last tile may run past the document: its columns from Ld on are masked.
-                if t < n_tiles:
-                    pending = _issue(q_smem, d_smem, bars, acc_b, done + t)
-                    before_last = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
-                    run_max = _complete(before_last, run_max, d_desc, bars, d_smem, n_tiles, Ld,
-                                        pass_rows, done, t - 1, o_c, NORMALIZE, TILE_LOAD_LAYOUT,
-                                        False)
-                    last = warpgroup_mma_wait(num_outstanding=0, deps=(pending,))
-                else:
-                    last = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a,))
-                run_max = _complete(last, run_max, d_desc, bars, d_smem, n_tiles, Ld, pass_rows, done,
-                                    n_tiles - 1, o_c, NORMALIZE, TILE_LOAD_LAYOUT, True)
-                done += n_tiles
+            for s in gl.static_range(NUM_STAGES):
+                _load_tile(d_desc, bars, d_smem, doc_row + s * BLOCK_N, (done + s) % NUM_STAGES, s < n_tiles)
 
-                row_max = gl.reduce(run_max, 1, _max_nan)
-                o_s = chunk + o_r % LQ_TILE
-                m_row = (o_query < Nq) & (o_s < Lq)
-                if NORMALIZE:
-                    row_max = row_max * q_inv
-                row_sums += gl.where(m_row, row_max, 0.0)
+            # The element-wise running max over the tiles, reduced over its columns once per chunk.
+            run_max = gl.full([BLOCK_M, BLOCK_N], float("-inf"), gl.float32, mma)
+            # Two products alternate in fixed registers, `acc_a` and `acc_b`: one in flight while
+            # the other is folded. (A loop that copied the product in flight from one variable to
+            # the other would read its registers before the wait, and ptxas then serializes every
+            # product: C7514.) The previous value is the accumulator operand, ignored
+            # (`use_acc=False`), so that each product writes over the registers it replaces.
+            acc_a = _issue(q_smem, d_smem, bars, zero, done)
+            acc_b = zero
+            t = 1
+            for _ in range(0, (n_tiles - 1) // 2):
+                acc_b = _issue(q_smem, d_smem, bars, acc_b, done + t)
+                acc_a = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
+                run_max = _complete(acc_a, run_max, d_desc, bars, d_smem, doc_row, done, t - 1,
+                                    n_tiles, Ld, o_c, NORMALIZE, TILE_LOAD_LAYOUT, False)
+                acc_a = _issue(q_smem, d_smem, bars, acc_a, done + t + 1)
+                acc_b = warpgroup_mma_wait(num_outstanding=1, deps=(acc_b,))
+                run_max = _complete(acc_b, run_max, d_desc, bars, d_smem, doc_row, done, t,
+                                    n_tiles, Ld, o_c, NORMALIZE, TILE_LOAD_LAYOUT, False)
+                t += 2
+            # The last tile may run past the document: its columns from Ld on are masked.
+            if t < n_tiles:
+                pending = _issue(q_smem, d_smem, bars, acc_b, done + t)
+                before_last = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
+                run_max = _complete(before_last, run_max, d_desc, bars, d_smem, doc_row, done,
+                                    t - 1, n_tiles, Ld, o_c, NORMALIZE, TILE_LOAD_LAYOUT, False)
+                last = warpgroup_mma_wait(num_outstanding=0, deps=(pending,))
+            else:
+                last = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a,))
+            run_max = _complete(last, run_max, d_desc, bars, d_smem, doc_row, done, n_tiles - 1,
+                                n_tiles, Ld, o_c, NORMALIZE, TILE_LOAD_LAYOUT, True)
+            done += n_tiles
 
-            out = Out + i_split.to(gl.int64) * stride_out_split + i_col
-            for q in gl.static_range(QUERIES_PER_BLOCK):
-                query = i_blk * QUERIES_PER_BLOCK + q
-                total = gl.sum(gl.where(o_r // LQ_TILE == q, row_sums, 0.0), axis=0)
-                gl.store(out + query.to(gl.int64) * Ncols, total, mask=query < Nq)
+            row_max = gl.reduce(run_max, 1, _max_nan)
+            o_s = chunk + o_r % LQ_TILE
+            m_row = (o_query < Nq) & (o_s < Lq)
+            if NORMALIZE:
+                row_max = row_max * q_inv
+            row_sums += gl.where(m_row, row_max, 0.0)
 
         for s in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(bars.index(s))
+        out = Out + i_split.to(gl.int64) * stride_out_split + i_col
+        for q in gl.static_range(QUERIES_PER_BLOCK):
+            query = i_blk * QUERIES_PER_BLOCK + q
+            total = gl.sum(gl.where(o_r // LQ_TILE == q, row_sums, 0.0), axis=0)
+            gl.store(out + query.to(gl.int64) * Ncols, total, mask=query < Nq)

@@ -374,14 +374,14 @@ def _launch_fwd(
     _launch_query_slices(launch_slice, scores, qpb, splits)
 
 
-# The Gluon forward (``_kernels_hopper``, NOTES.md sections 30-31): its (document tile, stages,
+# The Gluon forward (``_kernels_hopper``, NOTES.md sections 30-32): its (document tile, stages,
 # warps) for the plain and the normalizing variant, the fastest of the 32- and 64-token tiles,
 # 3 to 6 stages and 4 or 8 warps measured; and the least work (multiply-adds) for which each is
-# taken. Its call costs the host ~26 µs more than the Triton kernel's (the TMA descriptor is
-# encoded on every launch). The plain variant saves 5-17% of the GPU time, so it pays from ~0.2
-# ms of GPU time on: at rerank_colpali's 2^34 multiply-adds (0.085 ms) it saved 7 µs, less than
-# it cost a single call. The normalizing one saves 11-21% (rerank_colpali_norm, 2^34: 0.137 →
-# 0.116 ms), so it pays from about half that work.
+# taken. It saves 5-17% of the GPU time of the plain forward (rerank_colbert's 2^30 multiply-adds:
+# 0.0354 → 0.031-0.033 ms; rerank_colpali's 2^34: 0.085 → 0.078) and 11-21% of the normalizing
+# one. Its launch costs the host a few µs more than the Triton kernel's (Triton encodes the TMA
+# descriptor on every launch; section 32 measured 0-14 µs, within that host's noise), less than
+# it saves the GPU from rerank_colbert's size on.
 _HOPPER_TILES = (64, 4, 4)
 # Several short queries packed into a block: 3 stages (batch_colbert 0.355 against 0.373 ms at
 # 4, in two runs).
@@ -390,16 +390,12 @@ _HOPPER_NORM_TILES = (64, 4, 4)
 # One short query a block, padded to 64 rows (rerank_colbert: 0.0330 ms against 0.0379-0.0398
 # at 64-token tiles, record 2026-12-01_126203e).
 _HOPPER_SHORT_TILES = (32, 6, 4)
-# Programs an SM that the Gluon forward's grid aims at, grouping documents per program beyond it
-# (hopper_docs_per_program).
-_HOPPER_PROGRAMS_PER_SM = 1 << 30
 
 
 # d = 64 ran slower than the Triton kernel (0.133 against 0.117 ms at 64 x 32 against 512 x 300);
 # the kernel itself takes 64 (tested), the dispatch does not.
 _HOPPER_DIMS = (128,)
-HOPPER_MIN_MACS = 1 << 35
-HOPPER_NORM_MIN_MACS = 1 << 33
+HOPPER_MIN_MACS = 1 << 30
 HOPPER_KERNEL = os.environ.get("FUSEDMAXSIM_HOPPER_KERNEL", "1") != "0"
 
 
@@ -429,17 +425,21 @@ def hopper_forward_applies(cfg, Q: Tensor, D: Tensor) -> bool:
         D.dim() == 3 and Q.dtype in (torch.bfloat16, torch.float16) and D.dtype == Q.dtype
         and dim == cfg.block_k and dim in _HOPPER_DIMS and D.is_contiguous()
         and D.data_ptr() % 16 == 0
-        and D.shape[0] * D.shape[1] < 2**31
-        and hopper_block(cfg).lq_tile * hopper_block(cfg).queries_per_block in (64, 128)
+        and D.shape[0] * D.shape[1] < 2**31 and _block_rows(hopper_block(cfg)) in (64, 128)
     )
+
+
+def _block_rows(cfg) -> int:
+    return cfg.lq_tile * cfg.queries_per_block
 
 
 @functools.lru_cache(maxsize=256)
 def hopper_block(cfg):
     """``cfg`` with at least 64 query rows a block, the least a warp-group product takes: a
     block of fewer (one short query) is padded with empty query slots."""
-    rows = cfg.lq_tile * cfg.queries_per_block
-    return cfg if rows >= 64 else dataclasses.replace(cfg, queries_per_block=64 // cfg.lq_tile)
+    if _block_rows(cfg) >= 64:
+        return cfg
+    return dataclasses.replace(cfg, queries_per_block=64 // cfg.lq_tile)
 
 
 @functools.lru_cache(maxsize=None)
@@ -487,14 +487,6 @@ def _hopper_constants(*args) -> Constants:
     return constants(**hopper_constexprs(*args))
 
 
-def hopper_docs_per_program(cfg, Nq: int, Lq: int, Ncols: int, splits: int, sm_count: int) -> int:
-    """How many documents one program of the Gluon forward streams, its tiles one ring: enough
-    that the grid holds about ``_HOPPER_PROGRAMS_PER_SM`` programs an SM (none fewer than one
-    document)."""
-    programs = Ncols * _cdiv(Nq, cfg.queries_per_block) * splits
-    return max(1, programs // (_HOPPER_PROGRAMS_PER_SM * sm_count))
-
-
 def _tensor_descriptor(template, base: Tensor, shape: list, strides: list):
     """``template`` (a Gluon ``TensorDescriptor``) for another base tensor, shape and strides,
     without its constructor's checks, about 4 µs of host time a launch: the caller has made
@@ -513,15 +505,11 @@ def _descriptor_template(torch_dtype: torch.dtype, block_n: int, dim: int, layou
     return desc if hasattr(desc, "__dict__") and not hasattr(desc, "__slots__") else None
 
 
-def launch_fwd_hopper(
-    cfg, Q: Tensor, D: Tensor, scores: Tensor, normalize: bool = False,
-    docs_per_program: int | None = None,
-) -> None:
+def launch_fwd_hopper(cfg, Q: Tensor, D: Tensor, scores: Tensor, normalize: bool = False) -> None:
     """The inference forward through ``_kernels_hopper`` (the caller checked
-    :func:`hopper_forward_applies`), query chunks split over programs as in :func:`_launch_fwd`
-    and documents grouped per program by :func:`hopper_docs_per_program` (or
-    ``docs_per_program``); with ``normalize``, of normalized tokens with their norms computed
-    from the tiles."""
+    :func:`hopper_forward_applies`), query chunks split over programs as in :func:`_launch_fwd`;
+    with ``normalize``, of normalized tokens with their norms computed from the tiles; a block
+    of fewer than 64 query rows padded to 64 (:func:`hopper_block`)."""
     Nq, Lq, dim = Q.shape
     Ncols, Ld = D.shape[0], D.shape[1]
     if Q.stride(-1) != 1:
@@ -543,18 +531,15 @@ def launch_fwd_hopper(
     else:
         d_desc = _tensor_descriptor(template, documents, [Ncols * Ld, dim], [dim, 1])
     splits = chunk_splits(Lq, cfg.lq_tile, Nq, Ncols, False)
-    if docs_per_program is None:
-        docs_per_program = hopper_docs_per_program(cfg, Nq, Lq, Ncols, splits, _sm_count(Q.device))
     consts = _hopper_constants(Q.dtype, cfg.lq_tile, qpb, block_n, stages, dim, warps, normalize)
     kernel = launcher(_kernels_hopper._maxsim_fwd_overlap_kernel)
-    doc_groups = _cdiv(Ncols, docs_per_program)
 
     def launch_slice(rows, out, stride_out_split):
         q = _take(Q, rows)
         kernel(
-            (doc_groups * splits, _cdiv(q.shape[0], qpb)),
+            (Ncols * splits, _cdiv(q.shape[0], qpb)),
             (q, d_desc, out, q.shape[0], Ncols, Lq, Ld, splits, stride_out_split, q.stride(0),
-             q.stride(1), docs_per_program),
+             q.stride(1)),
             consts,
         )
 
@@ -615,8 +600,7 @@ def maxsim_fwd(
                           or tau)
     if (
         HOPPER_KERNEL and hopper_variant and not _configs.is_forced()
-        and Nq * Lq * Ncols * Ld * dim >= (HOPPER_NORM_MIN_MACS if norm_from_tiles
-                                           else HOPPER_MIN_MACS)
+        and Nq * Lq * Ncols * Ld * dim >= HOPPER_MIN_MACS
         # More programs than SMs: on a grid of at most one program an SM the Triton kernel's
         # 8-warp tiles are faster (longdoc: 0.066 against 0.079 ms).
         and not _configs.few_programs(Nq, cfg.queries_per_block, Ncols, _sm_count(device))
