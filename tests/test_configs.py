@@ -166,3 +166,38 @@ def test_a_failing_gluon_forward_falls_back_to_triton(device, monkeypatch):
     want = maxsim_ref(Q.double(), D.double()).float()
     torch.testing.assert_close(first, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(second, first)
+
+
+def test_a_short_query_block_is_padded_to_the_warp_group_rows():
+    """The Gluon forward takes blocks of 64 or 128 query rows: a single 32- or 16-token query is
+    padded with empty query slots to 64 rows; blocks of 64 rows or more stay as they are."""
+    from fusedmaxsim import _launch
+
+    for Lq, Nq in ((32, 1), (16, 1), (128, 1), (32, 64)):
+        cfg = fwd_config(Lq=Lq, dim=128, Nq=Nq, per_query_docs=False, elem_bytes=2)
+        block = _launch.hopper_block(cfg)
+        rows = block.lq_tile * block.queries_per_block
+        assert rows == max(64, cfg.lq_tile * cfg.queries_per_block)
+        assert block.lq_tile == cfg.lq_tile
+        assert (block is cfg) == (cfg.lq_tile * cfg.queries_per_block >= 64)
+
+
+def test_the_gluon_descriptor_from_a_template_equals_the_constructed_one():
+    """The launcher builds the documents' TMA descriptor from a cached template without the
+    constructor's checks: every field equal to the one the constructor builds."""
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from fusedmaxsim import _launch
+
+    layout = _launch.hopper_layouts(torch.bfloat16, 64, 32, 128)[1]
+    template = _launch._descriptor_template(torch.bfloat16, 32, 128, layout)
+    if template is None:
+        pytest.skip("this Triton's descriptor is not a plain dataclass: the constructor serves")
+    documents = torch.randn(7 * 300, 128, dtype=torch.bfloat16)
+    built = _launch._tensor_descriptor(template, documents, [7 * 300, 128], [128, 1])
+    want = TensorDescriptor(documents, [7 * 300, 128], [128, 1], [32, 128], layout)
+    assert type(built) is type(want)
+    assert built.__dict__.keys() == want.__dict__.keys()
+    for name, value in want.__dict__.items():
+        assert getattr(built, name) is value if name == "base" else getattr(built, name) == value
