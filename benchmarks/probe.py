@@ -671,11 +671,13 @@ def graph_times() -> None:
     for name in ("rerank_colbert", "small_batch", "rerank_colpali"):
         case = bm.make_case(bm.SHAPES_BY_NAME[name], "inference", "cuda")
         print(f"-- {name}")
-        for key in ("fusedmaxsim", "lik", "flash", "naive"):
-            provider = bm.PROVIDERS_BY_KEY.get(key)
+        for key in ("fusedmaxsim", "fusedmaxsim, Triton forward", "lik", "flash", "naive"):
+            provider = bm.PROVIDERS_BY_KEY.get(key.split(",")[0])
             if provider.module and importlib.util.find_spec(provider.module) is None:
                 continue
             step = bm.make_step(provider.build(case), case)
+            if key.endswith("Triton forward"):
+                step = _without_gluon(step)
             eager = do_bench(step, warmup=25, rep=100)
             issue = wall_us(step, issue_only=True)
             try:
@@ -687,8 +689,21 @@ def graph_times() -> None:
                 replay = f"{do_bench(graph.replay, warmup=25, rep=100):.4f} ms"
             except Exception as exc:  # noqa: BLE001
                 replay = f"not capturable ({type(exc).__name__})"
-            print(f"  {key:12s} eager {eager:.4f} ms  graph replay {replay}  issue {issue:6.1f} us",
+            print(f"  {key:28s} eager {eager:.4f} ms  graph replay {replay}  issue {issue:6.1f} us",
                   flush=True)
+
+
+def _without_gluon(fn):
+    """``fn`` with the Gluon forward off while it runs (the Triton forward's call)."""
+    def call():
+        saved = _launch.HOPPER_KERNEL
+        _launch.HOPPER_KERNEL = False
+        try:
+            return fn()
+        finally:
+            _launch.HOPPER_KERNEL = saved
+
+    return call
 
 
 
