@@ -416,8 +416,8 @@ def hopper_forward_applies(cfg, Q: Tensor, D: Tensor) -> bool:
     """Whether ``_kernels_hopper`` can run this inference forward (the argmax, masks, precomputed
     norms and the smooth max are the caller's to exclude): an NVIDIA Hopper GPU with Gluon, the
     cross product of 16-bit inputs with ``dim`` equal to the tile's (128), 64 or 128 rows a
-    block, documents contiguous and 16-byte aligned for TMA, and rows that fit its int32
-    coordinates."""
+    block (fewer padded to 64, :func:`hopper_block`), documents contiguous and 16-byte aligned
+    for TMA, and rows that fit its int32 coordinates."""
     if not (_kernels_hopper.AVAILABLE and _measured_tiles(Q.device)):
         return False
     dim = Q.shape[-1]
