@@ -378,10 +378,9 @@ def _launch_fwd(
 # warps) for the plain and the normalizing variant, the fastest of the 32- and 64-token tiles,
 # 3 to 6 stages and 4 or 8 warps measured; and the least work (multiply-adds) for which each is
 # taken. It saves 5-17% of the GPU time of the plain forward (rerank_colbert's 2^30 multiply-adds:
-# 0.0354 → 0.031-0.033 ms; rerank_colpali's 2^34: 0.085 → 0.078) and 11-21% of the normalizing
-# one. Its launch costs the host a few µs more than the Triton kernel's (Triton encodes the TMA
-# descriptor on every launch; section 32 measured 0-14 µs, within that host's noise), less than
-# it saves the GPU from rerank_colbert's size on.
+# 0.036 → 0.033-0.034 ms; rerank_colpali's 2^34: 0.085 → 0.079) and 11-21% of the normalizing
+# one. Its launch alone costs the host about what the Triton kernel's does (section 32: 1-14 µs
+# more; a whole call 15-40 µs more on a noisy host, where the same path's calls differed by 35).
 _HOPPER_TILES = (64, 4, 4)
 # Several short queries packed into a block: 3 stages (batch_colbert 0.355 against 0.373 ms at
 # 4, in two runs).
