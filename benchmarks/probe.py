@@ -13,7 +13,7 @@ argmax and normalize variants. GPU times by ``triton.testing.do_bench``
     PYTHONPATH=src python3 benchmarks/probe.py [normalize] [kd] [smooth] [masked] [rerank] [memory] [cold]
         [small] [stages] [cold_profile] [steps] [host] [fwd_tiles] [launch] [chunks]
         [query_registers] [graph_times] [wide_rows] [winner_index] [chunk_splits] [occupancy]
-        [hopper_forward] [hopper_host] [hopper_variants] [short_query]
+        [hopper_forward] [hopper_host] [hopper_variants] [short_query] [norms_ahead]
 """
 
 from __future__ import annotations
@@ -1115,6 +1115,96 @@ def hopper_variants() -> None:
         print(row, flush=True)
 
 
+def norms_ahead() -> None:
+    """The Gluon forward of this tree (each tile's norms read before its product is issued, in
+    sums of eight; benchmarks/NOTES.md section 33) against that of ``d5f293f``
+    (``benchmarks/hopper_forward_d5f293f.py``, a copy kept for this comparison), both at the
+    dispatched tiles, interleaved in three rounds; then this tree's normalizing forward under
+    3 and 5 stages."""
+    import importlib.util as util
+
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    spec = util.spec_from_file_location(
+        "hopper_forward_d5f293f", Path(__file__).with_name("hopper_forward_d5f293f.py"))
+    before = util.module_from_spec(spec)
+    spec.loader.exec_module(before)
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+
+    warm = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(200):
+        warm @ warm
+    del warm
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = (
+        ("rerank_colpali_norm", True, (1, 128, 128), (1000, 1024, 128)),
+        ("rerank_colpali_1030, normalize", True, (1, 1030, 128), (1000, 1030, 128)),
+        ("batch_colbert, normalize", True, (256, 32, 128), (256, 300, 128)),
+        ("longquery, normalize", True, (4, 2048, 128), (64, 1024, 128)),
+        ("rerank_colbert, normalize", True, (1, 32, 128), (1000, 300, 128)),
+        ("rerank_colpali", False, (1, 128, 128), (1000, 1024, 128)),
+        ("batch_colbert", False, (256, 32, 128), (256, 300, 128)),
+        ("rerank_colbert", False, (1, 32, 128), (1000, 300, 128)),
+        ("train_colpali's shape, scores", False, (128, 128, 128), (128, 1024, 128)),
+    )
+    for name, normalize, q_shape, d_shape in shapes:
+        Q, D = rand(*q_shape), rand(*d_shape)
+        Nq, Lq, dim = q_shape
+        Ncols, Ld = d_shape[0], d_shape[1]
+        cfg = fwd_config(Lq=Lq, dim=dim, Nq=Nq, per_query_docs=False, elem_bytes=2,
+                         norm_from_tiles=normalize, n_cols=Ncols, sm_count=sm_count)
+        block = _launch.hopper_block(cfg)
+        qpb = block.queries_per_block
+        block_n, stages, warps = (_launch._HOPPER_NORM_TILES if normalize
+                                  else _launch._HOPPER_SHORT_TILES if block is not cfg
+                                  else _launch._HOPPER_PACKED_TILES if qpb > 1
+                                  else _launch._HOPPER_TILES)
+        splits = _launch.chunk_splits(Lq, cfg.lq_tile, Nq, Ncols, False)
+        consts = _launch.hopper_constexprs(Q.dtype, cfg.lq_tile, qpb, block_n, stages, dim, warps,
+                                           normalize)
+        layout = _launch.hopper_layouts(Q.dtype, cfg.lq_tile * qpb, block_n, dim, warps)[1]
+        flat = D.view(Ncols * Ld, dim)
+        desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [block_n, dim], layout)
+        out = torch.empty((splits, Nq, Ncols), device="cuda")
+
+        def old():
+            before._maxsim_fwd_overlap_kernel[(Ncols * splits, -(-Nq // qpb))](
+                Q, desc, out, Nq, Ncols, Lq, Ld, splits, out.stride(0), Q.stride(0), Q.stride(1),
+                **consts)
+            return out.sum(0) if splits > 1 else out[0]
+
+        scores = torch.empty(Nq, Ncols, device="cuda")
+
+        def new():
+            _launch.launch_fwd_hopper(cfg, Q, D, scores, normalize)
+            return scores
+
+        ref = maxsim_ref(Q.double(), D[:50].double(), normalize=normalize)
+        got_old, got_new = old().clone(), new().clone()
+        row = (f"-- {name} ({block_n}-token tiles, {stages} stages, {splits} splits; old/new "
+               f"{relative_error(got_old, got_new):.0e} apart, new {relative_error(got_new[:, :50], ref):.0e} "
+               f"from float64)")
+        if relative_error(got_old, got_new) > 1e-5:
+            row += " PARITY FAILED"
+        times = {"d5f293f": [], "this tree": []}
+        for _ in range(3):
+            times["d5f293f"].append(bench(old))
+            times["this tree"].append(bench(new))
+        for label, values in times.items():
+            row += f"\n   {label:10s} " + " ".join(f"{v:.4f}" for v in values)
+        if normalize:
+            saved = _launch._HOPPER_NORM_TILES
+            for other in ((64, 3, 4), (64, 5, 4)):
+                _launch._HOPPER_NORM_TILES = other
+                try:
+                    row += f"\n   this tree at {other}: {bench(new):.4f}"
+                finally:
+                    _launch._HOPPER_NORM_TILES = saved
+        print(row, flush=True)
+
+
 if __name__ == "__main__":
     wanted = set(sys.argv[1:]) or {"normalize", "kd", "smooth"}
     for name, probe in (("normalize", normalize_sweep), ("kd", kd_split), ("smooth", smooth_vs_naive),
@@ -1127,7 +1217,7 @@ if __name__ == "__main__":
                         ("winner_index", winner_index), ("chunk_splits", chunk_splits_ab),
                         ("occupancy", occupancy), ("hopper_forward", hopper_forward),
                         ("hopper_host", hopper_host), ("hopper_variants", hopper_variants),
-                        ("short_query", short_query)):
+                        ("short_query", short_query), ("norms_ahead", norms_ahead)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()

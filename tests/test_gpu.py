@@ -301,6 +301,33 @@ def test_hopper_forward_walks_several_chunks_in_one_program(monkeypatch, normali
 
 
 @hopper_only
+@pytest.mark.parametrize("normalize", [False, True], ids=["scores", "normalize"])
+def test_hopper_forward_without_a_descriptor_template(monkeypatch, normalize):
+    """Under a Triton whose TMA descriptor is not a plain dataclass, the launcher builds the
+    descriptor with its constructor instead of copying a template: the same scores, bit for
+    bit."""
+    from fusedmaxsim import _launch
+    from fusedmaxsim._configs import fwd_config
+
+    Q = torch.randn(5, 128, 128, device="cuda", dtype=torch.bfloat16)
+    D = torch.randn(30, 333, 128, device="cuda", dtype=torch.bfloat16)
+    cfg = fwd_config(Lq=128, dim=128, Nq=5, per_query_docs=False, elem_bytes=2,
+                     norm_from_tiles=normalize)
+    with_template = torch.full((5, 30), float("nan"), device="cuda")
+    _launch.launch_fwd_hopper(cfg, Q, D, with_template, normalize)
+    plan = _launch._hopper_plan
+    monkeypatch.setattr(_launch, "_hopper_plan",
+                        lambda *args: (*plan(*args)[:2], None, plan(*args)[3]))
+    constructed = torch.full((5, 30), float("nan"), device="cuda")
+    _launch.launch_fwd_hopper(cfg, Q, D, constructed, normalize)
+    assert plan(torch.bfloat16, cfg.lq_tile, 1, 128, normalize, _launch._HOPPER_NORM_TILES
+                if normalize else _launch._HOPPER_TILES)[2] is not None
+    assert torch.equal(constructed, with_template)
+    assert_close_to_reference(constructed, maxsim_ref(Q.double(), D.double(), normalize=normalize),
+                              BOUNDS[torch.bfloat16][0], "scores")
+
+
+@hopper_only
 def test_hopper_forward_is_what_the_dispatch_runs_where_it_applies(monkeypatch):
     """``maxsim`` under no_grad takes the Gluon forward for unmasked 16-bit cross products with
     more programs than SMs, with or without normalization, a single short query included, and

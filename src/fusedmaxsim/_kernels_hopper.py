@@ -85,40 +85,55 @@ if AVAILABLE:
     def _inverse_norms(x):
         """``1 / max(‖row‖, 1e-12)`` in fp32 for each row of a register tile, as the Triton
         kernel's ``_inverse_norm`` (``F.normalize``'s eps)."""
+        ROWS: gl.constexpr = x.shape[0]
+        DIM: gl.constexpr = x.shape[1]
         x = x.to(gl.float32)
-        return 1.0 / gl.maximum(gl.sqrt(gl.sum(x * x, axis=1)), 1e-12)
+        # Sums of eight squares first: independent of each other, where one running sum over a
+        # thread's 32 squares would be a chain of 32 dependent adds.
+        eights = gl.sum(gl.reshape(x * x, [ROWS, DIM // 8, 8]), axis=2)
+        return 1.0 / gl.maximum(gl.sqrt(gl.sum(eights, axis=1)), 1e-12)
 
     @gluon.jit
-    def _complete(acc, run_max, d_desc, bars, d_smem, doc_row, done, t, n_tiles, Ld, o_c,
-                  NORMALIZE: gl.constexpr, TILE_LOAD_LAYOUT: gl.constexpr, MASK_TAIL: gl.constexpr):
-        """Tile ``t``'s product has completed: (with ``NORMALIZE``) scale its columns by the
-        tile's inverse norms, read from its slot before the slot is refilled; refill the slot;
-        fold the tile into the running max (columns from ``Ld`` on masked where ``MASK_TAIL``)."""
+    def _complete(acc, inv, run_max, d_desc, bars, d_smem, doc_row, done, t, n_tiles, Ld, o_c,
+                  NORMALIZE: gl.constexpr, MASK_TAIL: gl.constexpr):
+        """Tile ``t``'s product has completed: refill its slot, (with ``NORMALIZE``) scale its
+        columns by the tile's inverse norms ``inv``, and fold it into the running max (columns
+        from ``Ld`` on masked where ``MASK_TAIL``)."""
         NUM_STAGES: gl.constexpr = d_smem.shape[0]
         BLOCK_N: gl.constexpr = d_smem.shape[1]
         if NORMALIZE:
-            tile = d_smem.index((done + t) % NUM_STAGES).load(TILE_LOAD_LAYOUT)
-            inv = gl.convert_layout(_inverse_norms(tile), gl.SliceLayout(0, acc.type.layout))
-            # Every warp's reads of the slot are done before its refill is issued.
+            # Every warp's reads of the slot (its norms, before its product) are done before
+            # its refill is issued.
             _cta_barrier()
-            acc = acc * gl.expand_dims(inv, 0)
         refill = t + NUM_STAGES
         _load_tile(d_desc, bars, d_smem, doc_row + refill * BLOCK_N, (done + t) % NUM_STAGES,
                    refill < n_tiles)
+        if NORMALIZE:
+            acc = acc * gl.expand_dims(inv, 0)
         if MASK_TAIL:
             acc = gl.where(gl.expand_dims(t * BLOCK_N + o_c < Ld, 0), acc, float("-inf"))
         return _max_nan(run_max, acc)
 
     @gluon.jit
-    def _issue(q_smem, d_smem, bars, acc, tile):
+    def _issue(q_smem, d_smem, bars, acc, tile, NORMALIZE: gl.constexpr,
+               TILE_LOAD_LAYOUT: gl.constexpr):
         """The product of the query chunk with document tile ``tile`` (counted over the program),
         issued once its TMA load has landed; not waited for. ``acc`` is ignored
-        (``use_acc=False``): it names the registers the product is written over."""
+        (``use_acc=False``): it names the registers the product is written over. With
+        ``NORMALIZE``, first the tile's inverse norms, read back from its slot (four threads a
+        token) into the product's column layout: here, where one product is in flight and the
+        other's registers are free, the reads and sums have the registers to run side by side."""
         NUM_STAGES: gl.constexpr = d_smem.shape[0]
         slot = tile % NUM_STAGES
         mbarrier.wait(bars.index(slot), (tile // NUM_STAGES) & 1)
-        return warpgroup_mma(q_smem, d_smem.index(slot).permute((1, 0)), acc, use_acc=False,
-                             is_async=True)
+        if NORMALIZE:
+            x = d_smem.index(slot).load(TILE_LOAD_LAYOUT)
+            inv = gl.convert_layout(_inverse_norms(x), gl.SliceLayout(0, acc.type.layout))
+        else:
+            inv = 0.0
+        acc = warpgroup_mma(q_smem, d_smem.index(slot).permute((1, 0)), acc, use_acc=False,
+                            is_async=True)
+        return acc, inv
 
     @gluon.jit
     def _load_tile(d_desc, bars, d_smem, row, slot, pred):
@@ -202,30 +217,36 @@ if AVAILABLE:
             # the other would read its registers before the wait, and ptxas then serializes every
             # product: C7514.) The previous value is the accumulator operand, ignored
             # (`use_acc=False`), so that each product writes over the registers it replaces.
-            acc_a = _issue(q_smem, d_smem, bars, zero, done)
+            acc_a, inv_a = _issue(q_smem, d_smem, bars, zero, done, NORMALIZE, TILE_LOAD_LAYOUT)
             acc_b = zero
+            inv_b = inv_a
             t = 1
             for _ in range(0, (n_tiles - 1) // 2):
-                acc_b = _issue(q_smem, d_smem, bars, acc_b, done + t)
+                acc_b, inv_b = _issue(q_smem, d_smem, bars, acc_b, done + t, NORMALIZE,
+                                      TILE_LOAD_LAYOUT)
                 acc_a = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
-                run_max = _complete(acc_a, run_max, d_desc, bars, d_smem, doc_row, done, t - 1,
-                                    n_tiles, Ld, o_c, NORMALIZE, TILE_LOAD_LAYOUT, False)
-                acc_a = _issue(q_smem, d_smem, bars, acc_a, done + t + 1)
+                run_max = _complete(acc_a, inv_a, run_max, d_desc, bars, d_smem, doc_row, done,
+                                    t - 1, n_tiles, Ld, o_c, NORMALIZE, False)
+                acc_a, inv_a = _issue(q_smem, d_smem, bars, acc_a, done + t + 1, NORMALIZE,
+                                      TILE_LOAD_LAYOUT)
                 acc_b = warpgroup_mma_wait(num_outstanding=1, deps=(acc_b,))
-                run_max = _complete(acc_b, run_max, d_desc, bars, d_smem, doc_row, done, t,
-                                    n_tiles, Ld, o_c, NORMALIZE, TILE_LOAD_LAYOUT, False)
+                run_max = _complete(acc_b, inv_b, run_max, d_desc, bars, d_smem, doc_row, done,
+                                    t, n_tiles, Ld, o_c, NORMALIZE, False)
                 t += 2
             # The last tile may run past the document: its columns from Ld on are masked.
             if t < n_tiles:
-                pending = _issue(q_smem, d_smem, bars, acc_b, done + t)
+                pending, inv_b = _issue(q_smem, d_smem, bars, acc_b, done + t, NORMALIZE,
+                                        TILE_LOAD_LAYOUT)
                 before_last = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
-                run_max = _complete(before_last, run_max, d_desc, bars, d_smem, doc_row, done,
-                                    t - 1, n_tiles, Ld, o_c, NORMALIZE, TILE_LOAD_LAYOUT, False)
+                run_max = _complete(before_last, inv_a, run_max, d_desc, bars, d_smem, doc_row,
+                                    done, t - 1, n_tiles, Ld, o_c, NORMALIZE, False)
                 last = warpgroup_mma_wait(num_outstanding=0, deps=(pending,))
+                inv_last = inv_b
             else:
                 last = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a,))
-            run_max = _complete(last, run_max, d_desc, bars, d_smem, doc_row, done, n_tiles - 1,
-                                n_tiles, Ld, o_c, NORMALIZE, TILE_LOAD_LAYOUT, True)
+                inv_last = inv_a
+            run_max = _complete(last, inv_last, run_max, d_desc, bars, d_smem, doc_row, done,
+                                n_tiles - 1, n_tiles, Ld, o_c, NORMALIZE, True)
             done += n_tiles
 
             row_max = gl.reduce(run_max, 1, _max_nan)

@@ -116,7 +116,7 @@ class _CachedLauncher:
             self.kernel[grid](*args, **constants.kwargs)
             return
         device = args[0].device.index
-        key = (device, constants.key, self._key(args))
+        key = (device, constants, self._key(args))
         compiled = self.compiled.get(key)
         if compiled is None:
             compiled = self.kernel[grid](*args, **constants.kwargs)
@@ -136,12 +136,22 @@ class _CachedLauncher:
 
 
 class Constants:
-    """A kernel's constexprs and launch options, hashed once (built through :func:`constants`)."""
+    """A kernel's constexprs and launch options, hashed once (built through :func:`constants`):
+    a launch's cache key holds this object, whose hash is computed here, not its items, whose
+    tuple would be hashed again on every launch (2.5 µs a launch for the Gluon forward's
+    layouts on a CPU like CI's)."""
 
     def __init__(self, items: tuple):
         self.key = items
         self.kwargs = dict(items)
+        self._hash = hash(items)
         self._values: dict = {}
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, Constants) and self.key == other.key)
 
     def values_for(self, names: tuple) -> tuple:
         found = self._values.get(names)
@@ -479,13 +489,6 @@ def hopper_constexprs(
     )
 
 
-@functools.lru_cache(maxsize=None)
-def _hopper_constants(*args) -> Constants:
-    """:func:`hopper_constexprs` as the launcher's :class:`Constants`, built once per tile set:
-    hashing the layouts' dataclasses again on every launch cost microseconds of host time."""
-    return constants(**hopper_constexprs(*args))
-
-
 def _tensor_descriptor(template, base: Tensor, shape: list, strides: list):
     """``template`` (a Gluon ``TensorDescriptor``) for another base tensor, shape and strides,
     without its constructor's checks, about 4 µs of host time a launch: the caller has made
@@ -504,6 +507,22 @@ def _descriptor_template(torch_dtype: torch.dtype, block_n: int, dim: int, layou
     return desc if hasattr(desc, "__dict__") and not hasattr(desc, "__slots__") else None
 
 
+@functools.lru_cache(maxsize=None)
+def _hopper_plan(
+    torch_dtype: torch.dtype, lq_tile: int, queries_per_block: int, dim: int, normalize: bool,
+    tiles: tuple[int, int, int],
+):
+    """What a Gluon launch needs besides its tensors, built once per tile set and looked up by
+    plain values (hashing the layouts' dataclasses on every launch cost microseconds of host
+    time): the document tile's rows, the constants, the descriptor's template (None where it
+    cannot serve) and its shared layout."""
+    block_n, stages, warps = tiles
+    d_layout = hopper_layouts(torch_dtype, lq_tile * queries_per_block, block_n, dim, warps)[1]
+    consts = constants(**hopper_constexprs(
+        torch_dtype, lq_tile, queries_per_block, block_n, stages, dim, warps, normalize))
+    return block_n, consts, _descriptor_template(torch_dtype, block_n, dim, d_layout), d_layout
+
+
 def launch_fwd_hopper(cfg, Q: Tensor, D: Tensor, scores: Tensor, normalize: bool = False) -> None:
     """The inference forward through ``_kernels_hopper`` (the caller checked
     :func:`hopper_forward_applies`), query chunks split over programs as in :func:`_launch_fwd`;
@@ -514,15 +533,15 @@ def launch_fwd_hopper(cfg, Q: Tensor, D: Tensor, scores: Tensor, normalize: bool
     if Q.stride(-1) != 1:
         Q = Q.contiguous()
     widened = hopper_block(cfg)
-    block_n, stages, warps = (_HOPPER_NORM_TILES if normalize
-                              else _HOPPER_SHORT_TILES if widened is not cfg
-                              else _HOPPER_PACKED_TILES if cfg.queries_per_block > 1
-                              else _HOPPER_TILES)
+    tiles = (_HOPPER_NORM_TILES if normalize
+             else _HOPPER_SHORT_TILES if widened is not cfg
+             else _HOPPER_PACKED_TILES if cfg.queries_per_block > 1
+             else _HOPPER_TILES)
     cfg = widened
     qpb = cfg.queries_per_block
-    d_layout = hopper_layouts(Q.dtype, cfg.lq_tile * qpb, block_n, dim, warps)[1]
+    block_n, consts, template, d_layout = _hopper_plan(
+        Q.dtype, cfg.lq_tile, qpb, dim, normalize, tiles)
     documents = D.view(Ncols * Ld, dim)
-    template = _descriptor_template(Q.dtype, block_n, dim, d_layout)
     if template is None:  # a Triton release whose descriptor is not a plain dataclass
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -530,7 +549,6 @@ def launch_fwd_hopper(cfg, Q: Tensor, D: Tensor, scores: Tensor, normalize: bool
     else:
         d_desc = _tensor_descriptor(template, documents, [Ncols * Ld, dim], [dim, 1])
     splits = chunk_splits(Lq, cfg.lq_tile, Nq, Ncols, False)
-    consts = _hopper_constants(Q.dtype, cfg.lq_tile, qpb, block_n, stages, dim, warps, normalize)
     kernel = launcher(_kernels_hopper._maxsim_fwd_overlap_kernel)
 
     def launch_slice(rows, out, stride_out_split):

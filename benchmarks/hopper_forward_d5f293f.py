@@ -1,0 +1,244 @@
+"""The dense forward of MaxSim for Hopper GPUs in Gluon, with each tile's product overlapping the
+previous tile's max.
+
+Math
+----
+The inference forward of ``_kernels._maxsim_fwd_kernel`` without masks, the argmax or the
+smooth max, with or without normalization (the norms from the tiles, ``NORMALIZE``): the same
+products, norms and maxima (a chunk's row sums may be added in another order, so scores can
+differ from Triton's in the last bit)::
+
+    S[i, j, s, t] = <Q[i, s], D[j, t]>            (fp32 accumulation of 16-bit inputs)
+    score[i, j]   = Σ_s max_t S[i, j, s, t]
+    NORMALIZE:      Σ_s inv(Q[i, s]) · max_t S[i, j, s, t] · inv(D[j, t]),
+                    inv(x) = 1 / max(‖x‖, 1e-12) in fp32 from the 16-bit tokens
+
+Why a second kernel
+-------------------
+In the Triton kernel each document tile's warp-group product is waited for right after it is
+issued, and the max (and argmax) of its similarities runs while the tensor cores idle: the wait
+is the most-sampled instruction of the forward, 19-21% of all warp samples, and the tensor pipe
+is busy about half the time (benchmarks/NOTES.md section 29). Triton 3.6-3.9 does not reorder
+this (section 20). Here the loop is written out: the product of tile ``t`` is issued
+asynchronously, then the kernel waits only for the product of tile ``t - 1`` and folds it into
+the running max while tile ``t``'s product runs. Document tiles arrive by TMA into a ring of
+``NUM_STAGES`` shared-memory slots, each with its mbarrier; a slot is refilled as soon as the
+product that read it is known to be complete. With ``NORMALIZE`` the tile's inverse norms are
+read back from its slot (four threads a token), moved into the product's column layout and
+applied before the fold, all while the next product runs; a CTA barrier orders those reads
+before the slot's refill.
+
+Grid mapping
+------------
+As ``_maxsim_fwd_kernel``: program ``(j · n_splits + c, b)`` owns document ``j``, the query block
+``b`` of ``BLOCK_M = LQ_TILE · QUERIES_PER_BLOCK`` rows and its chunks ``c, c + n_splits, …``,
+and writes its part of the scores to ``Out[c]`` (``stride_out_split`` apart). ``d_desc`` views
+the documents as one ``[Nd · Ld, dim]`` matrix: tile rows past the end of a document belong to
+the next one (or are TMA's zero fill past the last) and are masked out of the max.
+
+Caveats
+-------
+* Hopper only (``warpgroup_mma``, TMA); 16-bit inputs with ``dim == BLOCK_K``; documents
+  contiguous and 16-byte aligned (TMA), ``Nd · Ld < 2**31``. The launcher sends every other case
+  to the Triton kernel.
+* Two ``[BLOCK_M, BLOCK_N]`` fp32 products live at once (the one in flight and the one being
+  folded), beside the running max: ``BLOCK_N`` stays at 32-64.
+* No argmax: with it this loop ran slower than the Triton kernel under every tile, stage and
+  warp count measured (benchmarks/NOTES.md sections 30-31): its longer fold, not the wait for
+  the product, sets the pace.
+* One warp group (4 warps): two warp groups splitting the rows were slower in every variant
+  (section 31).
+* NaN propagates through the max as in the Triton kernel.
+"""
+
+from __future__ import annotations
+
+import triton.language as tl
+
+try:  # Gluon is experimental; without it (or on CPU) the Triton kernel serves every case.
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    # The TMA load's name: `async_copy_global_to_shared` up to triton 3.6, `async_load` after.
+    _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+    # The CTA barrier: `thread_barrier` up to triton 3.6, `barrier` after.
+    _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+    AVAILABLE = True
+except Exception:  # noqa: BLE001 (any import failure means: not available)
+    AVAILABLE = False
+
+
+if AVAILABLE:
+
+    @gluon.jit
+    def _max_nan(a, b):
+        return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    @gluon.jit
+    def _inverse_norms(x):
+        """``1 / max(‖row‖, 1e-12)`` in fp32 for each row of a register tile, as the Triton
+        kernel's ``_inverse_norm`` (``F.normalize``'s eps)."""
+        x = x.to(gl.float32)
+        return 1.0 / gl.maximum(gl.sqrt(gl.sum(x * x, axis=1)), 1e-12)
+
+    @gluon.jit
+    def _complete(acc, run_max, d_desc, bars, d_smem, doc_row, done, t, n_tiles, Ld, o_c,
+                  NORMALIZE: gl.constexpr, TILE_LOAD_LAYOUT: gl.constexpr, MASK_TAIL: gl.constexpr):
+        """Tile ``t``'s product has completed: (with ``NORMALIZE``) scale its columns by the
+        tile's inverse norms, read from its slot before the slot is refilled; refill the slot;
+        fold the tile into the running max (columns from ``Ld`` on masked where ``MASK_TAIL``)."""
+        NUM_STAGES: gl.constexpr = d_smem.shape[0]
+        BLOCK_N: gl.constexpr = d_smem.shape[1]
+        if NORMALIZE:
+            tile = d_smem.index((done + t) % NUM_STAGES).load(TILE_LOAD_LAYOUT)
+            inv = gl.convert_layout(_inverse_norms(tile), gl.SliceLayout(0, acc.type.layout))
+            # Every warp's reads of the slot are done before its refill is issued.
+            _cta_barrier()
+            acc = acc * gl.expand_dims(inv, 0)
+        refill = t + NUM_STAGES
+        _load_tile(d_desc, bars, d_smem, doc_row + refill * BLOCK_N, (done + t) % NUM_STAGES,
+                   refill < n_tiles)
+        if MASK_TAIL:
+            acc = gl.where(gl.expand_dims(t * BLOCK_N + o_c < Ld, 0), acc, float("-inf"))
+        return _max_nan(run_max, acc)
+
+    @gluon.jit
+    def _issue(q_smem, d_smem, bars, acc, tile):
+        """The product of the query chunk with document tile ``tile`` (counted over the program),
+        issued once its TMA load has landed; not waited for. ``acc`` is ignored
+        (``use_acc=False``): it names the registers the product is written over."""
+        NUM_STAGES: gl.constexpr = d_smem.shape[0]
+        slot = tile % NUM_STAGES
+        mbarrier.wait(bars.index(slot), (tile // NUM_STAGES) & 1)
+        return warpgroup_mma(q_smem, d_smem.index(slot).permute((1, 0)), acc, use_acc=False,
+                             is_async=True)
+
+    @gluon.jit
+    def _load_tile(d_desc, bars, d_smem, row, slot, pred):
+        mbarrier.expect(bars.index(slot), d_desc.block_type.nbytes, pred=pred)
+        _tma_load(d_desc, [row, 0], bars.index(slot), d_smem.index(slot), pred=pred)
+
+    @gluon.jit(do_not_specialize=["Nq", "Ncols", "Lq", "Ld", "n_splits", "stride_out_split"])
+    def _maxsim_fwd_overlap_kernel(
+        Q,
+        d_desc,
+        Out,
+        Nq,
+        Ncols,
+        Lq,
+        Ld,
+        n_splits,
+        stride_out_split,
+        stride_q_seq,
+        stride_q_tok,
+        LQ_TILE: gl.constexpr,
+        QUERIES_PER_BLOCK: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        BLOCK_K: gl.constexpr,
+        NUM_STAGES: gl.constexpr,
+        NORMALIZE: gl.constexpr,
+        Q_SMEM_LAYOUT: gl.constexpr,
+        MMA_LAYOUT: gl.constexpr,
+        Q_LOAD_LAYOUT: gl.constexpr,
+        TILE_LOAD_LAYOUT: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        BLOCK_M: gl.constexpr = LQ_TILE * QUERIES_PER_BLOCK
+        mma: gl.constexpr = MMA_LAYOUT
+        q_load: gl.constexpr = Q_LOAD_LAYOUT
+        rows_of: gl.constexpr = gl.SliceLayout(1, mma)
+        cols_of: gl.constexpr = gl.SliceLayout(0, mma)
+
+        i_col = gl.program_id(0) // n_splits
+        i_split = gl.program_id(0) % n_splits
+        i_blk = gl.program_id(1)
+        doc_row = i_col * Ld
+        n_tiles = gl.cdiv(Ld, BLOCK_N)
+
+        q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [BLOCK_M, BLOCK_K], Q_SMEM_LAYOUT)
+        d_smem = gl.allocate_shared_memory(d_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K],
+                                           d_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(NUM_STAGES):
+            mbarrier.init(bars.index(s), count=1)
+
+        o_r = gl.arange(0, BLOCK_M, layout=rows_of)
+        o_query = i_blk * QUERIES_PER_BLOCK + o_r // LQ_TILE
+        o_c = gl.arange(0, BLOCK_N, layout=cols_of)
+        lq_r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_load))
+        lq_query = i_blk * QUERIES_PER_BLOCK + lq_r // LQ_TILE
+        lq_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, q_load))
+        zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+        row_sums = gl.zeros([BLOCK_M], gl.float32, rows_of)
+
+        done = 0  # document tiles consumed so far: tile `done + t` uses slot (done + t) % NUM_STAGES
+        for chunk in range(i_split * LQ_TILE, Lq, n_splits * LQ_TILE):
+            # The query chunk through registers into shared memory (rows past the query or the
+            # batch as zeros); the previous chunk's products have all completed.
+            lq_s = chunk + lq_r % LQ_TILE
+            lq_valid = (lq_query < Nq) & (lq_s < Lq)
+            ptrs = Q + gl.expand_dims(lq_query.to(gl.int64) * stride_q_seq + lq_s * stride_q_tok, 1) \
+                + gl.expand_dims(lq_k, 0)
+            b_q = gl.load(ptrs, mask=gl.expand_dims(lq_valid, 1), other=0.0)
+            q_smem.store(b_q)
+            fence_async_shared()
+            if NORMALIZE:
+                q_inv = gl.convert_layout(_inverse_norms(b_q), rows_of)
+
+            for s in gl.static_range(NUM_STAGES):
+                _load_tile(d_desc, bars, d_smem, doc_row + s * BLOCK_N, (done + s) % NUM_STAGES, s < n_tiles)
+
+            # The element-wise running max over the tiles, reduced over its columns once per chunk.
+            run_max = gl.full([BLOCK_M, BLOCK_N], float("-inf"), gl.float32, mma)
+            # Two products alternate in fixed registers, `acc_a` and `acc_b`: one in flight while
+            # the other is folded. (A loop that copied the product in flight from one variable to
+            # the other would read its registers before the wait, and ptxas then serializes every
+            # product: C7514.) The previous value is the accumulator operand, ignored
+            # (`use_acc=False`), so that each product writes over the registers it replaces.
+            acc_a = _issue(q_smem, d_smem, bars, zero, done)
+            acc_b = zero
+            t = 1
+            for _ in range(0, (n_tiles - 1) // 2):
+                acc_b = _issue(q_smem, d_smem, bars, acc_b, done + t)
+                acc_a = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
+                run_max = _complete(acc_a, run_max, d_desc, bars, d_smem, doc_row, done, t - 1,
+                                    n_tiles, Ld, o_c, NORMALIZE, TILE_LOAD_LAYOUT, False)
+                acc_a = _issue(q_smem, d_smem, bars, acc_a, done + t + 1)
+                acc_b = warpgroup_mma_wait(num_outstanding=1, deps=(acc_b,))
+                run_max = _complete(acc_b, run_max, d_desc, bars, d_smem, doc_row, done, t,
+                                    n_tiles, Ld, o_c, NORMALIZE, TILE_LOAD_LAYOUT, False)
+                t += 2
+            # The last tile may run past the document: its columns from Ld on are masked.
+            if t < n_tiles:
+                pending = _issue(q_smem, d_smem, bars, acc_b, done + t)
+                before_last = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
+                run_max = _complete(before_last, run_max, d_desc, bars, d_smem, doc_row, done,
+                                    t - 1, n_tiles, Ld, o_c, NORMALIZE, TILE_LOAD_LAYOUT, False)
+                last = warpgroup_mma_wait(num_outstanding=0, deps=(pending,))
+            else:
+                last = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a,))
+            run_max = _complete(last, run_max, d_desc, bars, d_smem, doc_row, done, n_tiles - 1,
+                                n_tiles, Ld, o_c, NORMALIZE, TILE_LOAD_LAYOUT, True)
+            done += n_tiles
+
+            row_max = gl.reduce(run_max, 1, _max_nan)
+            o_s = chunk + o_r % LQ_TILE
+            m_row = (o_query < Nq) & (o_s < Lq)
+            if NORMALIZE:
+                row_max = row_max * q_inv
+            row_sums += gl.where(m_row, row_max, 0.0)
+
+        for s in gl.static_range(NUM_STAGES):
+            mbarrier.invalidate(bars.index(s))
+        out = Out + i_split.to(gl.int64) * stride_out_split + i_col
+        for q in gl.static_range(QUERIES_PER_BLOCK):
+            query = i_blk * QUERIES_PER_BLOCK + q
+            total = gl.sum(gl.where(o_r // LQ_TILE == q, row_sums, 0.0), axis=0)
+            gl.store(out + query.to(gl.int64) * Ncols, total, mask=query < Nq)
