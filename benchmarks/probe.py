@@ -1117,7 +1117,8 @@ def hopper_variants() -> None:
 
 def norms_ahead() -> None:
     """The Gluon forward of this tree (each tile's norms read before its product is issued, in
-    sums of eight; benchmarks/NOTES.md section 33) against that of ``d5f293f``
+    sums of eight; the ring's first tiles requested before the query chunk is loaded;
+    benchmarks/NOTES.md section 33) against that of ``d5f293f``
     (``benchmarks/hopper_forward_d5f293f.py``, a copy kept for this comparison), both at the
     dispatched tiles, interleaved in three rounds; then this tree's normalizing forward under
     3 and 5 stages."""
@@ -1169,10 +1170,14 @@ def norms_ahead() -> None:
         desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [block_n, dim], layout)
         out = torch.empty((splits, Nq, Ncols), device="cuda")
 
+        old_kernel = _launch.launcher(before._maxsim_fwd_overlap_kernel)
+        old_constants = _launch.constants(**consts)
+
         def old():
-            before._maxsim_fwd_overlap_kernel[(Ncols * splits, -(-Nq // qpb))](
-                Q, desc, out, Nq, Ncols, Lq, Ld, splits, out.stride(0), Q.stride(0), Q.stride(1),
-                **consts)
+            # Through the same cached launcher as this tree's: the kernels, not the launch paths.
+            old_kernel((Ncols * splits, -(-Nq // qpb)),
+                       (Q, desc, out, Nq, Ncols, Lq, Ld, splits, out.stride(0), Q.stride(0),
+                        Q.stride(1)), old_constants)
             return out.sum(0) if splits > 1 else out[0]
 
         scores = torch.empty(Nq, Ncols, device="cuda")

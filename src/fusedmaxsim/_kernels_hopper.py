@@ -195,8 +195,14 @@ if AVAILABLE:
 
         done = 0  # document tiles consumed so far: tile `done + t` uses slot (done + t) % NUM_STAGES
         for chunk in range(i_split * LQ_TILE, Lq, n_splits * LQ_TILE):
+            # The ring's first tiles are requested before the query chunk is loaded, so that the
+            # two loads' latencies overlap (the previous chunk's products have all completed).
+            for s in gl.static_range(NUM_STAGES):
+                _load_tile(d_desc, bars, d_smem, doc_row + s * BLOCK_N, (done + s) % NUM_STAGES,
+                           s < n_tiles)
+
             # The query chunk through registers into shared memory (rows past the query or the
-            # batch as zeros); the previous chunk's products have all completed.
+            # batch as zeros).
             lq_s = chunk + lq_r % LQ_TILE
             lq_valid = (lq_query < Nq) & (lq_s < Lq)
             ptrs = Q + gl.expand_dims(lq_query.to(gl.int64) * stride_q_seq + lq_s * stride_q_tok, 1) \
@@ -206,9 +212,6 @@ if AVAILABLE:
             fence_async_shared()
             if NORMALIZE:
                 q_inv = gl.convert_layout(_inverse_norms(b_q), rows_of)
-
-            for s in gl.static_range(NUM_STAGES):
-                _load_tile(d_desc, bars, d_smem, doc_row + s * BLOCK_N, (done + s) % NUM_STAGES, s < n_tiles)
 
             # The element-wise running max over the tiles, reduced over its columns once per chunk.
             run_max = gl.full([BLOCK_M, BLOCK_N], float("-inf"), gl.float32, mma)
