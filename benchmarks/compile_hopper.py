@@ -37,7 +37,7 @@ def _descriptor_type(desc) -> str:
 
 
 def compile_forward(lq_tile: int, queries_per_block: int, block_n: int, stages: int, dim: int = 128,
-                    normalize: bool = False, warps: int = 4):
+                    normalize: bool = False, warps: int = 4, tiles_first: bool = False):
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -48,7 +48,7 @@ def compile_forward(lq_tile: int, queries_per_block: int, block_n: int, stages: 
                             d_layout)
     kernel = _kernels_hopper._maxsim_fwd_overlap_kernel
     constants = _launch.hopper_constexprs(torch.bfloat16, lq_tile, queries_per_block, block_n,
-                                          stages, dim, warps, normalize)
+                                          stages, dim, warps, normalize, tiles_first)
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constants:
@@ -79,18 +79,23 @@ def report(compiled) -> str:
 
 def main() -> None:
     print(f"triton {triton.__version__}, Gluon available: {_kernels_hopper.AVAILABLE}")
-    variants = []  # (normalize, query tile rows, queries a block, document tile, stages, warps)
+    # (normalize, query tile rows, queries a block, document tile, stages, warps, tiles first)
+    variants = []
     for normalize in (False, True):
         for lq_tile, qpb in ((128, 1), (32, 4)):
             for block_n, stages, warps in ((64, 4, 4), (32, 6, 4), (64, 4, 8)):
-                variants.append((normalize, lq_tile, qpb, block_n, stages, warps))
-    variants.append((False, 64, 1, 64, 4, 4))
-    for normalize, lq_tile, qpb, block_n, stages, warps in variants:
+                variants.append((normalize, lq_tile, qpb, block_n, stages, warps, False))
+    variants.append((False, 64, 1, 64, 4, 4, False))
+    # The reranking variants, documents from DRAM: the ring filled before the query chunk.
+    variants += [(False, 128, 1, 64, 4, 4, True), (True, 128, 1, 64, 4, 4, True),
+                 (False, 32, 2, 32, 6, 4, True)]
+    for normalize, lq_tile, qpb, block_n, stages, warps, tiles_first in variants:
         label = (f"{'normalize' if normalize else 'scores'}, rows {lq_tile}x{qpb}, "
-                 f"{block_n}-token tiles, {stages} stages, {warps} warps")
+                 f"{block_n}-token tiles, {stages} stages, {warps} warps"
+                 f"{', tiles first' if tiles_first else ''}")
         try:
             compiled = compile_forward(lq_tile, qpb, block_n, stages, normalize=normalize,
-                                       warps=warps)
+                                       warps=warps, tiles_first=tiles_first)
             print(f"  {label}: {report(compiled)}", flush=True)
         except Exception as exc:  # noqa: BLE001 (a release whose Gluon cannot build it: say so)
             print(f"  {label}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)

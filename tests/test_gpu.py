@@ -245,13 +245,19 @@ hopper_only = pytest.mark.skipif(
         pytest.param((1, 32, 128), (50, 300, 128), id="one-short-query"),
     ],
 )
-def test_hopper_forward_matches_reference_and_triton(normalize, dtype, q_shape, d_shape):
+@pytest.mark.parametrize("tiles_first", [False, True], ids=["query-first", "tiles-first"])
+def test_hopper_forward_matches_reference_and_triton(monkeypatch, tiles_first, normalize, dtype,
+                                                     q_shape, d_shape):
     """The Gluon forward (``_kernels_hopper``), plain and normalizing (a zero token among the
-    documents), on the shapes its loop treats apart: the scores of float64 within the dtype's
-    bound, Triton's to fp32 rounding, every score written (NaN-poisoned output), a NaN in a
-    document making its column NaN and no other."""
+    documents), on the shapes its loop treats apart, with the ring's first tiles requested
+    before or after the query chunk (documents beyond or within L2): the scores of float64
+    within the dtype's bound, Triton's to fp32 rounding, every score written (NaN-poisoned
+    output), a NaN in a document making its column NaN and no other."""
     from fusedmaxsim import _launch
     from fusedmaxsim._configs import fwd_config
+
+    if tiles_first:
+        monkeypatch.setattr(_launch, "_l2_bytes", lambda device_index: 0)
 
     Q = torch.randn(q_shape, device="cuda", dtype=dtype)
     D = torch.randn(d_shape, device="cuda", dtype=dtype)
@@ -281,12 +287,18 @@ def test_hopper_forward_matches_reference_and_triton(normalize, dtype, q_shape, 
 @hopper_only
 @pytest.mark.parametrize("normalize", [False, True], ids=["scores", "normalize"])
 @pytest.mark.parametrize("splits", [1, 2])
-def test_hopper_forward_walks_several_chunks_in_one_program(monkeypatch, normalize, splits):
+@pytest.mark.parametrize("tiles_first", [False, True], ids=["query-first", "tiles-first"])
+def test_hopper_forward_walks_several_chunks_in_one_program(monkeypatch, normalize, splits,
+                                                            tiles_first):
     """A program that walks several query chunks (chunk splits capped): the ring of document tiles
     carries its slots and mbarrier phases from one chunk into the next over the same document,
-    the chunks uneven over the programs (five chunks over one or two programs)."""
+    the chunks uneven over the programs (five chunks over one or two programs), the next
+    chunk's first tiles requested before or after its query chunk is loaded."""
     from fusedmaxsim import _launch
     from fusedmaxsim._configs import fwd_config
+
+    if tiles_first:
+        monkeypatch.setattr(_launch, "_l2_bytes", lambda device_index: 0)
 
     Q = torch.randn(3, 600, 128, device="cuda", dtype=torch.bfloat16)
     D = torch.randn(20, 333, 128, device="cuda", dtype=torch.bfloat16)

@@ -23,10 +23,13 @@ this (section 20). Here the loop is written out: the product of tile ``t`` is is
 asynchronously, then the kernel waits only for the product of tile ``t - 1`` and folds it into
 the running max while tile ``t``'s product runs. Document tiles arrive by TMA into a ring of
 ``NUM_STAGES`` shared-memory slots, each with its mbarrier; a slot is refilled as soon as the
-product that read it is known to be complete. With ``NORMALIZE`` the tile's inverse norms are
-read back from its slot (four threads a token), moved into the product's column layout and
-applied before the fold, all while the next product runs; a CTA barrier orders those reads
-before the slot's refill.
+product that read it is known to be complete. With ``NORMALIZE`` a tile's inverse norms are
+read back from its slot (four threads a token, the squares summed in eights first) just before
+its product is issued, while the previous product runs and the registers of the one being
+issued are still free, moved into the product's column layout, and applied before the fold; a
+CTA barrier orders those reads before the slot's refill. With ``TILES_FIRST`` (documents
+streamed from DRAM) a pass requests its first tiles before loading its query chunk, so that the
+two latencies overlap (benchmarks/NOTES.md section 33).
 
 Grid mapping
 ------------
@@ -136,6 +139,16 @@ if AVAILABLE:
         return acc, inv
 
     @gluon.jit
+    def _fill_ring(d_desc, bars, d_smem, doc_row, done, n_tiles):
+        """Request a pass's first ``NUM_STAGES`` document tiles (those it has), tile ``s`` into
+        slot ``(done + s) % NUM_STAGES``."""
+        NUM_STAGES: gl.constexpr = d_smem.shape[0]
+        BLOCK_N: gl.constexpr = d_smem.shape[1]
+        for s in gl.static_range(NUM_STAGES):
+            _load_tile(d_desc, bars, d_smem, doc_row + s * BLOCK_N, (done + s) % NUM_STAGES,
+                       s < n_tiles)
+
+    @gluon.jit
     def _load_tile(d_desc, bars, d_smem, row, slot, pred):
         mbarrier.expect(bars.index(slot), d_desc.block_type.nbytes, pred=pred)
         _tma_load(d_desc, [row, 0], bars.index(slot), d_smem.index(slot), pred=pred)
@@ -159,6 +172,7 @@ if AVAILABLE:
         BLOCK_K: gl.constexpr,
         NUM_STAGES: gl.constexpr,
         NORMALIZE: gl.constexpr,
+        TILES_FIRST: gl.constexpr,
         Q_SMEM_LAYOUT: gl.constexpr,
         MMA_LAYOUT: gl.constexpr,
         Q_LOAD_LAYOUT: gl.constexpr,
@@ -195,11 +209,11 @@ if AVAILABLE:
 
         done = 0  # document tiles consumed so far: tile `done + t` uses slot (done + t) % NUM_STAGES
         for chunk in range(i_split * LQ_TILE, Lq, n_splits * LQ_TILE):
-            # The ring's first tiles are requested before the query chunk is loaded, so that the
-            # two loads' latencies overlap (the previous chunk's products have all completed).
-            for s in gl.static_range(NUM_STAGES):
-                _load_tile(d_desc, bars, d_smem, doc_row + s * BLOCK_N, (done + s) % NUM_STAGES,
-                           s < n_tiles)
+            # With TILES_FIRST the ring's first tiles are requested before the query chunk is
+            # loaded, so that the two loads' latencies overlap (the previous chunk's products
+            # have all completed).
+            if TILES_FIRST:
+                _fill_ring(d_desc, bars, d_smem, doc_row, done, n_tiles)
 
             # The query chunk through registers into shared memory (rows past the query or the
             # batch as zeros).
@@ -212,6 +226,8 @@ if AVAILABLE:
             fence_async_shared()
             if NORMALIZE:
                 q_inv = gl.convert_layout(_inverse_norms(b_q), rows_of)
+            if not TILES_FIRST:
+                _fill_ring(d_desc, bars, d_smem, doc_row, done, n_tiles)
 
             # The element-wise running max over the tiles, reduced over its columns once per chunk.
             run_max = gl.full([BLOCK_M, BLOCK_N], float("-inf"), gl.float32, mma)

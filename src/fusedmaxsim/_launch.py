@@ -476,7 +476,7 @@ def hopper_layouts(
 
 def hopper_constexprs(
     torch_dtype: torch.dtype, lq_tile: int, queries_per_block: int, block_n: int, stages: int,
-    dim: int, warps: int, normalize: bool,
+    dim: int, warps: int, normalize: bool, tiles_first: bool = False,
 ) -> dict:
     """The Gluon forward's constexprs and ``num_warps`` for these tiles (the launcher's and the
     offline compile's, ``benchmarks/compile_hopper.py``)."""
@@ -484,7 +484,8 @@ def hopper_constexprs(
         torch_dtype, lq_tile * queries_per_block, block_n, dim, warps)
     return dict(
         LQ_TILE=lq_tile, QUERIES_PER_BLOCK=queries_per_block, BLOCK_N=block_n, BLOCK_K=dim,
-        NUM_STAGES=stages, NORMALIZE=normalize, Q_SMEM_LAYOUT=q_layout, MMA_LAYOUT=mma_layout,
+        NUM_STAGES=stages, NORMALIZE=normalize, TILES_FIRST=tiles_first, Q_SMEM_LAYOUT=q_layout,
+        MMA_LAYOUT=mma_layout,
         Q_LOAD_LAYOUT=q_load_layout, TILE_LOAD_LAYOUT=tile_load_layout, num_warps=warps,
     )
 
@@ -508,9 +509,22 @@ def _descriptor_template(torch_dtype: torch.dtype, block_n: int, dim: int, layou
 
 
 @functools.lru_cache(maxsize=None)
+def _l2_bytes(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).L2_cache_size
+
+
+def documents_beyond_l2(D: Tensor) -> bool:
+    """Whether the documents outgrow the GPU's L2 cache, so that their tiles come from DRAM:
+    there the Gluon forward requests a pass's first tiles before loading its query chunk
+    (reranking 1000 documents: 3-12% faster), and not where they stay in L2 (batch_colbert's
+    20 MB: 2% slower; benchmarks/NOTES.md section 33)."""
+    return D.numel() * D.element_size() > _l2_bytes(_device_index(D.device))
+
+
+@functools.lru_cache(maxsize=None)
 def _hopper_plan(
     torch_dtype: torch.dtype, lq_tile: int, queries_per_block: int, dim: int, normalize: bool,
-    tiles: tuple[int, int, int],
+    tiles: tuple[int, int, int], tiles_first: bool = False,
 ):
     """What a Gluon launch needs besides its tensors, built once per tile set and looked up by
     plain values (hashing the layouts' dataclasses on every launch cost microseconds of host
@@ -519,7 +533,8 @@ def _hopper_plan(
     block_n, stages, warps = tiles
     d_layout = hopper_layouts(torch_dtype, lq_tile * queries_per_block, block_n, dim, warps)[1]
     consts = constants(**hopper_constexprs(
-        torch_dtype, lq_tile, queries_per_block, block_n, stages, dim, warps, normalize))
+        torch_dtype, lq_tile, queries_per_block, block_n, stages, dim, warps, normalize,
+        tiles_first))
     return block_n, consts, _descriptor_template(torch_dtype, block_n, dim, d_layout), d_layout
 
 
@@ -540,7 +555,7 @@ def launch_fwd_hopper(cfg, Q: Tensor, D: Tensor, scores: Tensor, normalize: bool
     cfg = widened
     qpb = cfg.queries_per_block
     block_n, consts, template, d_layout = _hopper_plan(
-        Q.dtype, cfg.lq_tile, qpb, dim, normalize, tiles)
+        Q.dtype, cfg.lq_tile, qpb, dim, normalize, tiles, documents_beyond_l2(D))
     documents = D.view(Ncols * Ld, dim)
     if template is None:  # a Triton release whose descriptor is not a plain dataclass
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
