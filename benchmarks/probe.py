@@ -1159,7 +1159,7 @@ def norms_ahead() -> None:
         block = _launch.hopper_block(cfg)
         qpb = block.queries_per_block
         block_n, stages, warps = (_launch._HOPPER_NORM_TILES if normalize
-                                  else _launch._HOPPER_SHORT_TILES if block is not cfg
+                                  else _launch._HOPPER_SHORT_TILES if _launch._block_rows(cfg) < 64
                                   else _launch._HOPPER_PACKED_TILES if qpb > 1
                                   else _launch._HOPPER_TILES)
         splits = _launch.chunk_splits(Lq, cfg.lq_tile, Nq, Ncols, False)
@@ -1171,7 +1171,8 @@ def norms_ahead() -> None:
         out = torch.empty((splits, Nq, Ncols), device="cuda")
 
         old_kernel = _launch.launcher(before._maxsim_fwd_overlap_kernel)
-        old_constants = _launch.constants(**consts)
+        # d5f293f's kernel has no TILES_FIRST (it loads the query chunk first).
+        old_constants = _launch.constants(**{k: v for k, v in consts.items() if k != "TILES_FIRST"})
 
         def old():
             # Through the same cached launcher as this tree's: the kernels, not the launch paths.

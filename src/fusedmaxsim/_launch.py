@@ -547,12 +547,11 @@ def launch_fwd_hopper(cfg, Q: Tensor, D: Tensor, scores: Tensor, normalize: bool
     Ncols, Ld = D.shape[0], D.shape[1]
     if Q.stride(-1) != 1:
         Q = Q.contiguous()
-    widened = hopper_block(cfg)
     tiles = (_HOPPER_NORM_TILES if normalize
-             else _HOPPER_SHORT_TILES if widened is not cfg
+             else _HOPPER_SHORT_TILES if _block_rows(cfg) < 64
              else _HOPPER_PACKED_TILES if cfg.queries_per_block > 1
              else _HOPPER_TILES)
-    cfg = widened
+    cfg = hopper_block(cfg)
     qpb = cfg.queries_per_block
     block_n, consts, template, d_layout = _hopper_plan(
         Q.dtype, cfg.lq_tile, qpb, dim, normalize, tiles, documents_beyond_l2(D))
