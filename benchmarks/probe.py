@@ -671,15 +671,24 @@ def graph_times() -> None:
     for name in ("rerank_colbert", "small_batch", "rerank_colpali"):
         case = bm.make_case(bm.SHAPES_BY_NAME[name], "inference", "cuda")
         print(f"-- {name}")
+        steps = {}
         for key in ("fusedmaxsim", "fusedmaxsim, Triton forward", "lik", "flash", "naive"):
             provider = bm.PROVIDERS_BY_KEY.get(key.split(",")[0])
             if provider.module and importlib.util.find_spec(provider.module) is None:
                 continue
             step = bm.make_step(provider.build(case), case)
-            if key.endswith("Triton forward"):
-                step = _without_gluon(step)
+            steps[key] = _without_gluon(step) if key.endswith("Triton forward") else step
+        # Issue times in three rounds, each in another provider order, the least of each kept:
+        # a provider timed first in a process or a shape ran slower on some hosts (record
+        # 2026-12-01_21622d8: the same path 90 and 55 µs).
+        issues = {key: [] for key in steps}
+        for round_ in range(3):
+            keys = list(steps)
+            for key in keys[round_:] + keys[:round_]:
+                issues[key].append(wall_us(steps[key], issue_only=True))
+        for key, step in steps.items():
             eager = do_bench(step, warmup=25, rep=100)
-            issue = wall_us(step, issue_only=True)
+            issue = min(issues[key])
             try:
                 step()
                 torch.cuda.synchronize()
@@ -689,8 +698,9 @@ def graph_times() -> None:
                 replay = f"{do_bench(graph.replay, warmup=25, rep=100):.4f} ms"
             except Exception as exc:  # noqa: BLE001
                 replay = f"not capturable ({type(exc).__name__})"
-            print(f"  {key:28s} eager {eager:.4f} ms  graph replay {replay}  issue {issue:6.1f} us",
-                  flush=True)
+            rounds = " / ".join(f"{v:.1f}" for v in issues[key])
+            print(f"  {key:28s} eager {eager:.4f} ms  graph replay {replay}  issue {issue:6.1f} us"
+                  f" ({rounds})", flush=True)
 
 
 def _without_gluon(fn):
