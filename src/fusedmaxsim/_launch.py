@@ -384,13 +384,14 @@ def _launch_fwd(
     _launch_query_slices(launch_slice, scores, qpb, splits)
 
 
-# The Gluon forward (``_kernels_hopper``, NOTES.md sections 30-32): its (document tile, stages,
+# The Gluon forward (``_kernels_hopper``, NOTES.md sections 30-33): its (document tile, stages,
 # warps) for the plain and the normalizing variant, the fastest of the 32- and 64-token tiles,
 # 3 to 6 stages and 4 or 8 warps measured; and the least work (multiply-adds) for which each is
-# taken. It saves 5-17% of the GPU time of the plain forward (rerank_colbert's 2^30 multiply-adds:
-# 0.036 → 0.033-0.034 ms; rerank_colpali's 2^34: 0.085 → 0.079) and 11-21% of the normalizing
-# one. Its launch alone costs the host about what the Triton kernel's does (section 32: 1-14 µs
-# more; a whole call 15-40 µs more on a noisy host, where the same path's calls differed by 35).
+# taken. It saves 11-17% of the GPU time of the plain forward (CUDA-graph replays, records
+# 2026-12-01_24087c6 and 4e3362d: rerank_colbert's 2^30 multiply-adds 0.036 → 0.032 ms,
+# rerank_colpali's 2^34 0.086 → 0.077) and 7-23% of the normalizing one. A call through it
+# costs the host what a call through the Triton kernel does (67.2 against 68.7 µs at
+# rerank_colbert's shape, record 4e3362d).
 _HOPPER_TILES = (64, 4, 4)
 # Several short queries packed into a block: 3 stages (batch_colbert 0.355 against 0.373 ms at
 # 4, in two runs).
