@@ -1131,13 +1131,19 @@ def norms_ahead() -> None:
     benchmarks/NOTES.md section 33) against that of ``d5f293f``
     (``benchmarks/hopper_forward_d5f293f.py``, a copy kept for this comparison), both at the
     dispatched tiles, interleaved in three rounds; then this tree's normalizing forward under
-    3 and 5 stages."""
+    3 and 5 stages. The copy is not kept in the tree:
+    ``git show d5f293f:src/fusedmaxsim/_kernels_hopper.py > benchmarks/hopper_forward_d5f293f.py``
+    makes it."""
     import importlib.util as util
 
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    spec = util.spec_from_file_location(
-        "hopper_forward_d5f293f", Path(__file__).with_name("hopper_forward_d5f293f.py"))
+    copy = Path(__file__).with_name("hopper_forward_d5f293f.py")
+    if not copy.exists():
+        print(f"  {copy.name} is missing: git show "
+              "d5f293f:src/fusedmaxsim/_kernels_hopper.py > benchmarks/hopper_forward_d5f293f.py")
+        return
+    spec = util.spec_from_file_location("hopper_forward_d5f293f", copy)
     before = util.module_from_spec(spec)
     spec.loader.exec_module(before)
 
