@@ -486,8 +486,8 @@ def hopper_constexprs(
     return dict(
         LQ_TILE=lq_tile, QUERIES_PER_BLOCK=queries_per_block, BLOCK_N=block_n, BLOCK_K=dim,
         NUM_STAGES=stages, NORMALIZE=normalize, TILES_FIRST=tiles_first, Q_SMEM_LAYOUT=q_layout,
-        MMA_LAYOUT=mma_layout,
-        Q_LOAD_LAYOUT=q_load_layout, TILE_LOAD_LAYOUT=tile_load_layout, num_warps=warps,
+        MMA_LAYOUT=mma_layout, Q_LOAD_LAYOUT=q_load_layout, TILE_LOAD_LAYOUT=tile_load_layout,
+        num_warps=warps,
     )
 
 
