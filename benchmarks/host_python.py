@@ -60,6 +60,12 @@ def main() -> None:
         ("training step (forward + backward)", step, 2000),
         ("torch alone: (x * 2).backward(g)", trivial_graph, 2000),
     )
+    if _launch._kernels_hopper.AVAILABLE:  # the Gluon forward's launch key (NOTES.md section 33)
+        items = tuple(_launch.hopper_constexprs(
+            torch.bfloat16, 128, 1, 64, 4, 128, 4, False).items())
+        consts = _launch.constants(**dict(items))
+        rows += (("hash of the Gluon forward's constexprs as a tuple", lambda: hash(items), 100000),
+                 ("hash of their Constants (the launch key's part)", lambda: hash(consts), 100000))
     print(f"torch {torch.__version__}, source {sys.path[0]}")
     for label, fn, n in rows:
         print(f"  {per_call_us(fn, n):7.1f} us  {label}", flush=True)
