@@ -38,6 +38,10 @@ from fusedmaxsim.reference import maxsim_ref  # noqa: E402
 from fusedmaxsim.testing import relative_error  # noqa: E402
 
 
+def _bf16(*shape) -> torch.Tensor:
+    return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+
+
 def bench(fn) -> float:
     return do_bench(fn, warmup=10, rep=50)
 
@@ -446,27 +450,24 @@ def cold_profile() -> None:
 def _forward_shapes():
     """Forward-bound rows of the suite, and small grids of long documents:
     (name, Q, D, d_mask, save_argmax, normalize), bf16."""
-    def rand(*shape):
-        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
-
     lengths = torch.randint(30, 301, (256,), device="cuda")
     padded = torch.arange(300, device="cuda") < lengths[:, None]
     return (
-        ("train_colpali fwd", rand(128, 128, 128), rand(128, 1024, 128), None, True, False),
-        ("train_colbert fwd", rand(128, 32, 128), rand(128, 300, 128), None, True, False),
-        ("batch_colbert", rand(256, 32, 128), rand(256, 300, 128), None, False, False),
-        ("batch_colbert_masked", rand(256, 32, 128), rand(256, 300, 128), padded, False, False),
-        ("rerank_colpali_1030", rand(1, 1030, 128), rand(1000, 1030, 128), None, False, False),
-        ("rerank_colpali", rand(1, 128, 128), rand(1000, 1024, 128), None, False, False),
-        ("rerank_colpali_norm", rand(1, 128, 128), rand(1000, 1024, 128), None, False, True),
-        ("longquery", rand(4, 2048, 128), rand(64, 1024, 128), None, False, False),
-        ("longdoc", rand(16, 32, 128), rand(32, 8192, 128), None, False, False),
-        ("kd_colpali fwd", rand(32, 32, 128), rand(32, 16, 1030, 128), None, True, False),
-        ("small grid: 1x32 vs 100x8192", rand(1, 32, 128), rand(100, 8192, 128), None, False, False),
-        ("small grid: 1x128 vs 64x4096", rand(1, 128, 128), rand(64, 4096, 128), None, False, False),
-        ("small grid: 8x32 vs 64x2048", rand(8, 32, 128), rand(64, 2048, 128), None, False, False),
-        ("small grid: 4x128 vs 32x4096 train", rand(4, 128, 128), rand(32, 4096, 128), None, True, False),
-        ("mid grid: 16x32 vs 256x2048", rand(16, 32, 128), rand(256, 2048, 128), None, False, False),
+        ("train_colpali fwd", _bf16(128, 128, 128), _bf16(128, 1024, 128), None, True, False),
+        ("train_colbert fwd", _bf16(128, 32, 128), _bf16(128, 300, 128), None, True, False),
+        ("batch_colbert", _bf16(256, 32, 128), _bf16(256, 300, 128), None, False, False),
+        ("batch_colbert_masked", _bf16(256, 32, 128), _bf16(256, 300, 128), padded, False, False),
+        ("rerank_colpali_1030", _bf16(1, 1030, 128), _bf16(1000, 1030, 128), None, False, False),
+        ("rerank_colpali", _bf16(1, 128, 128), _bf16(1000, 1024, 128), None, False, False),
+        ("rerank_colpali_norm", _bf16(1, 128, 128), _bf16(1000, 1024, 128), None, False, True),
+        ("longquery", _bf16(4, 2048, 128), _bf16(64, 1024, 128), None, False, False),
+        ("longdoc", _bf16(16, 32, 128), _bf16(32, 8192, 128), None, False, False),
+        ("kd_colpali fwd", _bf16(32, 32, 128), _bf16(32, 16, 1030, 128), None, True, False),
+        ("small grid: 1x32 vs 100x8192", _bf16(1, 32, 128), _bf16(100, 8192, 128), None, False, False),
+        ("small grid: 1x128 vs 64x4096", _bf16(1, 128, 128), _bf16(64, 4096, 128), None, False, False),
+        ("small grid: 8x32 vs 64x2048", _bf16(8, 32, 128), _bf16(64, 2048, 128), None, False, False),
+        ("small grid: 4x128 vs 32x4096 train", _bf16(4, 128, 128), _bf16(32, 4096, 128), None, True, False),
+        ("mid grid: 16x32 vs 256x2048", _bf16(16, 32, 128), _bf16(256, 2048, 128), None, False, False),
     )
 
 
@@ -777,16 +778,13 @@ def chunk_splits_ab() -> None:
     """Query chunks split over neighbouring programs (benchmarks/NOTES.md section 29) against one
     program walking every chunk of its (document, query block): GPU ms of the forward (the partial
     scores' sum included), scores and argmax compared."""
-    def rand(*shape):
-        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
-
     shapes = (
-        ("rerank_colpali_1030", rand(1, 1030, 128), rand(1000, 1030, 128), False),
-        ("longquery", rand(4, 2048, 128), rand(64, 1024, 128), False),
-        ("1 x 512 against 1000 x 1024", rand(1, 512, 128), rand(1000, 1024, 128), False),
-        ("1 x 1030 against 16 x 1030", rand(1, 1030, 128), rand(16, 1030, 128), False),
-        ("training fwd 16 x 1030 against 64 x 1030", rand(16, 1030, 128), rand(64, 1030, 128), True),
-        ("kd fwd 8 x 300 against 8 x 32 x 1030", rand(8, 300, 128), rand(8, 32, 1030, 128), True),
+        ("rerank_colpali_1030", _bf16(1, 1030, 128), _bf16(1000, 1030, 128), False),
+        ("longquery", _bf16(4, 2048, 128), _bf16(64, 1024, 128), False),
+        ("1 x 512 against 1000 x 1024", _bf16(1, 512, 128), _bf16(1000, 1024, 128), False),
+        ("1 x 1030 against 16 x 1030", _bf16(1, 1030, 128), _bf16(16, 1030, 128), False),
+        ("training fwd 16 x 1030 against 64 x 1030", _bf16(16, 1030, 128), _bf16(64, 1030, 128), True),
+        ("kd fwd 8 x 300 against 8 x 32 x 1030", _bf16(8, 300, 128), _bf16(8, 32, 1030, 128), True),
     )
     props = torch.cuda.get_device_properties(0)
     print(f"  L2 {props.L2_cache_size / 2**20:.0f} MiB, {props.multi_processor_count} SMs", flush=True)
@@ -851,17 +849,14 @@ def hopper_forward() -> None:
     """The Gluon forward (``_kernels_hopper``: each tile's product overlapping the previous
     tile's max; benchmarks/NOTES.md section 30) against the Triton forward: scores compared,
     GPU ms of each (the Gluon one under two stage counts), and what ``maxsim`` runs."""
-    def rand(*shape):
-        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
-
     shapes = (
-        ("batch_colbert", rand(256, 32, 128), rand(256, 300, 128)),
-        ("rerank_colpali", rand(1, 128, 128), rand(1000, 1024, 128)),
-        ("rerank_colpali_1030", rand(1, 1030, 128), rand(1000, 1030, 128)),
-        ("longquery", rand(4, 2048, 128), rand(64, 1024, 128)),
-        ("train_colpali's shape, no_grad", rand(128, 128, 128), rand(128, 1024, 128)),
-        ("train_colbert's shape, no_grad", rand(128, 32, 128), rand(128, 300, 128)),
-        ("d = 64: 64 x 32 against 512 x 300", rand(64, 32, 64), rand(512, 300, 64)),
+        ("batch_colbert", _bf16(256, 32, 128), _bf16(256, 300, 128)),
+        ("rerank_colpali", _bf16(1, 128, 128), _bf16(1000, 1024, 128)),
+        ("rerank_colpali_1030", _bf16(1, 1030, 128), _bf16(1000, 1030, 128)),
+        ("longquery", _bf16(4, 2048, 128), _bf16(64, 1024, 128)),
+        ("train_colpali's shape, no_grad", _bf16(128, 128, 128), _bf16(128, 1024, 128)),
+        ("train_colbert's shape, no_grad", _bf16(128, 32, 128), _bf16(128, 300, 128)),
+        ("d = 64: 64 x 32 against 512 x 300", _bf16(64, 32, 64), _bf16(512, 300, 64)),
     )
     saved = _launch._HOPPER_TILES, _launch._HOPPER_PACKED_TILES
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
@@ -1017,13 +1012,10 @@ def short_query() -> None:
     benchmarks/NOTES.md section 32): the Triton kernel as dispatched (a 32-row tile, mma.sync),
     the same kernel with a 64-row block half empty (the Hopper warp-group product), and the
     Gluon forward with 64- and 128-row blocks; scores against float64, GPU ms each."""
-    def rand(*shape):
-        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
-
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     saved = _launch._HOPPER_PACKED_TILES
     for n_docs in (1000, 10000):
-        Q, D = rand(1, 32, 128), rand(n_docs, 300, 128)
+        Q, D = _bf16(1, 32, 128), _bf16(n_docs, 300, 128)
         ref = maxsim_ref(Q.double(), D.double()).float()
 
         def forward():
@@ -1071,18 +1063,15 @@ def hopper_variants() -> None:
     Triton forward of the same call: scores compared, GPU ms of each under several document
     tiles, stages and warps, and what ``maxsim_fwd`` runs. (Record ``2026-12-01_6a7deb9`` has
     the argmax variant too, since dropped.)"""
-    def rand(*shape):
-        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
-
     shapes = (
-        ("batch_colbert", False, rand(256, 32, 128), rand(256, 300, 128)),
-        ("rerank_colpali", False, rand(1, 128, 128), rand(1000, 1024, 128)),
-        ("longquery", False, rand(4, 2048, 128), rand(64, 1024, 128)),
-        ("train_colpali's shape, scores", False, rand(128, 128, 128), rand(128, 1024, 128)),
-        ("rerank_colpali_norm", True, rand(1, 128, 128), rand(1000, 1024, 128)),
-        ("rerank_colpali_1030, normalize", True, rand(1, 1030, 128), rand(1000, 1030, 128)),
-        ("batch_colbert, normalize", True, rand(256, 32, 128), rand(256, 300, 128)),
-        ("longquery, normalize", True, rand(4, 2048, 128), rand(64, 1024, 128)),
+        ("batch_colbert", False, _bf16(256, 32, 128), _bf16(256, 300, 128)),
+        ("rerank_colpali", False, _bf16(1, 128, 128), _bf16(1000, 1024, 128)),
+        ("longquery", False, _bf16(4, 2048, 128), _bf16(64, 1024, 128)),
+        ("train_colpali's shape, scores", False, _bf16(128, 128, 128), _bf16(128, 1024, 128)),
+        ("rerank_colpali_norm", True, _bf16(1, 128, 128), _bf16(1000, 1024, 128)),
+        ("rerank_colpali_1030, normalize", True, _bf16(1, 1030, 128), _bf16(1000, 1030, 128)),
+        ("batch_colbert, normalize", True, _bf16(256, 32, 128), _bf16(256, 300, 128)),
+        ("longquery, normalize", True, _bf16(4, 2048, 128), _bf16(64, 1024, 128)),
     )
     saved = _launch._HOPPER_TILES, _launch._HOPPER_NORM_TILES, _launch._HOPPER_PACKED_TILES
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
@@ -1147,9 +1136,6 @@ def norms_ahead() -> None:
     before = util.module_from_spec(spec)
     spec.loader.exec_module(before)
 
-    def rand(*shape):
-        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
-
     warm = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     for _ in range(200):
         warm @ warm
@@ -1167,17 +1153,13 @@ def norms_ahead() -> None:
         ("train_colpali's shape, scores", False, (128, 128, 128), (128, 1024, 128)),
     )
     for name, normalize, q_shape, d_shape in shapes:
-        Q, D = rand(*q_shape), rand(*d_shape)
+        Q, D = _bf16(*q_shape), _bf16(*d_shape)
         Nq, Lq, dim = q_shape
         Ncols, Ld = d_shape[0], d_shape[1]
         cfg = fwd_config(Lq=Lq, dim=dim, Nq=Nq, per_query_docs=False, elem_bytes=2,
                          norm_from_tiles=normalize, n_cols=Ncols, sm_count=sm_count)
-        block = _launch.hopper_block(cfg)
-        qpb = block.queries_per_block
-        block_n, stages, warps = (_launch._HOPPER_NORM_TILES if normalize
-                                  else _launch._HOPPER_SHORT_TILES if _launch._block_rows(cfg) < 64
-                                  else _launch._HOPPER_PACKED_TILES if qpb > 1
-                                  else _launch._HOPPER_TILES)
+        block_n, stages, warps = _launch.hopper_tiles(cfg, normalize)
+        qpb = _launch.hopper_block(cfg).queries_per_block
         splits = _launch.chunk_splits(Lq, cfg.lq_tile, Nq, Ncols, False)
         consts = _launch.hopper_constexprs(Q.dtype, cfg.lq_tile, qpb, block_n, stages, dim, warps,
                                            normalize)

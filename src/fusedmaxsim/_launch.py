@@ -452,6 +452,17 @@ def hopper_block(cfg):
     return dataclasses.replace(cfg, queries_per_block=64 // cfg.lq_tile)
 
 
+def hopper_tiles(cfg, normalize: bool) -> tuple[int, int, int]:
+    """The Gluon forward's (document tile, stages, warps) for a block of ``cfg`` (before
+    :func:`hopper_block` pads it): the normalizing variant's, a short query's, packed short
+    queries', or a long query's."""
+    if normalize:
+        return _HOPPER_NORM_TILES
+    if _block_rows(cfg) < 64:
+        return _HOPPER_SHORT_TILES
+    return _HOPPER_PACKED_TILES if cfg.queries_per_block > 1 else _HOPPER_TILES
+
+
 @functools.lru_cache(maxsize=None)
 def hopper_layouts(
     torch_dtype: torch.dtype, block_m: int, block_n: int, block_k: int, warps: int = 4
@@ -548,10 +559,7 @@ def launch_fwd_hopper(cfg, Q: Tensor, D: Tensor, scores: Tensor, normalize: bool
     Ncols, Ld = D.shape[0], D.shape[1]
     if Q.stride(-1) != 1:
         Q = Q.contiguous()
-    tiles = (_HOPPER_NORM_TILES if normalize
-             else _HOPPER_SHORT_TILES if _block_rows(cfg) < 64
-             else _HOPPER_PACKED_TILES if cfg.queries_per_block > 1
-             else _HOPPER_TILES)
+    tiles = hopper_tiles(cfg, normalize)
     cfg = hopper_block(cfg)
     qpb = cfg.queries_per_block
     block_n, consts, template, d_layout = _hopper_plan(
