@@ -37,7 +37,8 @@ def _descriptor_type(desc) -> str:
 
 
 def compile_forward(lq_tile: int, queries_per_block: int, block_n: int, stages: int, dim: int = 128,
-                    normalize: bool = False, warps: int = 4, tiles_first: bool = False):
+                    normalize: bool = False, warps: int = 4, tiles_first: bool = False,
+                    max_registers: int | None = None):
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -62,7 +63,10 @@ def compile_forward(lq_tile: int, queries_per_block: int, block_n: int, stages: 
             signature[name] = "i32"
     source = GluonASTSource(kernel, signature,
                             {(kernel.arg_names.index(k),): v for k, v in constants.items()}, attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+    options = dict(num_warps=warps)
+    if max_registers is not None:
+        options["maxnreg"] = max_registers
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def report(compiled) -> str:
@@ -79,23 +83,29 @@ def report(compiled) -> str:
 
 def main() -> None:
     print(f"triton {triton.__version__}, Gluon available: {_kernels_hopper.AVAILABLE}")
-    # (normalize, query tile rows, queries a block, document tile, stages, warps, tiles first)
+    # (normalize, query tile rows, queries a block, document tile, stages, warps, tiles first,
+    # register cap)
     variants = []
     for normalize in (False, True):
         for lq_tile, qpb in ((128, 1), (32, 4)):
             for block_n, stages, warps in ((64, 4, 4), (32, 6, 4), (64, 4, 8)):
-                variants.append((normalize, lq_tile, qpb, block_n, stages, warps, False))
-    variants.append((False, 64, 1, 64, 4, 4, False))
+                variants.append((normalize, lq_tile, qpb, block_n, stages, warps, False, None))
+            # Three programs an SM: 168 registers, at most 75 KB of shared memory (section 34).
+            for block_n, stages in ((32, 5), (32, 4)):
+                variants.append((normalize, lq_tile, qpb, block_n, stages, 4, False, 168))
+    variants.append((False, 64, 1, 64, 4, 4, False, None))
     # The reranking variants, documents from DRAM: the ring filled before the query chunk.
-    variants += [(False, 128, 1, 64, 4, 4, True), (True, 128, 1, 64, 4, 4, True),
-                 (False, 32, 2, 32, 6, 4, True)]
-    for normalize, lq_tile, qpb, block_n, stages, warps, tiles_first in variants:
+    variants += [(False, 128, 1, 64, 4, 4, True, None), (True, 128, 1, 64, 4, 4, True, None),
+                 (False, 32, 2, 32, 6, 4, True, None), (False, 128, 1, 32, 5, 4, True, 168),
+                 (True, 128, 1, 32, 5, 4, True, 168), (False, 32, 2, 32, 6, 4, True, 168)]
+    for normalize, lq_tile, qpb, block_n, stages, warps, tiles_first, cap in variants:
         label = (f"{'normalize' if normalize else 'scores'}, rows {lq_tile}x{qpb}, "
                  f"{block_n}-token tiles, {stages} stages, {warps} warps"
-                 f"{', tiles first' if tiles_first else ''}")
+                 f"{', tiles first' if tiles_first else ''}"
+                 f"{f', at most {cap} registers' if cap else ''}")
         try:
             compiled = compile_forward(lq_tile, qpb, block_n, stages, normalize=normalize,
-                                       warps=warps, tiles_first=tiles_first)
+                                       warps=warps, tiles_first=tiles_first, max_registers=cap)
             print(f"  {label}: {report(compiled)}", flush=True)
         except Exception as exc:  # noqa: BLE001 (a release whose Gluon cannot build it: say so)
             print(f"  {label}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)

@@ -6,14 +6,15 @@ memory, and the first calls' split; behind sections 18-21: the training rows' ho
 time, the forward's tile variants (registers, spills, parity, time), the host's side of a launch
 for every provider, and the query chunk height; behind sections 22-23: the query tile in
 registers, the small rows' GPU time alone, 256-row query blocks; behind section 25: the
-document-owned grad_D through the winner index; behind sections 30-31: the Gluon forward and its
-argmax and normalize variants. GPU times by ``triton.testing.do_bench``
+document-owned grad_D through the winner index; behind sections 30-34: the Gluon forward, its
+argmax and normalize variants, and its tiles. GPU times by ``triton.testing.do_bench``
 (median, ms).
 
     PYTHONPATH=src python3 benchmarks/probe.py [normalize] [kd] [smooth] [masked] [rerank] [memory] [cold]
         [small] [stages] [cold_profile] [steps] [host] [fwd_tiles] [launch] [chunks]
         [query_registers] [graph_times] [wide_rows] [winner_index] [chunk_splits] [occupancy]
         [hopper_forward] [hopper_host] [hopper_variants] [short_query] [norms_ahead]
+        [three_programs]
 """
 
 from __future__ import annotations
@@ -875,7 +876,7 @@ def hopper_forward() -> None:
         want, triton_ms = _on_triton(library)
         row = f"-- {name}: Triton {triton_ms:.4f} ms"
         for stages in (4, 3):
-            _launch._HOPPER_TILES = _launch._HOPPER_PACKED_TILES = (64, stages, 4)
+            _launch._HOPPER_TILES = _launch._HOPPER_PACKED_TILES = (64, stages, 4, None)
             scores = torch.full_like(want, float("nan"))
             try:
                 _launch.launch_fwd_hopper(cfg, Q, D, scores)
@@ -1041,7 +1042,8 @@ def short_query() -> None:
             if not _launch.hopper_forward_applies(cfg, Q, D):
                 print(f"   Gluon {cfg}: does not apply", flush=True)
                 continue
-            for tiles in ((64, 3, 4), (64, 4, 4), (64, 6, 4), (32, 6, 4), (128, 2, 4)):
+            for tiles in ((64, 3, 4, None), (64, 4, 4, None), (64, 6, 4, None), (32, 6, 4, None),
+                          (128, 2, 4, None)):
                 _launch._HOPPER_PACKED_TILES = tiles
                 try:
                     scores = torch.full((1, n_docs), float("nan"), device="cuda")
@@ -1091,8 +1093,8 @@ def hopper_variants() -> None:
         ref = torch.cat([maxsim_ref(Q.double(), D[j:j + step_docs].double(), normalize=normalize)
                          for j in range(0, D.shape[0], step_docs)], dim=1)
         row = f"-- {name}: Triton {triton_ms:.4f} ms ({relative_error(want, ref):.0e} from float64)"
-        for tiles in ((64, 4, 4), (64, 3, 4), (64, 5, 4), (32, 6, 4)):
-            block_n, stages, warps = tiles
+        for tiles in ((64, 4, 4, None), (64, 3, 4, None), (64, 5, 4, None), (32, 6, 4, None)):
+            block_n, stages, warps, _ = tiles
             scores = torch.full_like(want, float("nan"))
             _launch._HOPPER_TILES = _launch._HOPPER_NORM_TILES = tiles
             _launch._HOPPER_PACKED_TILES = tiles
@@ -1158,7 +1160,7 @@ def norms_ahead() -> None:
         Ncols, Ld = d_shape[0], d_shape[1]
         cfg = fwd_config(Lq=Lq, dim=dim, Nq=Nq, per_query_docs=False, elem_bytes=2,
                          norm_from_tiles=normalize, n_cols=Ncols, sm_count=sm_count)
-        block_n, stages, warps = _launch.hopper_tiles(cfg, normalize)
+        block_n, stages, warps, _ = _launch.hopper_tiles(cfg, normalize)
         qpb = _launch.hopper_block(cfg).queries_per_block
         splits = _launch.chunk_splits(Lq, cfg.lq_tile, Nq, Ncols, False)
         consts = _launch.hopper_constexprs(Q.dtype, cfg.lq_tile, qpb, block_n, stages, dim, warps,
@@ -1200,13 +1202,97 @@ def norms_ahead() -> None:
             row += f"\n   {label:10s} " + " ".join(f"{v:.4f}" for v in values)
         if normalize:
             saved = _launch._HOPPER_NORM_TILES
-            for other in ((64, 3, 4), (64, 5, 4)):
+            for other in ((64, 3, 4, None), (64, 5, 4, None)):
                 _launch._HOPPER_NORM_TILES = other
                 try:
                     row += f"\n   this tree at {other}: {bench(new):.4f}"
                 finally:
                     _launch._HOPPER_NORM_TILES = saved
         print(row, flush=True)
+
+
+def three_programs() -> None:
+    """The Gluon forward with 32-token document tiles and at most 168 registers a thread, so that
+    three 4-warp programs share an SM (benchmarks/NOTES.md section 34), against the dispatched
+    tiles (two programs an SM): each variant's scores against the dispatched ones (NaN-poisoned
+    first), GPU ms of CUDA-graph replays in three interleaved rounds."""
+    warm = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(200):
+        warm @ warm
+    del warm
+    shapes = (
+        ("rerank_colpali_norm", True, (1, 128, 128), (1000, 1024, 128)),
+        ("rerank_colpali", False, (1, 128, 128), (1000, 1024, 128)),
+        ("rerank_colpali_1030", False, (1, 1030, 128), (1000, 1030, 128)),
+        ("rerank_colpali_1030, normalize", True, (1, 1030, 128), (1000, 1030, 128)),
+        ("rerank_colbert", False, (1, 32, 128), (1000, 300, 128)),
+        ("rerank_colbert, normalize", True, (1, 32, 128), (1000, 300, 128)),
+        ("batch_colbert", False, (256, 32, 128), (256, 300, 128)),
+        ("batch_colbert, normalize", True, (256, 32, 128), (256, 300, 128)),
+        ("longquery", False, (4, 2048, 128), (64, 1024, 128)),
+        ("longquery, normalize", True, (4, 2048, 128), (64, 1024, 128)),
+        ("longdoc", False, (16, 32, 128), (32, 8192, 128)),
+        ("train_colpali's shape, scores", False, (128, 128, 128), (128, 1024, 128)),
+    )
+    variants = ((32, 5, 4, None), (32, 5, 4, 168), (32, 4, 4, 168), (32, 6, 4, 168),
+                (32, 3, 4, 128))
+    names = ("_HOPPER_TILES", "_HOPPER_NORM_TILES", "_HOPPER_PACKED_TILES", "_HOPPER_SHORT_TILES")
+    saved = tuple(getattr(_launch, name) for name in names)
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    for label, normalize, q_shape, d_shape in shapes:
+        Q, D = _bf16(*q_shape), _bf16(*d_shape)
+        Nq, Lq, dim = q_shape
+        cfg = fwd_config(Lq=Lq, dim=dim, Nq=Nq, per_query_docs=False, elem_bytes=2,
+                         norm_from_tiles=normalize, n_cols=D.shape[0], sm_count=sm_count)
+        if not _launch.hopper_forward_applies(cfg, Q, D):
+            print(f"-- {label}: the Gluon forward does not apply ({cfg})", flush=True)
+            continue
+        dispatched = _launch.hopper_tiles(cfg, normalize)
+        scores = torch.empty(Nq, D.shape[0], device="cuda")
+
+        def forward(tiles):
+            for name in names:
+                setattr(_launch, name, tiles)
+            try:
+                _launch.launch_fwd_hopper(cfg, Q, D, scores, normalize)
+            finally:
+                for name, value in zip(names, saved):
+                    setattr(_launch, name, value)
+
+        forward(dispatched)
+        want = scores.clone()
+        ref = maxsim_ref(Q.double(), D[:50].double(), normalize=normalize)
+        row = (f"-- {label} (dispatched {dispatched}, {relative_error(want[:, :50], ref):.0e} "
+               f"from float64)")
+        times: dict = {}
+        for tiles in variants:
+            scores.fill_(float("nan"))
+            try:
+                forward(tiles)
+            except Exception as exc:  # noqa: BLE001
+                row += f"\n   {tiles}: {type(exc).__name__}: {str(exc)[:200]}"
+                continue
+            err = relative_error(scores, want)
+            if not (err < 1e-5):
+                row += f"\n   {tiles}: PARITY FAILED ({err:.0e} from the dispatched tiles)"
+                continue
+            times[tiles] = []
+        times = {dispatched: [], **times}
+        # Each variant's call replayed from a CUDA graph: GPU time, without the host's issue time
+        # (rerank_colbert's call issues slower than its GPU work runs).
+        graphs = {}
+        for tiles in times:
+            graphs[tiles] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[tiles]):
+                forward(tiles)
+        for _ in range(3):
+            for tiles, values in times.items():
+                values.append(bench(graphs[tiles].replay))
+        for tiles, values in times.items():
+            row += f"\n   {str(tiles):20s} " + " ".join(f"{v:.4f}" for v in values)
+        print(row, flush=True)
+        del Q, D
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
@@ -1221,7 +1307,8 @@ if __name__ == "__main__":
                         ("winner_index", winner_index), ("chunk_splits", chunk_splits_ab),
                         ("occupancy", occupancy), ("hopper_forward", hopper_forward),
                         ("hopper_host", hopper_host), ("hopper_variants", hopper_variants),
-                        ("short_query", short_query), ("norms_ahead", norms_ahead)):
+                        ("short_query", short_query), ("norms_ahead", norms_ahead),
+                        ("three_programs", three_programs)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()

@@ -384,22 +384,23 @@ def _launch_fwd(
     _launch_query_slices(launch_slice, scores, qpb, splits)
 
 
-# The Gluon forward (``_kernels_hopper``, NOTES.md sections 30-33): its (document tile, stages,
-# warps) for the plain and the normalizing variant, the fastest of the 32- and 64-token tiles,
+# The Gluon forward (``_kernels_hopper``, NOTES.md sections 30-34): its (document tile, stages,
+# warps, register cap or None) for the plain and the normalizing variant, the fastest of the 32-
+# and 64-token tiles,
 # 3 to 6 stages and 4 or 8 warps measured; and the least work (multiply-adds) for which each is
 # taken. It saves 11-17% of the GPU time of the plain forward (CUDA-graph replays, records
 # 2026-12-01_24087c6 and 4e3362d: rerank_colbert's 2^30 multiply-adds 0.036 → 0.032 ms,
 # rerank_colpali's 2^34 0.086 → 0.077) and 7-23% of the normalizing one. A call through it
 # costs the host what a call through the Triton kernel does (67.2 against 68.7 µs at
 # rerank_colbert's shape, record 4e3362d).
-_HOPPER_TILES = (64, 4, 4)
+_HOPPER_TILES = (64, 4, 4, None)
 # Several short queries packed into a block: 3 stages (batch_colbert 0.355 against 0.373 ms at
 # 4, in two runs).
-_HOPPER_PACKED_TILES = (64, 3, 4)
-_HOPPER_NORM_TILES = (64, 4, 4)
+_HOPPER_PACKED_TILES = (64, 3, 4, None)
+_HOPPER_NORM_TILES = (64, 4, 4, None)
 # One short query a block, padded to 64 rows (rerank_colbert: 0.0330 ms against 0.0379-0.0398
 # at 64-token tiles, record 2026-12-01_126203e).
-_HOPPER_SHORT_TILES = (32, 6, 4)
+_HOPPER_SHORT_TILES = (32, 6, 4, None)
 
 
 # d = 64 ran slower than the Triton kernel (0.133 against 0.117 ms at 64 x 32 against 512 x 300);
@@ -452,9 +453,9 @@ def hopper_block(cfg):
     return dataclasses.replace(cfg, queries_per_block=64 // cfg.lq_tile)
 
 
-def hopper_tiles(cfg, normalize: bool) -> tuple[int, int, int]:
-    """The Gluon forward's (document tile, stages, warps) for a block of ``cfg`` (before
-    :func:`hopper_block` pads it): the normalizing variant's, a short query's, packed short
+def hopper_tiles(cfg, normalize: bool) -> tuple[int, int, int, int | None]:
+    """The Gluon forward's (document tile, stages, warps, register cap) for a block of ``cfg``
+    (before :func:`hopper_block` pads it): the normalizing variant's, a short query's, packed short
     queries', or a long query's."""
     if normalize:
         return _HOPPER_NORM_TILES
@@ -536,17 +537,18 @@ def documents_beyond_l2(D: Tensor) -> bool:
 @functools.lru_cache(maxsize=None)
 def _hopper_plan(
     torch_dtype: torch.dtype, lq_tile: int, queries_per_block: int, dim: int, normalize: bool,
-    tiles: tuple[int, int, int], tiles_first: bool = False,
+    tiles: tuple[int, int, int, int | None], tiles_first: bool = False,
 ):
     """What a Gluon launch needs besides its tensors, built once per tile set and looked up by
     plain values (hashing the layouts' dataclasses on every launch cost microseconds of host
     time): the document tile's rows, the constants, the descriptor's template (None where it
     cannot serve) and its shared layout."""
-    block_n, stages, warps = tiles
+    block_n, stages, warps, max_registers = tiles
     d_layout = hopper_layouts(torch_dtype, lq_tile * queries_per_block, block_n, dim, warps)[1]
+    cap = {} if max_registers is None else {"maxnreg": max_registers}
     consts = constants(**hopper_constexprs(
         torch_dtype, lq_tile, queries_per_block, block_n, stages, dim, warps, normalize,
-        tiles_first))
+        tiles_first), **cap)
     return block_n, consts, _descriptor_template(torch_dtype, block_n, dim, d_layout), d_layout
 
 
