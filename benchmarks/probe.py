@@ -14,7 +14,7 @@ argmax and normalize variants, and its tiles. GPU times by ``triton.testing.do_b
         [small] [stages] [cold_profile] [steps] [host] [fwd_tiles] [launch] [chunks]
         [query_registers] [graph_times] [wide_rows] [winner_index] [chunk_splits] [occupancy]
         [hopper_forward] [hopper_host] [hopper_variants] [short_query] [norms_ahead]
-        [three_programs]
+        [three_programs] [few_programs]
 """
 
 from __future__ import annotations
@@ -1211,33 +1211,17 @@ def norms_ahead() -> None:
         print(row, flush=True)
 
 
-def three_programs() -> None:
-    """The Gluon forward with 32-token document tiles and at most 168 registers a thread, so that
-    three 4-warp programs share an SM, and 8-warp programs capped at 128 registers, two an SM
-    (benchmarks/NOTES.md section 34), against the dispatched tiles (two 4-warp programs an SM): each variant's scores against the dispatched ones (NaN-poisoned
-    first), GPU ms of CUDA-graph replays in three interleaved rounds."""
+def _warm_gpu() -> None:
     warm = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     for _ in range(200):
         warm @ warm
-    del warm
-    shapes = (
-        ("rerank_colpali_norm", True, (1, 128, 128), (1000, 1024, 128)),
-        ("rerank_colpali", False, (1, 128, 128), (1000, 1024, 128)),
-        ("rerank_colpali_1030", False, (1, 1030, 128), (1000, 1030, 128)),
-        ("rerank_colpali_1030, normalize", True, (1, 1030, 128), (1000, 1030, 128)),
-        ("rerank_colbert", False, (1, 32, 128), (1000, 300, 128)),
-        ("rerank_colbert, normalize", True, (1, 32, 128), (1000, 300, 128)),
-        ("batch_colbert", False, (256, 32, 128), (256, 300, 128)),
-        ("batch_colbert, normalize", True, (256, 32, 128), (256, 300, 128)),
-        ("longquery", False, (4, 2048, 128), (64, 1024, 128)),
-        ("longquery, normalize", True, (4, 2048, 128), (64, 1024, 128)),
-        ("longdoc", False, (16, 32, 128), (32, 8192, 128)),
-        ("train_colpali's shape, scores", False, (128, 128, 128), (128, 1024, 128)),
-    )
-    # (Record 2026-12-01_2e55496 also has (32, 5, 4, None), (32, 5, 4, 168), (32, 6, 4, 168) and
-    # (32, 3, 4, 128).) Two 8-warp programs an SM: 128 registers at most.
-    variants = ((32, 4, 4, 168), (64, 4, 8, None), (64, 4, 8, 128), (64, 3, 8, 128),
-                (32, 6, 8, 128))
+
+
+def _gluon_tile_rounds(shapes, variants) -> None:
+    """For each ``(label, normalize, q_shape, d_shape)``: the Gluon forward under the dispatched
+    tiles and under each of ``variants`` (every tile set of ``_launch`` replaced), each variant's
+    scores against the dispatched ones (NaN-poisoned first), GPU ms of CUDA-graph replays (no
+    host issue time) in three interleaved rounds."""
     names = ("_HOPPER_TILES", "_HOPPER_NORM_TILES", "_HOPPER_PACKED_TILES", "_HOPPER_SHORT_TILES")
     saved = tuple(getattr(_launch, name) for name in names)
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
@@ -1280,8 +1264,7 @@ def three_programs() -> None:
                 continue
             times[tiles] = []
         times = {dispatched: [], **times}
-        # Each variant's call replayed from a CUDA graph: GPU time, without the host's issue time
-        # (rerank_colbert's call issues slower than its GPU work runs).
+        # rerank_colbert's call issues slower than its GPU work runs: replays time the GPU alone.
         graphs = {}
         for tiles in times:
             graphs[tiles] = torch.cuda.CUDAGraph()
@@ -1293,9 +1276,57 @@ def three_programs() -> None:
         for tiles, values in times.items():
             row += f"\n   {str(tiles):20s} " + " ".join(f"{v:.4f}" for v in values)
         print(row, flush=True)
-        del Q, D
+        del Q, D, graphs
         torch.cuda.empty_cache()
 
+
+def three_programs() -> None:
+    """The Gluon forward with 32-token document tiles and at most 168 registers a thread, so that
+    three 4-warp programs share an SM, and 8-warp programs capped at 128 registers, two an SM
+    (benchmarks/NOTES.md section 34), against the dispatched tiles (two 4-warp programs an SM)."""
+    _warm_gpu()
+    shapes = (
+        ("rerank_colpali_norm", True, (1, 128, 128), (1000, 1024, 128)),
+        ("rerank_colpali", False, (1, 128, 128), (1000, 1024, 128)),
+        ("rerank_colpali_1030", False, (1, 1030, 128), (1000, 1030, 128)),
+        ("rerank_colpali_1030, normalize", True, (1, 1030, 128), (1000, 1030, 128)),
+        ("rerank_colbert", False, (1, 32, 128), (1000, 300, 128)),
+        ("rerank_colbert, normalize", True, (1, 32, 128), (1000, 300, 128)),
+        ("batch_colbert", False, (256, 32, 128), (256, 300, 128)),
+        ("batch_colbert, normalize", True, (256, 32, 128), (256, 300, 128)),
+        ("longquery", False, (4, 2048, 128), (64, 1024, 128)),
+        ("longquery, normalize", True, (4, 2048, 128), (64, 1024, 128)),
+        ("longdoc", False, (16, 32, 128), (32, 8192, 128)),
+        ("train_colpali's shape, scores", False, (128, 128, 128), (128, 1024, 128)),
+    )
+    # (Record 2026-12-01_2e55496 also has (32, 5, 4, None), (32, 5, 4, 168), (32, 6, 4, 168) and
+    # (32, 3, 4, 128).) Two 8-warp programs an SM: 128 registers at most.
+    _gluon_tile_rounds(shapes, ((32, 4, 4, 168), (64, 4, 8, None), (64, 4, 8, 128),
+                                (64, 3, 8, 128), (32, 6, 8, 128)))
+
+
+def few_programs() -> None:
+    """Grids of fewer programs than two an SM (long documents, or few candidates): 8-warp
+    programs (two warp groups splitting the rows) against the dispatched 4-warp tiles
+    (benchmarks/NOTES.md section 34)."""
+    _warm_gpu()
+    shapes = (
+        ("longdoc: 16 x 32 against 32 x 8192", False, (16, 32, 128), (32, 8192, 128)),
+        ("longdoc, normalize", True, (16, 32, 128), (32, 8192, 128)),
+        ("16 x 32 against 64 x 8192", False, (16, 32, 128), (64, 8192, 128)),
+        ("4 x 32 against 64 x 4096", False, (4, 32, 128), (64, 4096, 128)),
+        ("8 x 128 against 16 x 8192", False, (8, 128, 128), (16, 8192, 128)),
+        ("1 x 128 against 100 x 1024", False, (1, 128, 128), (100, 1024, 128)),
+        ("1 x 128 against 100 x 1024, normalize", True, (1, 128, 128), (100, 1024, 128)),
+        ("1 x 128 against 200 x 1024", False, (1, 128, 128), (200, 1024, 128)),
+        ("1 x 128 against 300 x 1024", False, (1, 128, 128), (300, 1024, 128)),
+        ("1 x 32 against 100 x 300", False, (1, 32, 128), (100, 300, 128)),
+        ("1 x 32 against 100 x 300, normalize", True, (1, 32, 128), (100, 300, 128)),
+        ("batch_colbert, normalize", True, (256, 32, 128), (256, 300, 128)),
+        ("rerank_colbert, normalize", True, (1, 32, 128), (1000, 300, 128)),
+    )
+    _gluon_tile_rounds(shapes, ((64, 4, 8, None), (64, 3, 8, None), (64, 6, 8, None),
+                                (32, 6, 8, None), (32, 4, 4, 168)))
 
 if __name__ == "__main__":
     wanted = set(sys.argv[1:]) or {"normalize", "kd", "smooth"}
@@ -1310,7 +1341,7 @@ if __name__ == "__main__":
                         ("occupancy", occupancy), ("hopper_forward", hopper_forward),
                         ("hopper_host", hopper_host), ("hopper_variants", hopper_variants),
                         ("short_query", short_query), ("norms_ahead", norms_ahead),
-                        ("three_programs", three_programs)):
+                        ("three_programs", three_programs), ("few_programs", few_programs)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()
