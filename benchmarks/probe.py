@@ -1160,7 +1160,7 @@ def norms_ahead() -> None:
         Ncols, Ld = d_shape[0], d_shape[1]
         cfg = fwd_config(Lq=Lq, dim=dim, Nq=Nq, per_query_docs=False, elem_bytes=2,
                          norm_from_tiles=normalize, n_cols=Ncols, sm_count=sm_count)
-        block_n, stages, warps, _ = _launch.hopper_tiles(cfg, normalize)
+        block_n, stages, warps, _ = _dispatched_tiles(cfg, normalize, Nq, Lq, Ncols, sm_count)
         qpb = _launch.hopper_block(cfg).queries_per_block
         splits = _launch.chunk_splits(Lq, cfg.lq_tile, Nq, Ncols, False)
         consts = _launch.hopper_constexprs(Q.dtype, cfg.lq_tile, qpb, block_n, stages, dim, warps,
@@ -1211,6 +1211,13 @@ def norms_ahead() -> None:
         print(row, flush=True)
 
 
+def _dispatched_tiles(cfg, normalize: bool, Nq: int, Lq: int, Ncols: int, sm_count: int):
+    """The Gluon tiles ``launch_fwd_hopper`` takes for this call."""
+    programs = Ncols * _launch.chunk_splits(Lq, cfg.lq_tile, Nq, Ncols, False) * -(
+        -Nq // _launch.hopper_block(cfg).queries_per_block)
+    return _launch.hopper_tiles(cfg, normalize, programs, sm_count)
+
+
 def _warm_gpu() -> None:
     warm = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     for _ in range(200):
@@ -1222,7 +1229,8 @@ def _gluon_tile_rounds(shapes, variants) -> None:
     tiles and under each of ``variants`` (every tile set of ``_launch`` replaced), each variant's
     scores against the dispatched ones (NaN-poisoned first), GPU ms of CUDA-graph replays (no
     host issue time) in three interleaved rounds."""
-    names = ("_HOPPER_TILES", "_HOPPER_NORM_TILES", "_HOPPER_PACKED_TILES", "_HOPPER_SHORT_TILES")
+    names = ("_HOPPER_TILES", "_HOPPER_NORM_TILES", "_HOPPER_PACKED_TILES", "_HOPPER_SHORT_TILES",
+             "_HOPPER_SHORT_NORM_TILES", "_HOPPER_FEW_PROGRAMS_TILES")
     saved = tuple(getattr(_launch, name) for name in names)
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     for label, normalize, q_shape, d_shape in shapes:
@@ -1233,7 +1241,7 @@ def _gluon_tile_rounds(shapes, variants) -> None:
         if not _launch.hopper_forward_applies(cfg, Q, D):
             print(f"-- {label}: the Gluon forward does not apply ({cfg})", flush=True)
             continue
-        dispatched = _launch.hopper_tiles(cfg, normalize)
+        dispatched = _dispatched_tiles(cfg, normalize, Nq, Lq, D.shape[0], sm_count)
         scores = torch.empty(Nq, D.shape[0], device="cuda")
 
         def forward(tiles):

@@ -202,3 +202,23 @@ def test_the_gluon_descriptor_from_a_template_equals_the_constructed_one():
     assert built.__dict__.keys() == want.__dict__.keys()
     for name, value in want.__dict__.items():
         assert getattr(built, name) is value if name == "base" else getattr(built, name) == value
+
+
+def test_hopper_tiles_follow_the_grid():
+    """The dispatch's tiles: two warp groups a program only for 128-row blocks on grids of at
+    most one program an SM; the normalized short queries' 32-token tiles only on larger grids."""
+    from fusedmaxsim import _launch
+    from fusedmaxsim._configs import FwdConfig
+
+    long_query = FwdConfig(128, 1, 64, 128, 4, 3)
+    packed = FwdConfig(32, 4, 64, 128, 4, 3)
+    short = FwdConfig(32, 1, 64, 128, 4, 3)
+    assert _launch.hopper_tiles(long_query, False, 132, 132) == _launch._HOPPER_FEW_PROGRAMS_TILES
+    assert _launch.hopper_tiles(packed, True, 100, 132) == _launch._HOPPER_FEW_PROGRAMS_TILES
+    assert _launch.hopper_tiles(long_query, False, 133, 132) == _launch._HOPPER_TILES
+    assert _launch.hopper_tiles(long_query, True, 1000, 132) == _launch._HOPPER_NORM_TILES
+    assert _launch.hopper_tiles(packed, False, 1000, 132) == _launch._HOPPER_PACKED_TILES
+    assert _launch.hopper_tiles(packed, True, 1000, 132) == _launch._HOPPER_SHORT_NORM_TILES
+    assert _launch.hopper_tiles(short, True, 1000, 132) == _launch._HOPPER_SHORT_NORM_TILES
+    assert _launch.hopper_tiles(short, True, 100, 132) == _launch._HOPPER_NORM_TILES
+    assert _launch.hopper_tiles(short, False, 100, 132) == _launch._HOPPER_SHORT_TILES

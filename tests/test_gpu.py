@@ -268,10 +268,19 @@ def test_hopper_forward_matches_reference_and_triton(monkeypatch, tiles_first, n
                      norm_from_tiles=normalize)
     # The kernel takes d = 64; the dispatch keeps it to the dims where it was measured faster.
     assert _launch.hopper_forward_applies(cfg, Q, D) == (dim in _launch._HOPPER_DIMS)
-    scores = torch.full((Nq, d_shape[0]), float("nan"), device="cuda")
+    _check_hopper_forward(cfg, Q, D, normalize)
+
+
+def _check_hopper_forward(cfg, Q, D, normalize: bool) -> None:
+    """The Gluon forward's scores: float64's within the dtype's bound, Triton's to fp32
+    rounding, every score written (NaN-poisoned output), a NaN in a document making its column
+    NaN and no other."""
+    from fusedmaxsim import _launch
+
+    scores = torch.full((Q.shape[0], D.shape[0]), float("nan"), device="cuda")
     _launch.launch_fwd_hopper(cfg, Q, D, scores, normalize)
     ref = maxsim_ref(Q.double(), D.double(), normalize=normalize)
-    assert_close_to_reference(scores, ref, BOUNDS[dtype][0], "scores")
+    assert_close_to_reference(scores, ref, BOUNDS[Q.dtype][0], "scores")
     saved = _launch.HOPPER_KERNEL
     _launch.HOPPER_KERNEL = False
     try:
@@ -279,9 +288,49 @@ def test_hopper_forward_matches_reference_and_triton(monkeypatch, tiles_first, n
     finally:
         _launch.HOPPER_KERNEL = saved
     torch.testing.assert_close(scores, want, rtol=1e-5, atol=1e-5)
-    D[1, d_shape[1] // 2, 3] = float("nan")
+    D = D.clone()
+    D[1, D.shape[1] // 2, 3] = float("nan")
     _launch.launch_fwd_hopper(cfg, Q, D, scores, normalize)
     assert scores[:, 1].isnan().all() and not scores[:, [0, 2]].isnan().any()
+
+
+_TILE_SETS = ("_HOPPER_TILES", "_HOPPER_PACKED_TILES", "_HOPPER_NORM_TILES",
+              "_HOPPER_SHORT_NORM_TILES", "_HOPPER_FEW_PROGRAMS_TILES", "_HOPPER_SHORT_TILES")
+_TILE_SHAPES = {
+    "packed": ((37, 32, 128), (53, 300, 128)),
+    "chunks": ((3, 300, 128), (20, 77, 128)),
+    "one-short-query": ((1, 32, 128), (50, 300, 128)),
+}
+
+
+@hopper_only
+@pytest.mark.parametrize("normalize", [False, True], ids=["scores", "normalize"])
+@pytest.mark.parametrize(
+    "tile_set,shape",
+    [
+        (tile_set, shape)
+        for tile_set in _TILE_SETS
+        for shape in _TILE_SHAPES
+        # Two warp groups split 128 rows; a padded short query's block has 64.
+        if not (tile_set == "_HOPPER_FEW_PROGRAMS_TILES" and shape == "one-short-query")
+    ],
+)
+def test_hopper_forward_under_every_tile_set(monkeypatch, tile_set, shape, normalize):
+    """Each tile set the dispatch can take (document tile, stages, warps, register cap), forced
+    onto the shapes its loop treats apart, plain and normalizing."""
+    from fusedmaxsim import _launch
+    from fusedmaxsim._configs import fwd_config
+
+    tiles = getattr(_launch, tile_set)
+    monkeypatch.setattr(_launch, "hopper_tiles", lambda *args: tiles)
+    q_shape, d_shape = _TILE_SHAPES[shape]
+    Q = torch.randn(q_shape, device="cuda", dtype=torch.bfloat16)
+    D = torch.randn(d_shape, device="cuda", dtype=torch.bfloat16)
+    Nq, Lq, dim = q_shape
+    cfg = fwd_config(Lq=Lq, dim=dim, Nq=Nq, per_query_docs=False, elem_bytes=2,
+                     norm_from_tiles=normalize)
+    _check_hopper_forward(cfg, Q, D, normalize)
+
 
 
 @hopper_only

@@ -49,8 +49,9 @@ Caveats
 * No argmax: with it this loop ran slower than the Triton kernel under every tile, stage and
   warp count measured (benchmarks/NOTES.md sections 30-31): its longer fold, not the wait for
   the product, sets the pace.
-* One warp group (4 warps): two warp groups splitting the rows were slower in every variant
-  (section 31).
+* One warp group (4 warps), except on grids of at most one program an SM, where two warp
+  groups split a 128-row block (19-27% faster there, slower on larger grids; sections 31 and
+  34).
 * NaN propagates through the max as in the Triton kernel.
 """
 

@@ -398,6 +398,16 @@ _HOPPER_TILES = (64, 4, 4, None)
 # 4, in two runs).
 _HOPPER_PACKED_TILES = (64, 3, 4, None)
 _HOPPER_NORM_TILES = (64, 4, 4, None)
+# Normalized short queries (packed, or one padded), on grids of more programs than SMs: 32-token
+# tiles at 168 registers a thread, three programs an SM (rerank_colbert normalized 0.0398 →
+# 0.0348 ms, batch_colbert normalized 0.714 → 0.655; 100 programs: 0.0122 → 0.0127, so not
+# there; record 2026-12-01_49eb00a).
+_HOPPER_SHORT_NORM_TILES = (32, 4, 4, 168)
+# Grids of 128-row blocks with at most one program an SM (long documents, few candidates): two
+# warp groups a program, splitting the rows (longdoc 0.0745 → 0.0572 ms, 4 × 32 query tokens
+# against 64 documents of 4096 0.0466 → 0.0341; record 2026-12-01_49eb00a). With more programs
+# they lose (256: 0.103 → 0.119).
+_HOPPER_FEW_PROGRAMS_TILES = (64, 6, 8, None)
 # One short query a block, padded to 64 rows (rerank_colbert: 0.0330 ms against 0.0379-0.0398
 # at 64-token tiles, record 2026-12-01_126203e).
 _HOPPER_SHORT_TILES = (32, 6, 4, None)
@@ -453,10 +463,18 @@ def hopper_block(cfg):
     return dataclasses.replace(cfg, queries_per_block=64 // cfg.lq_tile)
 
 
-def hopper_tiles(cfg, normalize: bool) -> tuple[int, int, int, int | None]:
+def hopper_tiles(
+    cfg, normalize: bool, programs: int, sm_count: int
+) -> tuple[int, int, int, int | None]:
     """The Gluon forward's (document tile, stages, warps, register cap) for a block of ``cfg``
-    (before :func:`hopper_block` pads it): the normalizing variant's, a short query's, packed short
-    queries', or a long query's."""
+    (before :func:`hopper_block` pads it) on a grid of ``programs`` (documents × chunk splits ×
+    query blocks): few programs' (a 128-row block), the normalized short queries', the
+    normalizing variant's, a short query's, packed short queries', or a long query's."""
+    if programs <= sm_count:
+        if _block_rows(cfg) == 128:
+            return _HOPPER_FEW_PROGRAMS_TILES
+    elif normalize and (cfg.queries_per_block > 1 or _block_rows(cfg) < 64):
+        return _HOPPER_SHORT_NORM_TILES
     if normalize:
         return _HOPPER_NORM_TILES
     if _block_rows(cfg) < 64:
@@ -561,9 +579,9 @@ def launch_fwd_hopper(cfg, Q: Tensor, D: Tensor, scores: Tensor, normalize: bool
     Ncols, Ld = D.shape[0], D.shape[1]
     if Q.stride(-1) != 1:
         Q = Q.contiguous()
-    tiles = hopper_tiles(cfg, normalize)
-    cfg = hopper_block(cfg)
-    qpb = cfg.queries_per_block
+    qpb = hopper_block(cfg).queries_per_block
+    splits = chunk_splits(Lq, cfg.lq_tile, Nq, Ncols, False)
+    tiles = hopper_tiles(cfg, normalize, Ncols * splits * _cdiv(Nq, qpb), _sm_count(Q.device))
     block_n, consts, template, d_layout = _hopper_plan(
         Q.dtype, cfg.lq_tile, qpb, dim, normalize, tiles, documents_beyond_l2(D))
     documents = D.view(Ncols * Ld, dim)
@@ -573,7 +591,6 @@ def launch_fwd_hopper(cfg, Q: Tensor, D: Tensor, scores: Tensor, normalize: bool
         d_desc = TensorDescriptor(documents, [Ncols * Ld, dim], [dim, 1], [block_n, dim], d_layout)
     else:
         d_desc = _tensor_descriptor(template, documents, [Ncols * Ld, dim], [dim, 1])
-    splits = chunk_splits(Lq, cfg.lq_tile, Nq, Ncols, False)
     kernel = launcher(_kernels_hopper._maxsim_fwd_overlap_kernel)
 
     def launch_slice(rows, out, stride_out_split):
