@@ -1224,11 +1224,12 @@ def _warm_gpu() -> None:
         warm @ warm
 
 
-def _gluon_tile_rounds(shapes, variants) -> None:
+def _gluon_tile_rounds(shapes, variants, with_triton: bool = False) -> None:
     """For each ``(label, normalize, q_shape, d_shape)``: the Gluon forward under the dispatched
     tiles and under each of ``variants`` (every tile set of ``_launch`` replaced), each variant's
     scores against the dispatched ones (NaN-poisoned first), GPU ms of CUDA-graph replays (no
-    host issue time) in three interleaved rounds."""
+    host issue time) in three interleaved rounds; ``with_triton``: the Triton kernel's forward
+    of the same call too, under its own dispatched tiles."""
     names = ("_HOPPER_TILES", "_HOPPER_NORM_TILES", "_HOPPER_PACKED_TILES", "_HOPPER_SHORT_TILES",
              "_HOPPER_SHORT_NORM_TILES", "_HOPPER_FEW_PROGRAMS_TILES")
     saved = tuple(getattr(_launch, name) for name in names)
@@ -1278,6 +1279,20 @@ def _gluon_tile_rounds(shapes, variants) -> None:
             graphs[tiles] = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graphs[tiles]):
                 forward(tiles)
+        if with_triton:
+            def on_triton():
+                return _launch.maxsim_fwd(Q, D, None, None, None, None, False, "tf32", normalize)[0]
+
+            triton_scores, _ = _on_triton(on_triton)
+            row += f"\n   Triton's scores {relative_error(triton_scores, want):.0e} from the dispatched"
+            saved_kernel, _launch.HOPPER_KERNEL = _launch.HOPPER_KERNEL, False
+            try:
+                graphs["Triton"] = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graphs["Triton"]):
+                    on_triton()
+            finally:
+                _launch.HOPPER_KERNEL = saved_kernel
+            times["Triton"] = []
         for _ in range(3):
             for tiles, values in times.items():
                 values.append(bench(graphs[tiles].replay))
@@ -1315,8 +1330,8 @@ def three_programs() -> None:
 
 def few_programs() -> None:
     """Grids of fewer programs than two an SM (long documents, or few candidates): 8-warp
-    programs (two warp groups splitting the rows) against the dispatched 4-warp tiles
-    (benchmarks/NOTES.md section 34)."""
+    programs (two warp groups splitting the rows) against the dispatched tiles, and the Triton
+    kernel's forward (benchmarks/NOTES.md section 34)."""
     _warm_gpu()
     shapes = (
         ("longdoc: 16 x 32 against 32 x 8192", False, (16, 32, 128), (32, 8192, 128)),
@@ -1334,7 +1349,7 @@ def few_programs() -> None:
         ("rerank_colbert, normalize", True, (1, 32, 128), (1000, 300, 128)),
     )
     _gluon_tile_rounds(shapes, ((64, 4, 8, None), (64, 3, 8, None), (64, 6, 8, None),
-                                (32, 6, 8, None), (32, 4, 4, 168)))
+                                (32, 6, 8, None), (32, 4, 4, 168)), with_triton=True)
 
 if __name__ == "__main__":
     wanted = set(sys.argv[1:]) or {"normalize", "kd", "smooth"}
