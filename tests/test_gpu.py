@@ -394,10 +394,10 @@ def test_hopper_forward_without_a_descriptor_template(monkeypatch, normalize):
 
 @hopper_only
 def test_hopper_forward_is_what_the_dispatch_runs_where_it_applies(monkeypatch):
-    """``maxsim`` under no_grad takes the Gluon forward for unmasked 16-bit cross products with
-    more programs than SMs, with or without normalization, a single short query included, and
-    the Triton kernel for masks, the smooth max, per-query candidates and training (the argmax
-    saved); each result matches float64."""
+    """``maxsim`` under no_grad takes the Gluon forward for unmasked 16-bit cross products, with
+    or without normalization, a single short query and a grid of fewer programs than SMs
+    included, and the Triton kernel for masks, the smooth max, per-query candidates and training
+    (the argmax saved); each result matches float64."""
     from fusedmaxsim import _launch
 
     calls = []
@@ -417,6 +417,9 @@ def test_hopper_forward_is_what_the_dispatch_runs_where_it_applies(monkeypatch):
         # one 32-token query, padded to a 64-row block, against more documents than SMs
         ("one short query", True, lambda: maxsim(Q[:1], many_docs),
          lambda: maxsim_ref(Q[:1].double(), many_docs.double())),
+        # 16 queries in 4 blocks against 8 documents: 32 programs, two warp groups each
+        ("few programs", True, lambda: maxsim(Q[:16], D[:8]),
+         lambda: maxsim_ref(Q[:16].double(), D[:8].double())),
         ("smooth max", False, lambda: maxsim(Q, D, reduction="smoothmax"),
          lambda: maxsim_ref(Q.double(), D.double(), reduction="smoothmax")),
         ("candidates", False, lambda: maxsim(Q[:8], D[:16].view(8, 2, 150, 128)),

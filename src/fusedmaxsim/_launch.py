@@ -660,9 +660,9 @@ def maxsim_fwd(
     if (
         HOPPER_KERNEL and hopper_variant and not _configs.is_forced()
         and Nq * Lq * Ncols * Ld * dim >= HOPPER_MIN_MACS
-        # More programs than SMs: on a grid of at most one program an SM the Triton kernel's
-        # 8-warp tiles are faster (longdoc: 0.066 against 0.079 ms).
-        and not _configs.few_programs(Nq, cfg.queries_per_block, Ncols, _sm_count(device))
+        # Grids of at most one program an SM included: there the Gluon forward's 8-warp tiles
+        # beat the Triton kernel's (longdoc 0.0567 against 0.0661 ms, record
+        # 2026-12-01_acb15e4).
         and hopper_forward_applies(cfg, Q, D)
     ):
         try:
