@@ -93,6 +93,8 @@ def main() -> None:
             # Three programs an SM: 168 registers, at most 75 KB of shared memory (section 34).
             for block_n, stages in ((32, 5), (32, 4)):
                 variants.append((normalize, lq_tile, qpb, block_n, stages, 4, False, 168))
+            # Grids of at most one program an SM (section 34).
+            variants.append((normalize, lq_tile, qpb, 64, 6, 8, False, None))
     variants.append((False, 64, 1, 64, 4, 4, False, None))
     # The reranking variants, documents from DRAM: the ring filled before the query chunk.
     variants += [(False, 128, 1, 64, 4, 4, True, None), (True, 128, 1, 64, 4, 4, True, None),
