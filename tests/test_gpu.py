@@ -332,7 +332,6 @@ def test_hopper_forward_under_every_tile_set(monkeypatch, tile_set, shape, norma
     _check_hopper_forward(cfg, Q, D, normalize)
 
 
-
 @hopper_only
 @pytest.mark.parametrize("normalize", [False, True], ids=["scores", "normalize"])
 @pytest.mark.parametrize("splits", [1, 2])

@@ -386,9 +386,8 @@ def _launch_fwd(
 
 # The Gluon forward (``_kernels_hopper``, NOTES.md sections 30-34): its (document tile, stages,
 # warps, register cap or None) for the plain and the normalizing variant, the fastest of the 32-
-# and 64-token tiles,
-# 3 to 6 stages and 4 or 8 warps measured; and the least work (multiply-adds) for which each is
-# taken. It saves 11-17% of the GPU time of the plain forward (CUDA-graph replays, records
+# and 64-token tiles, 3 to 6 stages and 4 or 8 warps measured; and the least work (multiply-adds)
+# for which each is taken. It saves 11-17% of the GPU time of the plain forward (CUDA-graph replays, records
 # 2026-12-01_24087c6 and 4e3362d: rerank_colbert's 2^30 multiply-adds 0.036 → 0.032 ms,
 # rerank_colpali's 2^34 0.086 → 0.077) and 7-23% of the normalizing one. A call through it
 # costs the host what a call through the Triton kernel does (67.2 against 68.7 µs at
