@@ -6,7 +6,7 @@ memory, and the first calls' split; behind sections 18-21: the training rows' ho
 time, the forward's tile variants (registers, spills, parity, time), the host's side of a launch
 for every provider, and the query chunk height; behind sections 22-23: the query tile in
 registers, the small rows' GPU time alone, 256-row query blocks; behind section 25: the
-document-owned grad_D through the winner index; behind sections 30-34: the Gluon forward, its
+document-owned grad_D through the winner index; behind sections 30-35: the Gluon forward, its
 argmax and normalize variants, and its tiles. GPU times by ``triton.testing.do_bench``
 (median, ms).
 
@@ -14,7 +14,7 @@ argmax and normalize variants, and its tiles. GPU times by ``triton.testing.do_b
         [small] [stages] [cold_profile] [steps] [host] [fwd_tiles] [launch] [chunks]
         [query_registers] [graph_times] [wide_rows] [winner_index] [chunk_splits] [occupancy]
         [hopper_forward] [hopper_host] [hopper_variants] [short_query] [norms_ahead]
-        [three_programs] [few_programs]
+        [three_programs] [few_programs] [norms_handoff]
 """
 
 from __future__ import annotations
@@ -1351,6 +1351,73 @@ def few_programs() -> None:
     _gluon_tile_rounds(shapes, ((64, 4, 8, None), (64, 3, 8, None), (64, 6, 8, None),
                                 (32, 6, 8, None), (32, 4, 4, 168)), with_triton=True)
 
+def norms_handoff() -> None:
+    """The Gluon forward of this tree (a tile's inverse norms handed from ``_issue`` to
+    ``_complete`` through shared memory, read after the CTA barrier the refill has anyway;
+    benchmarks/NOTES.md section 35) against that of ``8570ab9`` (their move into the product's
+    column layout by ``convert_layout`` before the product's issue), both through
+    ``launch_fwd_hopper`` with the dispatched tiles: scores compared, GPU ms of CUDA-graph
+    replays in three interleaved rounds. The old kernel's copy is not kept in the tree:
+    ``git show 8570ab9:src/fusedmaxsim/_kernels_hopper.py > benchmarks/hopper_forward_8570ab9.py``
+    makes it."""
+    import importlib.util as util
+
+    copy = Path(__file__).with_name("hopper_forward_8570ab9.py")
+    if not copy.exists():
+        print(f"  {copy.name} is missing: git show "
+              "8570ab9:src/fusedmaxsim/_kernels_hopper.py > benchmarks/hopper_forward_8570ab9.py")
+        return
+    spec = util.spec_from_file_location("hopper_forward_8570ab9", copy)
+    before = util.module_from_spec(spec)
+    spec.loader.exec_module(before)
+    kernels = {"8570ab9": before._maxsim_fwd_overlap_kernel,
+               "this tree": _launch._kernels_hopper._maxsim_fwd_overlap_kernel}
+    _warm_gpu()
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = (
+        ("rerank_colpali_norm", True, (1, 128, 128), (1000, 1024, 128)),
+        ("rerank_colpali_1030, normalize", True, (1, 1030, 128), (1000, 1030, 128)),
+        ("longquery, normalize", True, (4, 2048, 128), (64, 1024, 128)),
+        ("batch_colbert, normalize", True, (256, 32, 128), (256, 300, 128)),
+        ("rerank_colbert, normalize", True, (1, 32, 128), (1000, 300, 128)),
+        ("longdoc, normalize", True, (16, 32, 128), (32, 8192, 128)),
+        ("rerank_colpali", False, (1, 128, 128), (1000, 1024, 128)),
+        ("batch_colbert", False, (256, 32, 128), (256, 300, 128)),
+    )
+    for label, normalize, q_shape, d_shape in shapes:
+        Q, D = _bf16(*q_shape), _bf16(*d_shape)
+        Nq, Lq, dim = q_shape
+        cfg = fwd_config(Lq=Lq, dim=dim, Nq=Nq, per_query_docs=False, elem_bytes=2,
+                         norm_from_tiles=normalize, n_cols=D.shape[0], sm_count=sm_count)
+        tiles = _dispatched_tiles(cfg, normalize, Nq, Lq, D.shape[0], sm_count)
+        outputs, graphs = {}, {}
+        for name, kernel in kernels.items():
+            saved = _launch._kernels_hopper._maxsim_fwd_overlap_kernel
+            _launch._kernels_hopper._maxsim_fwd_overlap_kernel = kernel
+            try:
+                scores = torch.full((Nq, D.shape[0]), float("nan"), device="cuda")
+                _launch.launch_fwd_hopper(cfg, Q, D, scores, normalize)
+                outputs[name] = scores
+                graphs[name] = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graphs[name]):
+                    _launch.launch_fwd_hopper(cfg, Q, D, scores, normalize)
+            finally:
+                _launch._kernels_hopper._maxsim_fwd_overlap_kernel = saved
+        ref = maxsim_ref(Q.double(), D[:50].double(), normalize=normalize)
+        apart = relative_error(outputs["this tree"], outputs["8570ab9"])
+        row = (f"-- {label} ({tiles}; old/new {apart:.0e} apart, new "
+               f"{relative_error(outputs['this tree'][:, :50], ref):.0e} from float64)")
+        row += "" if apart < 1e-5 else " PARITY FAILED"
+        times = {name: [] for name in kernels}
+        for _ in range(3):
+            for name in kernels:
+                times[name].append(bench(graphs[name].replay))
+        for name, values in times.items():
+            row += f"\n   {name:10s} " + " ".join(f"{v:.4f}" for v in values)
+        print(row, flush=True)
+        del Q, D, graphs
+        torch.cuda.empty_cache()
+
 if __name__ == "__main__":
     wanted = set(sys.argv[1:]) or {"normalize", "kd", "smooth"}
     for name, probe in (("normalize", normalize_sweep), ("kd", kd_split), ("smooth", smooth_vs_naive),
@@ -1364,7 +1431,8 @@ if __name__ == "__main__":
                         ("occupancy", occupancy), ("hopper_forward", hopper_forward),
                         ("hopper_host", hopper_host), ("hopper_variants", hopper_variants),
                         ("short_query", short_query), ("norms_ahead", norms_ahead),
-                        ("three_programs", three_programs), ("few_programs", few_programs)):
+                        ("three_programs", three_programs), ("few_programs", few_programs),
+                        ("norms_handoff", norms_handoff)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()

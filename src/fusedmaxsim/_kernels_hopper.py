@@ -98,46 +98,47 @@ if AVAILABLE:
         return 1.0 / gl.maximum(gl.sqrt(gl.sum(eights, axis=1)), 1e-12)
 
     @gluon.jit
-    def _complete(acc, inv, run_max, d_desc, bars, d_smem, doc_row, done, t, n_tiles, Ld, o_c,
-                  NORMALIZE: gl.constexpr, MASK_TAIL: gl.constexpr):
+    def _complete(acc, inv_smem, run_max, d_desc, bars, d_smem, doc_row, done, t, n_tiles, Ld,
+                  o_c, NORMALIZE: gl.constexpr, MASK_TAIL: gl.constexpr):
         """Tile ``t``'s product has completed: refill its slot, (with ``NORMALIZE``) scale its
-        columns by the tile's inverse norms ``inv``, and fold it into the running max (columns
-        from ``Ld`` on masked where ``MASK_TAIL``)."""
+        columns by the tile's inverse norms (from ``inv_smem``), and fold it into the running
+        max (columns from ``Ld`` on masked where ``MASK_TAIL``)."""
         NUM_STAGES: gl.constexpr = d_smem.shape[0]
         BLOCK_N: gl.constexpr = d_smem.shape[1]
+        slot = (done + t) % NUM_STAGES
         if NORMALIZE:
             # Every warp's reads of the slot (its norms, before its product) are done before
-            # its refill is issued.
+            # its refill is issued, and every warp's share of the tile's inverse norms is in
+            # `inv_smem`.
             _cta_barrier()
         refill = t + NUM_STAGES
-        _load_tile(d_desc, bars, d_smem, doc_row + refill * BLOCK_N, (done + t) % NUM_STAGES,
-                   refill < n_tiles)
+        _load_tile(d_desc, bars, d_smem, doc_row + refill * BLOCK_N, slot, refill < n_tiles)
         if NORMALIZE:
+            inv = inv_smem.index(slot).load(gl.SliceLayout(0, acc.type.layout))
             acc = acc * gl.expand_dims(inv, 0)
         if MASK_TAIL:
             acc = gl.where(gl.expand_dims(t * BLOCK_N + o_c < Ld, 0), acc, float("-inf"))
         return _max_nan(run_max, acc)
 
     @gluon.jit
-    def _issue(q_smem, d_smem, bars, acc, tile, NORMALIZE: gl.constexpr,
+    def _issue(q_smem, d_smem, inv_smem, bars, acc, tile, NORMALIZE: gl.constexpr,
                TILE_LOAD_LAYOUT: gl.constexpr):
         """The product of the query chunk with document tile ``tile`` (counted over the program),
         issued once its TMA load has landed; not waited for. ``acc`` is ignored
         (``use_acc=False``): it names the registers the product is written over. With
         ``NORMALIZE``, first the tile's inverse norms, read back from its slot (four threads a
-        token) into the product's column layout: here, where one product is in flight and the
-        other's registers are free, the reads and sums have the registers to run side by side."""
+        token) and written to ``inv_smem``'s slot, which ``_complete`` reads in the product's
+        column layout after the CTA barrier it has anyway: here, where one product is in flight
+        and the other's registers are free, the reads and sums have the registers to run side by
+        side, and no barrier holds the product's issue."""
         NUM_STAGES: gl.constexpr = d_smem.shape[0]
         slot = tile % NUM_STAGES
         mbarrier.wait(bars.index(slot), (tile // NUM_STAGES) & 1)
         if NORMALIZE:
             x = d_smem.index(slot).load(TILE_LOAD_LAYOUT)
-            inv = gl.convert_layout(_inverse_norms(x), gl.SliceLayout(0, acc.type.layout))
-        else:
-            inv = 0.0
-        acc = warpgroup_mma(q_smem, d_smem.index(slot).permute((1, 0)), acc, use_acc=False,
-                            is_async=True)
-        return acc, inv
+            inv_smem.index(slot).store(_inverse_norms(x))
+        return warpgroup_mma(q_smem, d_smem.index(slot).permute((1, 0)), acc, use_acc=False,
+                             is_async=True)
 
     @gluon.jit
     def _fill_ring(d_desc, bars, d_smem, doc_row, done, n_tiles):
@@ -196,6 +197,13 @@ if AVAILABLE:
         d_smem = gl.allocate_shared_memory(d_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K],
                                            d_desc.layout)
         bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        # A tile's inverse norms from `_issue` to `_complete`. Its slot is written again
+        # NUM_STAGES tiles later, past the CTA barriers of the next two `_complete`s, which every
+        # warp reaches only after its reads: three stages at least.
+        gl.static_assert(not NORMALIZE or NUM_STAGES >= 3)
+        inv_smem = gl.allocate_shared_memory(
+            gl.float32, [NUM_STAGES if NORMALIZE else 1, BLOCK_N],
+            gl.SwizzledSharedLayout(1, 1, 1, [0]))
         for s in gl.static_range(NUM_STAGES):
             mbarrier.init(bars.index(s), count=1)
 
@@ -237,35 +245,33 @@ if AVAILABLE:
             # the other would read its registers before the wait, and ptxas then serializes every
             # product: C7514.) The previous value is the accumulator operand, ignored
             # (`use_acc=False`), so that each product writes over the registers it replaces.
-            acc_a, inv_a = _issue(q_smem, d_smem, bars, zero, done, NORMALIZE, TILE_LOAD_LAYOUT)
+            acc_a = _issue(q_smem, d_smem, inv_smem, bars, zero, done, NORMALIZE,
+                           TILE_LOAD_LAYOUT)
             acc_b = zero
-            inv_b = inv_a
             t = 1
             for _ in range(0, (n_tiles - 1) // 2):
-                acc_b, inv_b = _issue(q_smem, d_smem, bars, acc_b, done + t, NORMALIZE,
-                                      TILE_LOAD_LAYOUT)
+                acc_b = _issue(q_smem, d_smem, inv_smem, bars, acc_b, done + t, NORMALIZE,
+                               TILE_LOAD_LAYOUT)
                 acc_a = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
-                run_max = _complete(acc_a, inv_a, run_max, d_desc, bars, d_smem, doc_row, done,
-                                    t - 1, n_tiles, Ld, o_c, NORMALIZE, False)
-                acc_a, inv_a = _issue(q_smem, d_smem, bars, acc_a, done + t + 1, NORMALIZE,
-                                      TILE_LOAD_LAYOUT)
+                run_max = _complete(acc_a, inv_smem, run_max, d_desc, bars, d_smem, doc_row,
+                                    done, t - 1, n_tiles, Ld, o_c, NORMALIZE, False)
+                acc_a = _issue(q_smem, d_smem, inv_smem, bars, acc_a, done + t + 1, NORMALIZE,
+                               TILE_LOAD_LAYOUT)
                 acc_b = warpgroup_mma_wait(num_outstanding=1, deps=(acc_b,))
-                run_max = _complete(acc_b, inv_b, run_max, d_desc, bars, d_smem, doc_row, done,
-                                    t, n_tiles, Ld, o_c, NORMALIZE, False)
+                run_max = _complete(acc_b, inv_smem, run_max, d_desc, bars, d_smem, doc_row,
+                                    done, t, n_tiles, Ld, o_c, NORMALIZE, False)
                 t += 2
             # The last tile may run past the document: its columns from Ld on are masked.
             if t < n_tiles:
-                pending, inv_b = _issue(q_smem, d_smem, bars, acc_b, done + t, NORMALIZE,
-                                        TILE_LOAD_LAYOUT)
+                pending = _issue(q_smem, d_smem, inv_smem, bars, acc_b, done + t, NORMALIZE,
+                                 TILE_LOAD_LAYOUT)
                 before_last = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
-                run_max = _complete(before_last, inv_a, run_max, d_desc, bars, d_smem, doc_row,
-                                    done, t - 1, n_tiles, Ld, o_c, NORMALIZE, False)
+                run_max = _complete(before_last, inv_smem, run_max, d_desc, bars, d_smem,
+                                    doc_row, done, t - 1, n_tiles, Ld, o_c, NORMALIZE, False)
                 last = warpgroup_mma_wait(num_outstanding=0, deps=(pending,))
-                inv_last = inv_b
             else:
                 last = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a,))
-                inv_last = inv_a
-            run_max = _complete(last, inv_last, run_max, d_desc, bars, d_smem, doc_row, done,
+            run_max = _complete(last, inv_smem, run_max, d_desc, bars, d_smem, doc_row, done,
                                 n_tiles - 1, n_tiles, Ld, o_c, NORMALIZE, True)
             done += n_tiles
 
