@@ -26,8 +26,10 @@ the running max while tile ``t``'s product runs. Document tiles arrive by TMA in
 product that read it is known to be complete. With ``NORMALIZE`` a tile's inverse norms are
 read back from its slot (four threads a token, the squares summed in eights first) just before
 its product is issued, while the previous product runs and the registers of the one being
-issued are still free, moved into the product's column layout, and applied before the fold; a
-CTA barrier orders those reads before the slot's refill. With ``TILES_FIRST`` (documents
+issued are still free, and stored to a small shared buffer; once the product has completed, a
+CTA barrier orders those reads before the slot's refill, and the norms are loaded from the
+buffer in the product's column layout and applied before the fold (section 35: no barrier
+before the product's issue, as a layout conversion there had). With ``TILES_FIRST`` (documents
 streamed from DRAM) a pass requests its first tiles before loading its query chunk, so that the
 two latencies overlap (benchmarks/NOTES.md section 33).
 
