@@ -1116,6 +1116,21 @@ def hopper_variants() -> None:
         print(row, flush=True)
 
 
+def _kernel_copy(sha: str):
+    """The module ``benchmarks/hopper_forward_<sha>.py``, a copy of ``_kernels_hopper`` at
+    ``sha`` for an A/B in one process (not kept in the tree), or None after saying how to make
+    it."""
+    copy = Path(__file__).with_name(f"hopper_forward_{sha}.py")
+    if not copy.exists():
+        print(f"  {copy.name} is missing: git show "
+              f"{sha}:src/fusedmaxsim/_kernels_hopper.py > benchmarks/{copy.name}")
+        return None
+    spec = importlib.util.spec_from_file_location(copy.stem, copy)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def norms_ahead() -> None:
     """The Gluon forward of this tree (each tile's norms read before its product is issued, in
     sums of eight; the ring's first tiles requested before the query chunk is loaded;
@@ -1125,23 +1140,12 @@ def norms_ahead() -> None:
     3 and 5 stages. The copy is not kept in the tree:
     ``git show d5f293f:src/fusedmaxsim/_kernels_hopper.py > benchmarks/hopper_forward_d5f293f.py``
     makes it."""
-    import importlib.util as util
-
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    copy = Path(__file__).with_name("hopper_forward_d5f293f.py")
-    if not copy.exists():
-        print(f"  {copy.name} is missing: git show "
-              "d5f293f:src/fusedmaxsim/_kernels_hopper.py > benchmarks/hopper_forward_d5f293f.py")
+    before = _kernel_copy("d5f293f")
+    if before is None:
         return
-    spec = util.spec_from_file_location("hopper_forward_d5f293f", copy)
-    before = util.module_from_spec(spec)
-    spec.loader.exec_module(before)
-
-    warm = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    for _ in range(200):
-        warm @ warm
-    del warm
+    _warm_gpu()
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     shapes = (
         ("rerank_colpali_norm", True, (1, 128, 128), (1000, 1024, 128)),
@@ -1360,16 +1364,9 @@ def norms_handoff() -> None:
     replays in three interleaved rounds. The old kernel's copy is not kept in the tree:
     ``git show 8570ab9:src/fusedmaxsim/_kernels_hopper.py > benchmarks/hopper_forward_8570ab9.py``
     makes it."""
-    import importlib.util as util
-
-    copy = Path(__file__).with_name("hopper_forward_8570ab9.py")
-    if not copy.exists():
-        print(f"  {copy.name} is missing: git show "
-              "8570ab9:src/fusedmaxsim/_kernels_hopper.py > benchmarks/hopper_forward_8570ab9.py")
+    before = _kernel_copy("8570ab9")
+    if before is None:
         return
-    spec = util.spec_from_file_location("hopper_forward_8570ab9", copy)
-    before = util.module_from_spec(spec)
-    spec.loader.exec_module(before)
     kernels = {"8570ab9": before._maxsim_fwd_overlap_kernel,
                "this tree": _launch._kernels_hopper._maxsim_fwd_overlap_kernel}
     _warm_gpu()
