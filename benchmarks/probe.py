@@ -1116,6 +1116,22 @@ def hopper_variants() -> None:
         print(row, flush=True)
 
 
+# The shapes of the A/Bs of this tree's Gluon forward against an older copy (norms_ahead,
+# norms_handoff): the normalizing variant's, and the plain forward's as a control.
+_KERNEL_AB_SHAPES = (
+    ("rerank_colpali_norm", True, (1, 128, 128), (1000, 1024, 128)),
+    ("rerank_colpali_1030, normalize", True, (1, 1030, 128), (1000, 1030, 128)),
+    ("longquery, normalize", True, (4, 2048, 128), (64, 1024, 128)),
+    ("batch_colbert, normalize", True, (256, 32, 128), (256, 300, 128)),
+    ("rerank_colbert, normalize", True, (1, 32, 128), (1000, 300, 128)),
+    ("longdoc, normalize", True, (16, 32, 128), (32, 8192, 128)),
+    ("rerank_colpali", False, (1, 128, 128), (1000, 1024, 128)),
+    ("batch_colbert", False, (256, 32, 128), (256, 300, 128)),
+    ("rerank_colbert", False, (1, 32, 128), (1000, 300, 128)),
+    ("train_colpali's shape, scores", False, (128, 128, 128), (128, 1024, 128)),
+)
+
+
 def _kernel_copy(sha: str):
     """The module ``benchmarks/hopper_forward_<sha>.py``, a copy of ``_kernels_hopper`` at
     ``sha`` for an A/B in one process (not kept in the tree), or None after saying how to make
@@ -1147,36 +1163,25 @@ def norms_ahead() -> None:
         return
     _warm_gpu()
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
-    shapes = (
-        ("rerank_colpali_norm", True, (1, 128, 128), (1000, 1024, 128)),
-        ("rerank_colpali_1030, normalize", True, (1, 1030, 128), (1000, 1030, 128)),
-        ("batch_colbert, normalize", True, (256, 32, 128), (256, 300, 128)),
-        ("longquery, normalize", True, (4, 2048, 128), (64, 1024, 128)),
-        ("rerank_colbert, normalize", True, (1, 32, 128), (1000, 300, 128)),
-        ("rerank_colpali", False, (1, 128, 128), (1000, 1024, 128)),
-        ("batch_colbert", False, (256, 32, 128), (256, 300, 128)),
-        ("rerank_colbert", False, (1, 32, 128), (1000, 300, 128)),
-        ("train_colpali's shape, scores", False, (128, 128, 128), (128, 1024, 128)),
-    )
-    for name, normalize, q_shape, d_shape in shapes:
+    for name, normalize, q_shape, d_shape in _KERNEL_AB_SHAPES:
         Q, D = _bf16(*q_shape), _bf16(*d_shape)
         Nq, Lq, dim = q_shape
         Ncols, Ld = d_shape[0], d_shape[1]
         cfg = fwd_config(Lq=Lq, dim=dim, Nq=Nq, per_query_docs=False, elem_bytes=2,
                          norm_from_tiles=normalize, n_cols=Ncols, sm_count=sm_count)
-        block_n, stages, warps, _ = _dispatched_tiles(cfg, normalize, Nq, Lq, Ncols, sm_count)
-        qpb = _launch.hopper_block(cfg).queries_per_block
-        splits = _launch.chunk_splits(Lq, cfg.lq_tile, Nq, Ncols, False)
-        consts = _launch.hopper_constexprs(Q.dtype, cfg.lq_tile, qpb, block_n, stages, dim, warps,
-                                           normalize)
-        layout = _launch.hopper_layouts(Q.dtype, cfg.lq_tile * qpb, block_n, dim, warps)[1]
+        tiles, qpb, splits = _launch.hopper_call_tiles(cfg, normalize, Nq, Lq, Ncols, sm_count)
+        block_n, stages = tiles[:2]
+        # The launcher's constants for these tiles (the register cap included).
+        _, consts, _, layout = _launch._hopper_plan(Q.dtype, cfg.lq_tile, qpb, dim, normalize,
+                                                    tiles)
         flat = D.view(Ncols * Ld, dim)
         desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [block_n, dim], layout)
         out = torch.empty((splits, Nq, Ncols), device="cuda")
 
         old_kernel = _launch.launcher(before._maxsim_fwd_overlap_kernel)
         # d5f293f's kernel has no TILES_FIRST (it loads the query chunk first).
-        old_constants = _launch.constants(**{k: v for k, v in consts.items() if k != "TILES_FIRST"})
+        old_constants = _launch.constants(
+            **{k: v for k, v in consts.kwargs.items() if k != "TILES_FIRST"})
 
         def old():
             # Through the same cached launcher as this tree's: the kernels, not the launch paths.
@@ -1215,13 +1220,6 @@ def norms_ahead() -> None:
         print(row, flush=True)
 
 
-def _dispatched_tiles(cfg, normalize: bool, Nq: int, Lq: int, Ncols: int, sm_count: int):
-    """The Gluon tiles ``launch_fwd_hopper`` takes for this call."""
-    programs = Ncols * _launch.chunk_splits(Lq, cfg.lq_tile, Nq, Ncols, False) * -(
-        -Nq // _launch.hopper_block(cfg).queries_per_block)
-    return _launch.hopper_tiles(cfg, normalize, programs, sm_count)
-
-
 def _warm_gpu() -> None:
     warm = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     for _ in range(200):
@@ -1246,7 +1244,7 @@ def _gluon_tile_rounds(shapes, variants, with_triton: bool = False) -> None:
         if not _launch.hopper_forward_applies(cfg, Q, D):
             print(f"-- {label}: the Gluon forward does not apply ({cfg})", flush=True)
             continue
-        dispatched = _dispatched_tiles(cfg, normalize, Nq, Lq, D.shape[0], sm_count)
+        dispatched = _launch.hopper_call_tiles(cfg, normalize, Nq, Lq, D.shape[0], sm_count)[0]
         scores = torch.empty(Nq, D.shape[0], device="cuda")
 
         def forward(tiles):
@@ -1371,22 +1369,12 @@ def norms_handoff() -> None:
                "this tree": _launch._kernels_hopper._maxsim_fwd_overlap_kernel}
     _warm_gpu()
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
-    shapes = (
-        ("rerank_colpali_norm", True, (1, 128, 128), (1000, 1024, 128)),
-        ("rerank_colpali_1030, normalize", True, (1, 1030, 128), (1000, 1030, 128)),
-        ("longquery, normalize", True, (4, 2048, 128), (64, 1024, 128)),
-        ("batch_colbert, normalize", True, (256, 32, 128), (256, 300, 128)),
-        ("rerank_colbert, normalize", True, (1, 32, 128), (1000, 300, 128)),
-        ("longdoc, normalize", True, (16, 32, 128), (32, 8192, 128)),
-        ("rerank_colpali", False, (1, 128, 128), (1000, 1024, 128)),
-        ("batch_colbert", False, (256, 32, 128), (256, 300, 128)),
-    )
-    for label, normalize, q_shape, d_shape in shapes:
+    for label, normalize, q_shape, d_shape in _KERNEL_AB_SHAPES:
         Q, D = _bf16(*q_shape), _bf16(*d_shape)
         Nq, Lq, dim = q_shape
         cfg = fwd_config(Lq=Lq, dim=dim, Nq=Nq, per_query_docs=False, elem_bytes=2,
                          norm_from_tiles=normalize, n_cols=D.shape[0], sm_count=sm_count)
-        tiles = _dispatched_tiles(cfg, normalize, Nq, Lq, D.shape[0], sm_count)
+        tiles = _launch.hopper_call_tiles(cfg, normalize, Nq, Lq, D.shape[0], sm_count)[0]
         outputs, graphs = {}, {}
         for name, kernel in kernels.items():
             saved = _launch._kernels_hopper._maxsim_fwd_overlap_kernel

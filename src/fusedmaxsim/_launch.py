@@ -387,8 +387,9 @@ def _launch_fwd(
 # The Gluon forward (``_kernels_hopper``, NOTES.md sections 30-34): its (document tile, stages,
 # warps, register cap or None) for the plain and the normalizing variant, the fastest of the 32-
 # and 64-token tiles, 3 to 6 stages and 4 or 8 warps measured; and the least work (multiply-adds)
-# for which each is taken. It saves 11-17% of the GPU time of the plain forward (CUDA-graph replays, records
-# 2026-12-01_24087c6 and 4e3362d: rerank_colbert's 2^30 multiply-adds 0.036 → 0.032 ms,
+# for which each is taken. It saves 11-17% of the GPU time of the plain forward (CUDA-graph
+# replays, records 2026-12-01_24087c6 and 4e3362d: rerank_colbert's 2^30 multiply-adds 0.036 →
+# 0.032 ms,
 # rerank_colpali's 2^34 0.086 → 0.077) and 7-23% of the normalizing one. A call through it
 # costs the host what a call through the Triton kernel does (67.2 against 68.7 µs at
 # rerank_colbert's shape, record 4e3362d).
@@ -469,16 +470,27 @@ def hopper_tiles(
     (before :func:`hopper_block` pads it) on a grid of ``programs`` (documents × chunk splits ×
     query blocks): few programs' (a 128-row block), the normalized short queries', the
     normalizing variant's, a short query's, packed short queries', or a long query's."""
-    if programs <= sm_count:
-        if _block_rows(cfg) == 128:
-            return _HOPPER_FEW_PROGRAMS_TILES
-    elif normalize and (cfg.queries_per_block > 1 or _block_rows(cfg) < 64):
+    few_programs = programs <= sm_count
+    if few_programs and _block_rows(cfg) == 128:
+        return _HOPPER_FEW_PROGRAMS_TILES
+    short_queries = cfg.queries_per_block > 1 or _block_rows(cfg) < 64
+    if normalize and short_queries and not few_programs:
         return _HOPPER_SHORT_NORM_TILES
     if normalize:
         return _HOPPER_NORM_TILES
     if _block_rows(cfg) < 64:
         return _HOPPER_SHORT_TILES
     return _HOPPER_PACKED_TILES if cfg.queries_per_block > 1 else _HOPPER_TILES
+
+
+def hopper_call_tiles(
+    cfg, normalize: bool, Nq: int, Lq: int, Ncols: int, sm_count: int
+) -> tuple[tuple[int, int, int, int | None], int, int]:
+    """This call's Gluon tiles (:func:`hopper_tiles` on its grid), with what the grid is built
+    from: the queries a block once padded (:func:`hopper_block`) and the chunk splits."""
+    qpb = hopper_block(cfg).queries_per_block
+    splits = chunk_splits(Lq, cfg.lq_tile, Nq, Ncols, False)
+    return hopper_tiles(cfg, normalize, Ncols * splits * _cdiv(Nq, qpb), sm_count), qpb, splits
 
 
 @functools.lru_cache(maxsize=None)
@@ -578,9 +590,7 @@ def launch_fwd_hopper(cfg, Q: Tensor, D: Tensor, scores: Tensor, normalize: bool
     Ncols, Ld = D.shape[0], D.shape[1]
     if Q.stride(-1) != 1:
         Q = Q.contiguous()
-    qpb = hopper_block(cfg).queries_per_block
-    splits = chunk_splits(Lq, cfg.lq_tile, Nq, Ncols, False)
-    tiles = hopper_tiles(cfg, normalize, Ncols * splits * _cdiv(Nq, qpb), _sm_count(Q.device))
+    tiles, qpb, splits = hopper_call_tiles(cfg, normalize, Nq, Lq, Ncols, _sm_count(Q.device))
     block_n, consts, template, d_layout = _hopper_plan(
         Q.dtype, cfg.lq_tile, qpb, dim, normalize, tiles, documents_beyond_l2(D))
     documents = D.view(Ncols * Ld, dim)
