@@ -222,3 +222,11 @@ def test_hopper_tiles_follow_the_grid():
     assert _launch.hopper_tiles(short, True, 1000, 132) == _launch._HOPPER_SHORT_NORM_TILES
     assert _launch.hopper_tiles(short, True, 100, 132) == _launch._HOPPER_NORM_TILES
     assert _launch.hopper_tiles(short, False, 100, 132) == _launch._HOPPER_SHORT_TILES
+    # A call's grid: longdoc's 16 packed 32-token queries against 32 documents, 4 blocks × 32
+    # documents = 128 programs; one short query padded to two slots against 133 documents.
+    assert _launch.hopper_call_tiles(packed, False, 16, 32, 32, 132) == (
+        _launch._HOPPER_FEW_PROGRAMS_TILES, 4, 1)
+    assert _launch.hopper_call_tiles(packed, False, 16, 32, 34, 132) == (
+        _launch._HOPPER_PACKED_TILES, 4, 1)
+    assert _launch.hopper_call_tiles(short, True, 1, 32, 133, 132) == (
+        _launch._HOPPER_SHORT_NORM_TILES, 2, 1)
