@@ -7,14 +7,15 @@ time, the forward's tile variants (registers, spills, parity, time), the host's 
 for every provider, and the query chunk height; behind sections 22-23: the query tile in
 registers, the small rows' GPU time alone, 256-row query blocks; behind section 25: the
 document-owned grad_D through the winner index; behind sections 30-35: the Gluon forward, its
-argmax and normalize variants, and its tiles. GPU times by ``triton.testing.do_bench``
+argmax and normalize variants, and its tiles; behind section 36, 64-row query chunks for
+one 128-token query. GPU times by ``triton.testing.do_bench``
 (median, ms).
 
     PYTHONPATH=src python3 benchmarks/probe.py [normalize] [kd] [smooth] [masked] [rerank] [memory] [cold]
         [small] [stages] [cold_profile] [steps] [host] [fwd_tiles] [launch] [chunks]
         [query_registers] [graph_times] [wide_rows] [winner_index] [chunk_splits] [occupancy]
         [hopper_forward] [hopper_host] [hopper_variants] [short_query] [norms_ahead]
-        [three_programs] [few_programs] [norms_handoff]
+        [three_programs] [few_programs] [norms_handoff] [half_blocks]
 """
 
 from __future__ import annotations
@@ -1228,10 +1229,12 @@ def _warm_gpu() -> None:
 
 def _gluon_tile_rounds(shapes, variants, with_triton: bool = False) -> None:
     """For each ``(label, normalize, q_shape, d_shape)``: the Gluon forward under the dispatched
-    tiles and under each of ``variants`` (every tile set of ``_launch`` replaced), each variant's
-    scores against the dispatched ones (NaN-poisoned first), GPU ms of CUDA-graph replays (no
-    host issue time) in three interleaved rounds; ``with_triton``: the Triton kernel's forward
-    of the same call too, under its own dispatched tiles."""
+    tiles and under each of ``variants`` (every tile set of ``_launch`` replaced; a variant
+    ``(rows, tiles)`` also takes query chunks of ``rows``, split over programs as the launcher
+    splits them), each variant's scores against the dispatched ones (NaN-poisoned first), GPU ms
+    of CUDA-graph replays (no host issue time, the chunks' sum included) in three interleaved
+    rounds; ``with_triton``: the Triton kernel's forward of the same call too, under its own
+    dispatched tiles."""
     names = ("_HOPPER_TILES", "_HOPPER_NORM_TILES", "_HOPPER_PACKED_TILES", "_HOPPER_SHORT_TILES",
              "_HOPPER_SHORT_NORM_TILES", "_HOPPER_FEW_PROGRAMS_TILES")
     saved = tuple(getattr(_launch, name) for name in names)
@@ -1247,11 +1250,13 @@ def _gluon_tile_rounds(shapes, variants, with_triton: bool = False) -> None:
         dispatched = _launch.hopper_call_tiles(cfg, normalize, Nq, Lq, D.shape[0], sm_count)[0]
         scores = torch.empty(Nq, D.shape[0], device="cuda")
 
-        def forward(tiles):
+        def forward(variant):
+            rows, tiles = variant if len(variant) == 2 else (cfg.lq_tile, variant)
             for name in names:
                 setattr(_launch, name, tiles)
             try:
-                _launch.launch_fwd_hopper(cfg, Q, D, scores, normalize)
+                _launch.launch_fwd_hopper(dataclasses.replace(cfg, lq_tile=rows), Q, D, scores,
+                                          normalize)
             finally:
                 for name, value in zip(names, saved):
                     setattr(_launch, name, value)
@@ -1353,6 +1358,27 @@ def few_programs() -> None:
     _gluon_tile_rounds(shapes, ((64, 4, 8, None), (64, 3, 8, None), (64, 6, 8, None),
                                 (32, 6, 8, None), (32, 4, 4, 168)), with_triton=True)
 
+def half_blocks() -> None:
+    """A single 128-token query as two 64-row chunks, each its own program (neighbours, so the
+    second reads the document's tiles from L2), with tiles small enough for three or four
+    programs an SM, against the dispatched 128-row block of two programs an SM
+    (benchmarks/NOTES.md section 36): the memory-bound reranks, plain and normalizing."""
+    _warm_gpu()
+    shapes = []
+    for normalize in (False, True):
+        tag = ", normalize" if normalize else ""
+        shapes += [
+            (f"rerank_colpali{tag}", normalize, (1, 128, 128), (1000, 1024, 128)),
+            (f"1 x 128 against 300 x 1024{tag}", normalize, (1, 128, 128), (300, 1024, 128)),
+            (f"1 x 128 against 3000 x 1024{tag}", normalize, (1, 128, 128), (3000, 1024, 128)),
+            (f"2 x 128 against 1000 x 1024{tag}", normalize, (2, 128, 128), (1000, 1024, 128)),
+        ]
+    _gluon_tile_rounds(shapes, (
+        (64, (64, 4, 4, None)), (64, (64, 3, 4, 128)), (64, (32, 4, 4, 128)),
+        (64, (32, 6, 4, None)), (64, (32, 5, 4, 128)),
+    ))
+
+
 def norms_handoff() -> None:
     """The Gluon forward of this tree (a tile's inverse norms handed from ``_issue`` to
     ``_complete`` through shared memory, read after the CTA barrier the refill has anyway;
@@ -1417,7 +1443,7 @@ if __name__ == "__main__":
                         ("hopper_host", hopper_host), ("hopper_variants", hopper_variants),
                         ("short_query", short_query), ("norms_ahead", norms_ahead),
                         ("three_programs", three_programs), ("few_programs", few_programs),
-                        ("norms_handoff", norms_handoff)):
+                        ("norms_handoff", norms_handoff), ("half_blocks", half_blocks)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()
