@@ -8,7 +8,7 @@ for every provider, and the query chunk height; behind sections 22-23: the query
 registers, the small rows' GPU time alone, 256-row query blocks; behind section 25: the
 document-owned grad_D through the winner index; behind sections 30-35: the Gluon forward, its
 argmax and normalize variants, and its tiles; behind section 36, 64-row query chunks for
-one 128-token query; behind section 37, the norms from a Gram product. GPU times by ``triton.testing.do_bench``
+one 128-token query. GPU times by ``triton.testing.do_bench``
 (median, ms).
 
     PYTHONPATH=src python3 benchmarks/probe.py [normalize] [kd] [smooth] [masked] [rerank] [memory] [cold]
@@ -16,7 +16,6 @@ one 128-token query; behind section 37, the norms from a Gram product. GPU times
         [query_registers] [graph_times] [wide_rows] [winner_index] [chunk_splits] [occupancy]
         [hopper_forward] [hopper_host] [hopper_variants] [short_query] [norms_ahead]
         [three_programs] [few_programs] [norms_handoff] [half_blocks]
-        [gram_norms]
 """
 
 from __future__ import annotations
@@ -1359,70 +1358,6 @@ def few_programs() -> None:
     _gluon_tile_rounds(shapes, ((64, 4, 8, None), (64, 3, 8, None), (64, 6, 8, None),
                                 (32, 6, 8, None), (32, 4, 4, 168)), with_triton=True)
 
-def gram_norms() -> None:
-    """The normalizing Gluon forward with a tile's norms from its Gram product on the tensor
-    cores (``_launch.HOPPER_NORMS_BY_PRODUCT``) against the squares summed in registers, both
-    through ``launch_fwd_hopper`` with the dispatched tiles and with 3 and 5 stages
-    (benchmarks/NOTES.md section 37): scores compared, GPU ms of CUDA-graph replays in three
-    interleaved rounds."""
-    _warm_gpu()
-    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
-    shapes = (
-        ("rerank_colpali_norm", (1, 128, 128), (1000, 1024, 128)),
-        ("1 x 128 against 300 x 1024", (1, 128, 128), (300, 1024, 128)),
-        ("1 x 128 against 3000 x 1024", (1, 128, 128), (3000, 1024, 128)),
-        ("2 x 128 against 1000 x 1024", (2, 128, 128), (1000, 1024, 128)),
-        ("rerank_colpali_1030, normalize", (1, 1030, 128), (1000, 1030, 128)),
-        ("longquery, normalize", (4, 2048, 128), (64, 1024, 128)),
-        ("train_colpali's shape, normalize", (128, 128, 128), (128, 1024, 128)),
-    )
-    saved_tiles, saved_flag = _launch._HOPPER_NORM_TILES, _launch.HOPPER_NORMS_BY_PRODUCT
-    for label, q_shape, d_shape in shapes:
-        Q, D = _bf16(*q_shape), _bf16(*d_shape)
-        Nq, Lq, dim = q_shape
-        cfg = fwd_config(Lq=Lq, dim=dim, Nq=Nq, per_query_docs=False, elem_bytes=2,
-                         norm_from_tiles=True, n_cols=D.shape[0], sm_count=sm_count)
-        tiles = _launch.hopper_call_tiles(cfg, True, Nq, Lq, D.shape[0], sm_count)[0]
-        if tiles[0] != 64 or tiles[2] != 4:
-            print(f"-- {label}: dispatched {tiles}, not a Gram product's tiles", flush=True)
-            continue
-        variants = {"registers": (False, tiles), "Gram": (True, tiles),
-                    "Gram, 3 stages": (True, (64, 3, 4, tiles[3])),
-                    "Gram, 5 stages": (True, (64, 5, 4, tiles[3]))}
-        outputs, graphs = {}, {}
-        for name, (flag, norm_tiles) in variants.items():
-            _launch.HOPPER_NORMS_BY_PRODUCT, _launch._HOPPER_NORM_TILES = flag, norm_tiles
-            _launch._hopper_plan.cache_clear()
-            try:
-                scores = torch.full((Nq, D.shape[0]), float("nan"), device="cuda")
-                _launch.launch_fwd_hopper(cfg, Q, D, scores, True)
-                outputs[name] = scores
-                graphs[name] = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graphs[name]):
-                    _launch.launch_fwd_hopper(cfg, Q, D, scores, True)
-            except Exception as exc:  # noqa: BLE001
-                print(f"   {name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-            finally:
-                _launch.HOPPER_NORMS_BY_PRODUCT, _launch._HOPPER_NORM_TILES = saved_flag, saved_tiles
-                _launch._hopper_plan.cache_clear()
-        ref = maxsim_ref(Q.double(), D[:50].double(), normalize=True)
-        row = f"-- {label} ({tiles})"
-        for name, out in outputs.items():
-            apart = relative_error(out, outputs["registers"])
-            row += (f"\n   {name}: {relative_error(out[:, :50], ref):.0e} from float64, "
-                    f"{apart:.0e} from the registers' sums"
-                    + ("" if apart < 1e-5 else " PARITY FAILED"))
-        times = {name: [] for name in graphs}
-        for _ in range(3):
-            for name in graphs:
-                times[name].append(bench(graphs[name].replay))
-        for name, values in times.items():
-            row += f"\n   {name:16s} " + " ".join(f"{v:.4f}" for v in values)
-        print(row, flush=True)
-        del Q, D, graphs
-        torch.cuda.empty_cache()
-
-
 def half_blocks() -> None:
     """A single 128-token query as two 64-row chunks, each its own program (neighbours, so the
     second reads the document's tiles from L2), with tiles small enough for three or four
@@ -1508,8 +1443,7 @@ if __name__ == "__main__":
                         ("hopper_host", hopper_host), ("hopper_variants", hopper_variants),
                         ("short_query", short_query), ("norms_ahead", norms_ahead),
                         ("three_programs", three_programs), ("few_programs", few_programs),
-                        ("norms_handoff", norms_handoff), ("half_blocks", half_blocks),
-                        ("gram_norms", gram_norms)):
+                        ("norms_handoff", norms_handoff), ("half_blocks", half_blocks)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()

@@ -123,8 +123,8 @@ if AVAILABLE:
         return _max_nan(run_max, acc)
 
     @gluon.jit
-    def _issue(q_smem, d_smem, inv_smem, bars, acc, gram, tile, NORMALIZE: gl.constexpr,
-               NORMS_BY_PRODUCT: gl.constexpr, TILE_LOAD_LAYOUT: gl.constexpr):
+    def _issue(q_smem, d_smem, inv_smem, bars, acc, tile, NORMALIZE: gl.constexpr,
+               TILE_LOAD_LAYOUT: gl.constexpr):
         """The product of the query chunk with document tile ``tile`` (counted over the program),
         issued once its TMA load has landed; not waited for. ``acc`` is ignored
         (``use_acc=False``): it names the registers the product is written over. With
@@ -132,54 +132,15 @@ if AVAILABLE:
         token) and written to ``inv_smem``'s slot, which ``_complete`` reads in the product's
         column layout after the CTA barrier it has anyway: here, where one product is in flight
         and the other's registers are free, the reads and sums have the registers to run side by
-        side, and no barrier holds the product's issue. With ``NORMS_BY_PRODUCT`` instead, the
-        tile's Gram product ``T · Tᵀ`` (its diagonal: the squared norms) is issued before the
-        tile's product (over ``gram``'s registers, as ``acc``), so that it has completed once
-        the wait leaves that product alone in flight (:func:`_wait_folding`). Returns the two
-        products (``gram`` as given without ``NORMS_BY_PRODUCT``)."""
+        side, and no barrier holds the product's issue."""
         NUM_STAGES: gl.constexpr = d_smem.shape[0]
         slot = tile % NUM_STAGES
         mbarrier.wait(bars.index(slot), (tile // NUM_STAGES) & 1)
         if NORMALIZE:
-            if NORMS_BY_PRODUCT:
-                gram = warpgroup_mma(d_smem.index(slot), d_smem.index(slot).permute((1, 0)), gram,
-                                     use_acc=False, is_async=True)
-            else:
-                x = d_smem.index(slot).load(TILE_LOAD_LAYOUT)
-                inv_smem.index(slot).store(_inverse_norms(x))
-        acc = warpgroup_mma(q_smem, d_smem.index(slot).permute((1, 0)), acc, use_acc=False,
-                            is_async=True)
-        return acc, gram
-
-    @gluon.jit
-    def _wait_folding(acc, gram, inv_smem, tile, OUTSTANDING: gl.constexpr,
-                      NORMS_BY_PRODUCT: gl.constexpr):
-        """Waits until ``OUTSTANDING`` products at most are in flight, so that ``acc`` (the one
-        to fold) has completed; with ``NORMS_BY_PRODUCT`` also the Gram product of tile
-        ``tile``, issued before the product left in flight, whose diagonal gives that tile's
-        inverse norms, stored to ``inv_smem`` for ``_complete`` (read after its CTA barrier).
-        Returns both, waited for."""
-        if NORMS_BY_PRODUCT:
-            acc, gram = warpgroup_mma_wait(num_outstanding=OUTSTANDING, deps=(acc, gram))
-            _store_gram_norms(gram, inv_smem, tile)
-        else:
-            acc = warpgroup_mma_wait(num_outstanding=OUTSTANDING, deps=(acc,))
-        return acc, gram
-
-    @gluon.jit
-    def _store_gram_norms(gram, inv_smem, tile):
-        """``1 / max(‖t‖, 1e-12)`` of each token ``t`` of a tile from the diagonal of its Gram
-        product (fp32 sums of the exact products of the 16-bit coordinates, as
-        :func:`_inverse_norms` sums them, in another order), to ``inv_smem``'s slot of the tile.
-        The diagonal is taken by a masked sum along each row: one element a row is kept."""
-        layout: gl.constexpr = gram.type.layout
-        TOKENS: gl.constexpr = gram.shape[0]
-        r = gl.arange(0, TOKENS, layout=gl.SliceLayout(1, layout))
-        c = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, layout))
-        on_diagonal = gl.expand_dims(r, 1) == gl.expand_dims(c, 0)
-        squares = gl.sum(gl.where(on_diagonal, gram, 0.0), axis=1)
-        inv_smem.index(tile % inv_smem.shape[0]).store(
-            1.0 / gl.maximum(gl.sqrt(squares), 1e-12))
+            x = d_smem.index(slot).load(TILE_LOAD_LAYOUT)
+            inv_smem.index(slot).store(_inverse_norms(x))
+        return warpgroup_mma(q_smem, d_smem.index(slot).permute((1, 0)), acc, use_acc=False,
+                             is_async=True)
 
     @gluon.jit
     def _fill_ring(d_desc, bars, d_smem, doc_row, done, n_tiles):
@@ -220,7 +181,6 @@ if AVAILABLE:
         MMA_LAYOUT: gl.constexpr,
         Q_LOAD_LAYOUT: gl.constexpr,
         TILE_LOAD_LAYOUT: gl.constexpr,
-        NORMS_BY_PRODUCT: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         BLOCK_M: gl.constexpr = LQ_TILE * QUERIES_PER_BLOCK
@@ -243,8 +203,6 @@ if AVAILABLE:
         # NUM_STAGES tiles later, past the CTA barriers of the next two `_complete`s, which every
         # warp reaches only after its reads: three stages at least.
         gl.static_assert(not NORMALIZE or NUM_STAGES >= 3)
-        # A Gram product is a warp group's: 64 tokens a tile, one warp group.
-        gl.static_assert(not NORMS_BY_PRODUCT or (NORMALIZE and BLOCK_N == 64 and num_warps == 4))
         inv_smem = gl.allocate_shared_memory(
             gl.float32, [NUM_STAGES if NORMALIZE else 1, BLOCK_N],
             gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -258,10 +216,6 @@ if AVAILABLE:
         lq_query = i_blk * QUERIES_PER_BLOCK + lq_r // LQ_TILE
         lq_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, q_load))
         zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
-        if NORMS_BY_PRODUCT:  # a tile's Gram product, in the products' layout
-            gram = gl.zeros([BLOCK_N, BLOCK_N], gl.float32, mma)
-        else:  # passed through untouched
-            gram = zero
         row_sums = gl.zeros([BLOCK_M], gl.float32, rows_of)
 
         done = 0  # document tiles consumed so far: tile `done + t` uses slot (done + t) % NUM_STAGES
@@ -293,32 +247,27 @@ if AVAILABLE:
             # the other would read its registers before the wait, and ptxas then serializes every
             # product: C7514.) The previous value is the accumulator operand, ignored
             # (`use_acc=False`), so that each product writes over the registers it replaces.
-            acc_a, gram = _issue(q_smem, d_smem, inv_smem, bars, zero, gram, done, NORMALIZE,
-                                 NORMS_BY_PRODUCT, TILE_LOAD_LAYOUT)
-            if NORMS_BY_PRODUCT:  # the first tile's Gram product, its product left in flight
-                gram = warpgroup_mma_wait(num_outstanding=1, deps=(gram,))
-                _store_gram_norms(gram, inv_smem, done)
+            acc_a = _issue(q_smem, d_smem, inv_smem, bars, zero, done, NORMALIZE,
+                           TILE_LOAD_LAYOUT)
             acc_b = zero
             t = 1
             for _ in range(0, (n_tiles - 1) // 2):
-                acc_b, gram = _issue(q_smem, d_smem, inv_smem, bars, acc_b, gram, done + t,
-                                     NORMALIZE, NORMS_BY_PRODUCT, TILE_LOAD_LAYOUT)
-                acc_a, gram = _wait_folding(acc_a, gram, inv_smem, done + t, 1, NORMS_BY_PRODUCT)
+                acc_b = _issue(q_smem, d_smem, inv_smem, bars, acc_b, done + t, NORMALIZE,
+                               TILE_LOAD_LAYOUT)
+                acc_a = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
                 run_max = _complete(acc_a, inv_smem, run_max, d_desc, bars, d_smem, doc_row,
                                     done, t - 1, n_tiles, Ld, o_c, NORMALIZE, False)
-                acc_a, gram = _issue(q_smem, d_smem, inv_smem, bars, acc_a, gram, done + t + 1,
-                                     NORMALIZE, NORMS_BY_PRODUCT, TILE_LOAD_LAYOUT)
-                acc_b, gram = _wait_folding(acc_b, gram, inv_smem, done + t + 1, 1,
-                                           NORMS_BY_PRODUCT)
+                acc_a = _issue(q_smem, d_smem, inv_smem, bars, acc_a, done + t + 1, NORMALIZE,
+                               TILE_LOAD_LAYOUT)
+                acc_b = warpgroup_mma_wait(num_outstanding=1, deps=(acc_b,))
                 run_max = _complete(acc_b, inv_smem, run_max, d_desc, bars, d_smem, doc_row,
                                     done, t, n_tiles, Ld, o_c, NORMALIZE, False)
                 t += 2
             # The last tile may run past the document: its columns from Ld on are masked.
             if t < n_tiles:
-                pending, gram = _issue(q_smem, d_smem, inv_smem, bars, acc_b, gram, done + t,
-                                       NORMALIZE, NORMS_BY_PRODUCT, TILE_LOAD_LAYOUT)
-                before_last, gram = _wait_folding(acc_a, gram, inv_smem, done + t, 1,
-                                                  NORMS_BY_PRODUCT)
+                pending = _issue(q_smem, d_smem, inv_smem, bars, acc_b, done + t, NORMALIZE,
+                                 TILE_LOAD_LAYOUT)
+                before_last = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
                 run_max = _complete(before_last, inv_smem, run_max, d_desc, bars, d_smem,
                                     doc_row, done, t - 1, n_tiles, Ld, o_c, NORMALIZE, False)
                 last = warpgroup_mma_wait(num_outstanding=0, deps=(pending,))

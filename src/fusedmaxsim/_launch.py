@@ -516,31 +516,19 @@ def hopper_layouts(
     )
 
 
-def hopper_norms_by_product(normalize: bool, block_n: int, warps: int) -> bool:
-    """Whether the normalizing Gluon forward takes a tile's norms from its Gram product on the
-    tensor cores (64-token tiles, one warp group) instead of summing its squares in registers."""
-    return HOPPER_NORMS_BY_PRODUCT and normalize and block_n == 64 and warps == 4
-
-
-HOPPER_NORMS_BY_PRODUCT = False
-
-
 def hopper_constexprs(
     torch_dtype: torch.dtype, lq_tile: int, queries_per_block: int, block_n: int, stages: int,
     dim: int, warps: int, normalize: bool, tiles_first: bool = False,
-    norms_by_product: bool | None = None,
 ) -> dict:
     """The Gluon forward's constexprs and ``num_warps`` for these tiles (the launcher's and the
     offline compile's, ``benchmarks/compile_hopper.py``)."""
-    if norms_by_product is None:
-        norms_by_product = hopper_norms_by_product(normalize, block_n, warps)
     q_layout, _, mma_layout, q_load_layout, tile_load_layout = hopper_layouts(
         torch_dtype, lq_tile * queries_per_block, block_n, dim, warps)
     return dict(
         LQ_TILE=lq_tile, QUERIES_PER_BLOCK=queries_per_block, BLOCK_N=block_n, BLOCK_K=dim,
         NUM_STAGES=stages, NORMALIZE=normalize, TILES_FIRST=tiles_first, Q_SMEM_LAYOUT=q_layout,
         MMA_LAYOUT=mma_layout, Q_LOAD_LAYOUT=q_load_layout, TILE_LOAD_LAYOUT=tile_load_layout,
-        NORMS_BY_PRODUCT=norms_by_product, num_warps=warps,
+        num_warps=warps,
     )
 
 
