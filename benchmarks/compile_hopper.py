@@ -38,7 +38,7 @@ def _descriptor_type(desc) -> str:
 
 def compile_forward(lq_tile: int, queries_per_block: int, block_n: int, stages: int, dim: int = 128,
                     normalize: bool = False, warps: int = 4, tiles_first: bool = False,
-                    max_registers: int | None = None):
+                    max_registers: int | None = None, docs_per_program: int = 1):
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -49,7 +49,8 @@ def compile_forward(lq_tile: int, queries_per_block: int, block_n: int, stages: 
                             d_layout)
     kernel = _kernels_hopper._maxsim_fwd_overlap_kernel
     constants = _launch.hopper_constexprs(torch.bfloat16, lq_tile, queries_per_block, block_n,
-                                          stages, dim, warps, normalize, tiles_first)
+                                          stages, dim, warps, normalize, tiles_first,
+                                          docs_per_program)
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constants:

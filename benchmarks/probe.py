@@ -8,7 +8,7 @@ for every provider, and the query chunk height; behind sections 22-23: the query
 registers, the small rows' GPU time alone, 256-row query blocks; behind section 25: the
 document-owned grad_D through the winner index; behind sections 30-35: the Gluon forward, its
 argmax and normalize variants, and its tiles; behind section 36, 64-row query chunks for
-one 128-token query. GPU times by ``triton.testing.do_bench``
+one 128-token query; behind section 38, several documents a program. GPU times by ``triton.testing.do_bench``
 (median, ms).
 
     PYTHONPATH=src python3 benchmarks/probe.py [normalize] [kd] [smooth] [masked] [rerank] [memory] [cold]
@@ -16,6 +16,7 @@ one 128-token query. GPU times by ``triton.testing.do_bench``
         [query_registers] [graph_times] [wide_rows] [winner_index] [chunk_splits] [occupancy]
         [hopper_forward] [hopper_host] [hopper_variants] [short_query] [norms_ahead]
         [three_programs] [few_programs] [norms_handoff] [half_blocks]
+        [doc_passes]
 """
 
 from __future__ import annotations
@@ -1358,6 +1359,68 @@ def few_programs() -> None:
     _gluon_tile_rounds(shapes, ((64, 4, 8, None), (64, 3, 8, None), (64, 6, 8, None),
                                 (32, 6, 8, None), (32, 4, 4, 168)), with_triton=True)
 
+def doc_passes() -> None:
+    """Several documents a program of the Gluon forward, one pass each, the ring running on from
+    one document to the next and the query chunk loaded once (``_launch.HOPPER_DOCS_PER_PROGRAM``),
+    against one document a program, with the dispatched tiles (benchmarks/NOTES.md section 38):
+    scores against one document a program's and float64, GPU ms of CUDA-graph replays in three
+    interleaved rounds."""
+    _warm_gpu()
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = (
+        ("batch_colbert", False, (256, 32, 128), (256, 300, 128)),
+        ("batch_colbert, normalize", True, (256, 32, 128), (256, 300, 128)),
+        ("rerank_colpali", False, (1, 128, 128), (1000, 1024, 128)),
+        ("rerank_colpali_norm", True, (1, 128, 128), (1000, 1024, 128)),
+        ("rerank_colbert", False, (1, 32, 128), (1000, 300, 128)),
+        ("rerank_colbert, normalize", True, (1, 32, 128), (1000, 300, 128)),
+        ("1 x 128 against 3000 x 1024", False, (1, 128, 128), (3000, 1024, 128)),
+        ("1 x 128 against 300 x 1024", False, (1, 128, 128), (300, 1024, 128)),
+        ("64 x 32 against 1000 x 300", False, (64, 32, 128), (1000, 300, 128)),
+        ("train_colpali's shape, scores", False, (128, 128, 128), (128, 1024, 128)),
+        ("train_colpali's shape, normalize", True, (128, 128, 128), (128, 1024, 128)),
+    )
+    saved = _launch.HOPPER_DOCS_PER_PROGRAM
+    for label, normalize, q_shape, d_shape in shapes:
+        Q, D = _bf16(*q_shape), _bf16(*d_shape)
+        Nq, Lq, dim = q_shape
+        cfg = fwd_config(Lq=Lq, dim=dim, Nq=Nq, per_query_docs=False, elem_bytes=2,
+                         norm_from_tiles=normalize, n_cols=D.shape[0], sm_count=sm_count)
+        tiles = _launch.hopper_call_tiles(cfg, normalize, Nq, Lq, D.shape[0], sm_count)[0]
+        outputs, graphs = {}, {}
+        for docs in (1, 2, 4, 8, 16):
+            _launch.HOPPER_DOCS_PER_PROGRAM = docs
+            try:
+                if _launch.hopper_docs_per_program(Lq, cfg.lq_tile, d_shape[1], tiles) != docs:
+                    continue
+                scores = torch.full((Nq, D.shape[0]), float("nan"), device="cuda")
+                _launch.launch_fwd_hopper(cfg, Q, D, scores, normalize)
+                outputs[docs] = scores
+                graphs[docs] = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graphs[docs]):
+                    _launch.launch_fwd_hopper(cfg, Q, D, scores, normalize)
+            except Exception as exc:  # noqa: BLE001
+                print(f"   {docs} documents: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            finally:
+                _launch.HOPPER_DOCS_PER_PROGRAM = saved
+        ref = maxsim_ref(Q.double(), D[:50].double(), normalize=normalize)
+        row = f"-- {label} ({tiles})"
+        for docs, out in outputs.items():
+            apart = (out - outputs[1]).abs().max().item()
+            row += (f"\n   {docs} documents a program: {relative_error(out[:, :50], ref):.0e} from "
+                    f"float64, {apart:.1e} from one a program"
+                    + ("" if apart == 0 else " NOT BITWISE"))
+        times = {docs: [] for docs in graphs}
+        for _ in range(3):
+            for docs, graph in graphs.items():
+                times[docs].append(bench(graph.replay))
+        for docs, values in times.items():
+            row += f"\n   {docs:2d} documents " + " ".join(f"{v:.4f}" for v in values)
+        print(row, flush=True)
+        del Q, D, graphs
+        torch.cuda.empty_cache()
+
+
 def half_blocks() -> None:
     """A single 128-token query as two 64-row chunks, each its own program (neighbours, so the
     second reads the document's tiles from L2), with tiles small enough for three or four
@@ -1443,7 +1506,8 @@ if __name__ == "__main__":
                         ("hopper_host", hopper_host), ("hopper_variants", hopper_variants),
                         ("short_query", short_query), ("norms_ahead", norms_ahead),
                         ("three_programs", three_programs), ("few_programs", few_programs),
-                        ("norms_handoff", norms_handoff), ("half_blocks", half_blocks)):
+                        ("norms_handoff", norms_handoff), ("half_blocks", half_blocks),
+                        ("doc_passes", doc_passes)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()

@@ -332,6 +332,42 @@ def test_hopper_forward_under_every_tile_set(monkeypatch, tile_set, shape, norma
     _check_hopper_forward(cfg, Q, D, normalize)
 
 
+_DOC_PASS_SHAPES = {
+    "packed": ((37, 32, 128), (53, 300, 128)),
+    "one-short-query": ((1, 32, 128), (50, 300, 128)),
+    "one-long-query": ((1, 128, 128), (23, 1024, 128)),
+}
+
+
+@hopper_only
+@pytest.mark.parametrize("normalize", [False, True], ids=["scores", "normalize"])
+@pytest.mark.parametrize("tiles_first", [False, True], ids=["query-first", "tiles-first"])
+@pytest.mark.parametrize("docs", [2, 3, 16])
+@pytest.mark.parametrize("shape", list(_DOC_PASS_SHAPES))
+def test_hopper_forward_streams_several_documents_a_program(monkeypatch, normalize, tiles_first,
+                                                            docs, shape):
+    """Several documents a program, one pass each (the ring's refills running on into the next
+    document, the query chunk loaded once): the documents uneven over the programs, a NaN in one
+    document leaving the others of its program alone, with the dispatched tiles (4 or 8 warps,
+    32- or 64-token tiles)."""
+    from fusedmaxsim import _launch
+    from fusedmaxsim._configs import fwd_config
+
+    if tiles_first:
+        monkeypatch.setattr(_launch, "_l2_bytes", lambda device_index: 0)
+    monkeypatch.setattr(_launch, "HOPPER_DOCS_PER_PROGRAM", docs)
+    q_shape, d_shape = _DOC_PASS_SHAPES[shape]
+    Q = torch.randn(q_shape, device="cuda", dtype=torch.bfloat16)
+    D = torch.randn(d_shape, device="cuda", dtype=torch.bfloat16)
+    Nq, Lq, dim = q_shape
+    cfg = fwd_config(Lq=Lq, dim=dim, Nq=Nq, per_query_docs=False, elem_bytes=2,
+                     norm_from_tiles=normalize)
+    sm_count = _launch._sm_count(Q.device)
+    tiles = _launch.hopper_call_tiles(cfg, normalize, Nq, Lq, d_shape[0], sm_count)[0]
+    assert _launch.hopper_docs_per_program(Lq, cfg.lq_tile, d_shape[1], tiles) == docs
+    _check_hopper_forward(cfg, Q, D, normalize)
+
+
 @hopper_only
 @pytest.mark.parametrize("normalize", [False, True], ids=["scores", "normalize"])
 @pytest.mark.parametrize("splits", [1, 2])

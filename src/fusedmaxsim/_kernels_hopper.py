@@ -100,11 +100,13 @@ if AVAILABLE:
         return 1.0 / gl.maximum(gl.sqrt(gl.sum(eights, axis=1)), 1e-12)
 
     @gluon.jit
-    def _complete(acc, inv_smem, run_max, d_desc, bars, d_smem, doc_row, done, t, n_tiles, Ld,
-                  o_c, NORMALIZE: gl.constexpr, MASK_TAIL: gl.constexpr):
+    def _complete(acc, inv_smem, run_max, d_desc, bars, d_smem, doc_row, has_next, done, t,
+                  n_tiles, Ld, o_c, NORMALIZE: gl.constexpr, MASK_TAIL: gl.constexpr,
+                  ACROSS_DOCS: gl.constexpr):
         """Tile ``t``'s product has completed: refill its slot, (with ``NORMALIZE``) scale its
         columns by the tile's inverse norms (from ``inv_smem``), and fold it into the running
-        max (columns from ``Ld`` on masked where ``MASK_TAIL``)."""
+        max (columns from ``Ld`` on masked where ``MASK_TAIL``). With ``ACROSS_DOCS`` the
+        refills run on into the next document (at ``doc_row + Ld``) where ``has_next``."""
         NUM_STAGES: gl.constexpr = d_smem.shape[0]
         BLOCK_N: gl.constexpr = d_smem.shape[1]
         slot = (done + t) % NUM_STAGES
@@ -114,7 +116,12 @@ if AVAILABLE:
             # `inv_smem`.
             _cta_barrier()
         refill = t + NUM_STAGES
-        _load_tile(d_desc, bars, d_smem, doc_row + refill * BLOCK_N, slot, refill < n_tiles)
+        if ACROSS_DOCS:  # a refill past this document's tiles: the next one's first tiles
+            beyond = (refill >= n_tiles).to(gl.int32)
+            _load_tile(d_desc, bars, d_smem, doc_row + refill * BLOCK_N - beyond * (n_tiles * BLOCK_N - Ld),
+                       slot, (refill < n_tiles) | has_next)
+        else:
+            _load_tile(d_desc, bars, d_smem, doc_row + refill * BLOCK_N, slot, refill < n_tiles)
         if NORMALIZE:
             inv = inv_smem.index(slot).load(gl.SliceLayout(0, acc.type.layout))
             acc = acc * gl.expand_dims(inv, 0)
@@ -157,6 +164,92 @@ if AVAILABLE:
         mbarrier.expect(bars.index(slot), d_desc.block_type.nbytes, pred=pred)
         _tma_load(d_desc, [row, 0], bars.index(slot), d_smem.index(slot), pred=pred)
 
+    @gluon.jit
+    def _load_query_chunk(Q, q_smem, chunk, lq_r, lq_query, lq_k, Nq, Lq, stride_q_seq,
+                          stride_q_tok, LQ_TILE: gl.constexpr, NORMALIZE: gl.constexpr, rows_of:
+                          gl.constexpr):
+        """The query chunk from row ``chunk`` through registers into ``q_smem`` (rows past the
+        query or the batch as zeros); returns its rows' inverse norms with ``NORMALIZE`` (ones
+        without)."""
+        lq_s = chunk + lq_r % LQ_TILE
+        lq_valid = (lq_query < Nq) & (lq_s < Lq)
+        ptrs = Q + gl.expand_dims(lq_query.to(gl.int64) * stride_q_seq + lq_s * stride_q_tok, 1) \
+            + gl.expand_dims(lq_k, 0)
+        b_q = gl.load(ptrs, mask=gl.expand_dims(lq_valid, 1), other=0.0)
+        q_smem.store(b_q)
+        fence_async_shared()
+        if NORMALIZE:
+            q_inv = gl.convert_layout(_inverse_norms(b_q), rows_of)
+        else:
+            q_inv = gl.full([q_smem.shape[0]], 1.0, gl.float32, rows_of)
+        return q_inv
+
+    @gluon.jit
+    def _pass(q_smem, d_smem, inv_smem, bars, d_desc, zero, doc_row, has_next, done, n_tiles, Ld,
+              o_c, NORMALIZE: gl.constexpr, TILE_LOAD_LAYOUT: gl.constexpr,
+              ACROSS_DOCS: gl.constexpr):
+        """The query chunk in ``q_smem`` against the document at ``doc_row``, its ``n_tiles``
+        tiles already requested (tile ``t`` as the program's ``done + t``): the element-wise
+        running max of their similarities."""
+        mma: gl.constexpr = zero.type.layout
+        run_max = gl.full(zero.shape, float("-inf"), gl.float32, mma)
+        # Two products alternate in fixed registers, `acc_a` and `acc_b`: one in flight while
+        # the other is folded. (A loop that copied the product in flight from one variable to
+        # the other would read its registers before the wait, and ptxas then serializes every
+        # product: C7514.) The previous value is the accumulator operand, ignored
+        # (`use_acc=False`), so that each product writes over the registers it replaces.
+        acc_a = _issue(q_smem, d_smem, inv_smem, bars, zero, done, NORMALIZE, TILE_LOAD_LAYOUT)
+        acc_b = zero
+        t = 1
+        for _ in range(0, (n_tiles - 1) // 2):
+            acc_b = _issue(q_smem, d_smem, inv_smem, bars, acc_b, done + t, NORMALIZE,
+                           TILE_LOAD_LAYOUT)
+            acc_a = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
+            run_max = _complete(acc_a, inv_smem, run_max, d_desc, bars, d_smem, doc_row,
+                                has_next, done, t - 1, n_tiles, Ld, o_c, NORMALIZE, False,
+                                ACROSS_DOCS)
+            acc_a = _issue(q_smem, d_smem, inv_smem, bars, acc_a, done + t + 1, NORMALIZE,
+                           TILE_LOAD_LAYOUT)
+            acc_b = warpgroup_mma_wait(num_outstanding=1, deps=(acc_b,))
+            run_max = _complete(acc_b, inv_smem, run_max, d_desc, bars, d_smem, doc_row,
+                                has_next, done, t, n_tiles, Ld, o_c, NORMALIZE, False,
+                                ACROSS_DOCS)
+            t += 2
+        # The last tile may run past the document: its columns from Ld on are masked.
+        if t < n_tiles:
+            pending = _issue(q_smem, d_smem, inv_smem, bars, acc_b, done + t, NORMALIZE,
+                             TILE_LOAD_LAYOUT)
+            before_last = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
+            run_max = _complete(before_last, inv_smem, run_max, d_desc, bars, d_smem, doc_row,
+                                has_next, done, t - 1, n_tiles, Ld, o_c, NORMALIZE, False,
+                                ACROSS_DOCS)
+            last = warpgroup_mma_wait(num_outstanding=0, deps=(pending,))
+        else:
+            last = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a,))
+        return _complete(last, inv_smem, run_max, d_desc, bars, d_smem, doc_row, has_next, done,
+                         n_tiles - 1, n_tiles, Ld, o_c, NORMALIZE, True, ACROSS_DOCS)
+
+    @gluon.jit
+    def _row_scores(run_max, q_inv, chunk, o_r, o_query, Nq, Lq, LQ_TILE: gl.constexpr,
+                    NORMALIZE: gl.constexpr):
+        """Each row's max over the pass (times its inverse norm with ``NORMALIZE``), 0 for rows
+        past the query or the batch."""
+        row_max = gl.reduce(run_max, 1, _max_nan)
+        if NORMALIZE:
+            row_max = row_max * q_inv
+        m_row = (o_query < Nq) & (chunk + o_r % LQ_TILE < Lq)
+        return gl.where(m_row, row_max, 0.0)
+
+    @gluon.jit
+    def _store_block_scores(row_sums, out, Ncols, Nq, i_blk, o_r, LQ_TILE: gl.constexpr,
+                            QUERIES_PER_BLOCK: gl.constexpr):
+        """Each query of the block: the sum of its rows' ``row_sums``, to ``out`` + the query's
+        row of scores (``Ncols`` apart)."""
+        for q in gl.static_range(QUERIES_PER_BLOCK):
+            query = i_blk * QUERIES_PER_BLOCK + q
+            total = gl.sum(gl.where(o_r // LQ_TILE == q, row_sums, 0.0), axis=0)
+            gl.store(out + query.to(gl.int64) * Ncols, total, mask=query < Nq)
+
     @gluon.jit(do_not_specialize=["Nq", "Ncols", "Lq", "Ld", "n_splits", "stride_out_split"])
     def _maxsim_fwd_overlap_kernel(
         Q,
@@ -177,6 +270,7 @@ if AVAILABLE:
         NUM_STAGES: gl.constexpr,
         NORMALIZE: gl.constexpr,
         TILES_FIRST: gl.constexpr,
+        DOCS_PER_PROGRAM: gl.constexpr,
         Q_SMEM_LAYOUT: gl.constexpr,
         MMA_LAYOUT: gl.constexpr,
         Q_LOAD_LAYOUT: gl.constexpr,
@@ -189,7 +283,7 @@ if AVAILABLE:
         rows_of: gl.constexpr = gl.SliceLayout(1, mma)
         cols_of: gl.constexpr = gl.SliceLayout(0, mma)
 
-        i_col = gl.program_id(0) // n_splits
+        i_col = gl.program_id(0) // n_splits * DOCS_PER_PROGRAM  # the program's first document
         i_split = gl.program_id(0) % n_splits
         i_blk = gl.program_id(1)
         doc_row = i_col * Ld
@@ -219,75 +313,44 @@ if AVAILABLE:
         row_sums = gl.zeros([BLOCK_M], gl.float32, rows_of)
 
         done = 0  # document tiles consumed so far: tile `done + t` uses slot (done + t) % NUM_STAGES
-        for chunk in range(i_split * LQ_TILE, Lq, n_splits * LQ_TILE):
-            # With TILES_FIRST the ring's first tiles are requested before the query chunk is
-            # loaded, so that the two loads' latencies overlap (the previous chunk's products
-            # have all completed).
+        if DOCS_PER_PROGRAM == 1:
+            for chunk in range(i_split * LQ_TILE, Lq, n_splits * LQ_TILE):
+                # With TILES_FIRST the ring's first tiles are requested before the query chunk is
+                # loaded, so that the two loads' latencies overlap (the previous chunk's products
+                # have all completed).
+                if TILES_FIRST:
+                    _fill_ring(d_desc, bars, d_smem, doc_row, done, n_tiles)
+                q_inv = _load_query_chunk(Q, q_smem, chunk, lq_r, lq_query, lq_k, Nq, Lq,
+                                          stride_q_seq, stride_q_tok, LQ_TILE, NORMALIZE, rows_of)
+                if not TILES_FIRST:
+                    _fill_ring(d_desc, bars, d_smem, doc_row, done, n_tiles)
+                run_max = _pass(q_smem, d_smem, inv_smem, bars, d_desc, zero, doc_row, False, done,
+                                n_tiles, Ld, o_c, NORMALIZE, TILE_LOAD_LAYOUT, False)
+                done += n_tiles
+                row_sums += _row_scores(run_max, q_inv, chunk, o_r, o_query, Nq, Lq, LQ_TILE,
+                                        NORMALIZE)
+            out = Out + i_split.to(gl.int64) * stride_out_split + i_col
+            _store_block_scores(row_sums, out, Ncols, Nq, i_blk, o_r, LQ_TILE, QUERIES_PER_BLOCK)
+        else:
+            # One query chunk (the launcher's guarantee) against the documents from `i_col`, each
+            # a pass; the refills of one pass bring the next one's first tiles, so the ring
+            # fills once a program (the documents hold NUM_STAGES tiles at least).
             if TILES_FIRST:
                 _fill_ring(d_desc, bars, d_smem, doc_row, done, n_tiles)
-
-            # The query chunk through registers into shared memory (rows past the query or the
-            # batch as zeros).
-            lq_s = chunk + lq_r % LQ_TILE
-            lq_valid = (lq_query < Nq) & (lq_s < Lq)
-            ptrs = Q + gl.expand_dims(lq_query.to(gl.int64) * stride_q_seq + lq_s * stride_q_tok, 1) \
-                + gl.expand_dims(lq_k, 0)
-            b_q = gl.load(ptrs, mask=gl.expand_dims(lq_valid, 1), other=0.0)
-            q_smem.store(b_q)
-            fence_async_shared()
-            if NORMALIZE:
-                q_inv = gl.convert_layout(_inverse_norms(b_q), rows_of)
+            q_inv = _load_query_chunk(Q, q_smem, 0, lq_r, lq_query, lq_k, Nq, Lq, stride_q_seq,
+                                      stride_q_tok, LQ_TILE, NORMALIZE, rows_of)
             if not TILES_FIRST:
                 _fill_ring(d_desc, bars, d_smem, doc_row, done, n_tiles)
-
-            # The element-wise running max over the tiles, reduced over its columns once per chunk.
-            run_max = gl.full([BLOCK_M, BLOCK_N], float("-inf"), gl.float32, mma)
-            # Two products alternate in fixed registers, `acc_a` and `acc_b`: one in flight while
-            # the other is folded. (A loop that copied the product in flight from one variable to
-            # the other would read its registers before the wait, and ptxas then serializes every
-            # product: C7514.) The previous value is the accumulator operand, ignored
-            # (`use_acc=False`), so that each product writes over the registers it replaces.
-            acc_a = _issue(q_smem, d_smem, inv_smem, bars, zero, done, NORMALIZE,
-                           TILE_LOAD_LAYOUT)
-            acc_b = zero
-            t = 1
-            for _ in range(0, (n_tiles - 1) // 2):
-                acc_b = _issue(q_smem, d_smem, inv_smem, bars, acc_b, done + t, NORMALIZE,
-                               TILE_LOAD_LAYOUT)
-                acc_a = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
-                run_max = _complete(acc_a, inv_smem, run_max, d_desc, bars, d_smem, doc_row,
-                                    done, t - 1, n_tiles, Ld, o_c, NORMALIZE, False)
-                acc_a = _issue(q_smem, d_smem, inv_smem, bars, acc_a, done + t + 1, NORMALIZE,
-                               TILE_LOAD_LAYOUT)
-                acc_b = warpgroup_mma_wait(num_outstanding=1, deps=(acc_b,))
-                run_max = _complete(acc_b, inv_smem, run_max, d_desc, bars, d_smem, doc_row,
-                                    done, t, n_tiles, Ld, o_c, NORMALIZE, False)
-                t += 2
-            # The last tile may run past the document: its columns from Ld on are masked.
-            if t < n_tiles:
-                pending = _issue(q_smem, d_smem, inv_smem, bars, acc_b, done + t, NORMALIZE,
-                                 TILE_LOAD_LAYOUT)
-                before_last = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
-                run_max = _complete(before_last, inv_smem, run_max, d_desc, bars, d_smem,
-                                    doc_row, done, t - 1, n_tiles, Ld, o_c, NORMALIZE, False)
-                last = warpgroup_mma_wait(num_outstanding=0, deps=(pending,))
-            else:
-                last = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a,))
-            run_max = _complete(last, inv_smem, run_max, d_desc, bars, d_smem, doc_row, done,
-                                n_tiles - 1, n_tiles, Ld, o_c, NORMALIZE, True)
-            done += n_tiles
-
-            row_max = gl.reduce(run_max, 1, _max_nan)
-            o_s = chunk + o_r % LQ_TILE
-            m_row = (o_query < Nq) & (o_s < Lq)
-            if NORMALIZE:
-                row_max = row_max * q_inv
-            row_sums += gl.where(m_row, row_max, 0.0)
+            n_docs = gl.minimum(DOCS_PER_PROGRAM, Ncols - i_col)
+            for k in range(n_docs):
+                run_max = _pass(q_smem, d_smem, inv_smem, bars, d_desc, zero, doc_row + k * Ld,
+                                k + 1 < n_docs, done, n_tiles, Ld, o_c, NORMALIZE,
+                                TILE_LOAD_LAYOUT, True)
+                done += n_tiles
+                row_scores = _row_scores(run_max, q_inv, 0, o_r, o_query, Nq, Lq, LQ_TILE,
+                                         NORMALIZE)
+                _store_block_scores(row_scores, Out + i_col + k, Ncols, Nq, i_blk, o_r, LQ_TILE,
+                                    QUERIES_PER_BLOCK)
 
         for s in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(bars.index(s))
-        out = Out + i_split.to(gl.int64) * stride_out_split + i_col
-        for q in gl.static_range(QUERIES_PER_BLOCK):
-            query = i_blk * QUERIES_PER_BLOCK + q
-            total = gl.sum(gl.where(o_r // LQ_TILE == q, row_sums, 0.0), axis=0)
-            gl.store(out + query.to(gl.int64) * Ncols, total, mask=query < Nq)

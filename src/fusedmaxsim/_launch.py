@@ -516,9 +516,22 @@ def hopper_layouts(
     )
 
 
+def hopper_docs_per_program(Lq: int, lq_tile: int, Ld: int, tiles: tuple) -> int:
+    """Documents a program of the Gluon forward streams one after the other, its ring of tiles
+    running on from one to the next: only for one query chunk and documents of at least as many
+    tiles as the ring has slots; ``HOPPER_DOCS_PER_PROGRAM`` where it applies, else one."""
+    block_n, stages = tiles[0], tiles[1]
+    if HOPPER_DOCS_PER_PROGRAM is None or Lq > lq_tile or _cdiv(Ld, block_n) < stages:
+        return 1
+    return HOPPER_DOCS_PER_PROGRAM
+
+
+HOPPER_DOCS_PER_PROGRAM: int | None = None
+
+
 def hopper_constexprs(
     torch_dtype: torch.dtype, lq_tile: int, queries_per_block: int, block_n: int, stages: int,
-    dim: int, warps: int, normalize: bool, tiles_first: bool = False,
+    dim: int, warps: int, normalize: bool, tiles_first: bool = False, docs_per_program: int = 1,
 ) -> dict:
     """The Gluon forward's constexprs and ``num_warps`` for these tiles (the launcher's and the
     offline compile's, ``benchmarks/compile_hopper.py``)."""
@@ -526,7 +539,8 @@ def hopper_constexprs(
         torch_dtype, lq_tile * queries_per_block, block_n, dim, warps)
     return dict(
         LQ_TILE=lq_tile, QUERIES_PER_BLOCK=queries_per_block, BLOCK_N=block_n, BLOCK_K=dim,
-        NUM_STAGES=stages, NORMALIZE=normalize, TILES_FIRST=tiles_first, Q_SMEM_LAYOUT=q_layout,
+        NUM_STAGES=stages, NORMALIZE=normalize, TILES_FIRST=tiles_first,
+        DOCS_PER_PROGRAM=docs_per_program, Q_SMEM_LAYOUT=q_layout,
         MMA_LAYOUT=mma_layout, Q_LOAD_LAYOUT=q_load_layout, TILE_LOAD_LAYOUT=tile_load_layout,
         num_warps=warps,
     )
@@ -566,7 +580,7 @@ def documents_beyond_l2(D: Tensor) -> bool:
 @functools.lru_cache(maxsize=None)
 def _hopper_plan(
     torch_dtype: torch.dtype, lq_tile: int, queries_per_block: int, dim: int, normalize: bool,
-    tiles: tuple[int, int, int, int | None], tiles_first: bool = False,
+    tiles: tuple[int, int, int, int | None], tiles_first: bool = False, docs_per_program: int = 1,
 ):
     """What a Gluon launch needs besides its tensors, built once per tile set and looked up by
     plain values (hashing the layouts' dataclasses on every launch cost microseconds of host
@@ -577,7 +591,7 @@ def _hopper_plan(
     cap = {} if max_registers is None else {"maxnreg": max_registers}
     consts = constants(**hopper_constexprs(
         torch_dtype, lq_tile, queries_per_block, block_n, stages, dim, warps, normalize,
-        tiles_first), **cap)
+        tiles_first, docs_per_program), **cap)
     return block_n, consts, _descriptor_template(torch_dtype, block_n, dim, d_layout), d_layout
 
 
@@ -591,8 +605,9 @@ def launch_fwd_hopper(cfg, Q: Tensor, D: Tensor, scores: Tensor, normalize: bool
     if Q.stride(-1) != 1:
         Q = Q.contiguous()
     tiles, qpb, splits = hopper_call_tiles(cfg, normalize, Nq, Lq, Ncols, _sm_count(Q.device))
+    docs = hopper_docs_per_program(Lq, cfg.lq_tile, Ld, tiles)
     block_n, consts, template, d_layout = _hopper_plan(
-        Q.dtype, cfg.lq_tile, qpb, dim, normalize, tiles, documents_beyond_l2(D))
+        Q.dtype, cfg.lq_tile, qpb, dim, normalize, tiles, documents_beyond_l2(D), docs)
     documents = D.view(Ncols * Ld, dim)
     if template is None:  # a Triton release whose descriptor is not a plain dataclass
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -605,7 +620,7 @@ def launch_fwd_hopper(cfg, Q: Tensor, D: Tensor, scores: Tensor, normalize: bool
     def launch_slice(rows, out, stride_out_split):
         q = _take(Q, rows)
         kernel(
-            (Ncols * splits, _cdiv(q.shape[0], qpb)),
+            (_cdiv(Ncols, docs) * splits, _cdiv(q.shape[0], qpb)),
             (q, d_desc, out, q.shape[0], Ncols, Lq, Ld, splits, stride_out_split, q.stride(0),
              q.stride(1)),
             consts,
