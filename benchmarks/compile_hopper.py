@@ -85,7 +85,7 @@ def report(compiled) -> str:
 def main() -> None:
     print(f"triton {triton.__version__}, Gluon available: {_kernels_hopper.AVAILABLE}")
     # (normalize, query tile rows, queries a block, document tile, stages, warps, tiles first,
-    # register cap)
+    # register cap[, documents a program])
     variants = []
     for normalize in (False, True):
         for lq_tile, qpb in ((128, 1), (32, 4)):
@@ -101,14 +101,21 @@ def main() -> None:
     variants += [(False, 128, 1, 64, 4, 4, True, None), (True, 128, 1, 64, 4, 4, True, None),
                  (False, 32, 2, 32, 6, 4, True, None), (False, 128, 1, 32, 5, 4, True, 168),
                  (True, 128, 1, 32, 5, 4, True, 168), (False, 32, 2, 32, 6, 4, True, 168)]
-    for normalize, lq_tile, qpb, block_n, stages, warps, tiles_first, cap in variants:
+    variants = [(*variant, 1) for variant in variants]
+    # Several documents a program (section 38): the dispatched tile sets that take them.
+    variants += [(False, 32, 4, 64, 3, 4, False, None, 8), (True, 32, 4, 32, 4, 4, False, 168, 4),
+                 (False, 128, 1, 64, 4, 4, True, None, 4), (True, 128, 1, 64, 4, 4, True, None, 4),
+                 (False, 32, 2, 32, 6, 4, True, None, 4), (False, 128, 1, 64, 6, 8, False, None, 2)]
+    for normalize, lq_tile, qpb, block_n, stages, warps, tiles_first, cap, docs in variants:
         label = (f"{'normalize' if normalize else 'scores'}, rows {lq_tile}x{qpb}, "
                  f"{block_n}-token tiles, {stages} stages, {warps} warps"
                  f"{', tiles first' if tiles_first else ''}"
-                 f"{f', at most {cap} registers' if cap else ''}")
+                 f"{f', at most {cap} registers' if cap else ''}"
+                 f"{f', {docs} documents a program' if docs > 1 else ''}")
         try:
             compiled = compile_forward(lq_tile, qpb, block_n, stages, normalize=normalize,
-                                       warps=warps, tiles_first=tiles_first, max_registers=cap)
+                                       warps=warps, tiles_first=tiles_first, max_registers=cap,
+                                       docs_per_program=docs)
             print(f"  {label}: {report(compiled)}", flush=True)
         except Exception as exc:  # noqa: BLE001 (a release whose Gluon cannot build it: say so)
             print(f"  {label}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)

@@ -1171,7 +1171,8 @@ def norms_ahead() -> None:
         Ncols, Ld = d_shape[0], d_shape[1]
         cfg = fwd_config(Lq=Lq, dim=dim, Nq=Nq, per_query_docs=False, elem_bytes=2,
                          norm_from_tiles=normalize, n_cols=Ncols, sm_count=sm_count)
-        tiles, qpb, splits = _launch.hopper_call_tiles(cfg, normalize, Nq, Lq, Ncols, sm_count)
+        tiles, qpb, splits, _ = _launch.hopper_call_tiles(cfg, normalize, Nq, Lq, Ncols, Ld,
+                                                          sm_count)
         block_n, stages = tiles[:2]
         # The launcher's constants for these tiles (the register cap included).
         _, consts, _, layout = _launch._hopper_plan(Q.dtype, cfg.lq_tile, qpb, dim, normalize,
@@ -1181,9 +1182,10 @@ def norms_ahead() -> None:
         out = torch.empty((splits, Nq, Ncols), device="cuda")
 
         old_kernel = _launch.launcher(before._maxsim_fwd_overlap_kernel)
-        # d5f293f's kernel has no TILES_FIRST (it loads the query chunk first).
-        old_constants = _launch.constants(
-            **{k: v for k, v in consts.kwargs.items() if k != "TILES_FIRST"})
+        # d5f293f's kernel has no TILES_FIRST (it loads the query chunk first) and streams one
+        # document a program.
+        old_constants = _launch.constants(**{k: v for k, v in consts.kwargs.items()
+                                             if k not in ("TILES_FIRST", "DOCS_PER_PROGRAM")})
 
         def old():
             # Through the same cached launcher as this tree's: the kernels, not the launch paths.
@@ -1248,7 +1250,8 @@ def _gluon_tile_rounds(shapes, variants, with_triton: bool = False) -> None:
         if not _launch.hopper_forward_applies(cfg, Q, D):
             print(f"-- {label}: the Gluon forward does not apply ({cfg})", flush=True)
             continue
-        dispatched = _launch.hopper_call_tiles(cfg, normalize, Nq, Lq, D.shape[0], sm_count)[0]
+        dispatched = _launch.hopper_call_tiles(cfg, normalize, Nq, Lq, D.shape[0], D.shape[1],
+                                          sm_count)[0]
         scores = torch.empty(Nq, D.shape[0], device="cuda")
 
         def forward(variant):
@@ -1386,12 +1389,14 @@ def doc_passes() -> None:
         Nq, Lq, dim = q_shape
         cfg = fwd_config(Lq=Lq, dim=dim, Nq=Nq, per_query_docs=False, elem_bytes=2,
                          norm_from_tiles=normalize, n_cols=D.shape[0], sm_count=sm_count)
-        tiles = _launch.hopper_call_tiles(cfg, normalize, Nq, Lq, D.shape[0], sm_count)[0]
+        tiles = _launch.hopper_call_tiles(cfg, normalize, Nq, Lq, D.shape[0], D.shape[1],
+                                          sm_count)[0]
         outputs, graphs = {}, {}
         for docs in (1, 2, 4, 8, 16):
             _launch.HOPPER_DOCS_PER_PROGRAM = docs
             try:
-                if _launch.hopper_docs_per_program(Lq, cfg.lq_tile, d_shape[1], tiles) != docs:
+                if _launch.hopper_call_tiles(cfg, normalize, Nq, Lq, D.shape[0], D.shape[1],
+                                             sm_count)[3] != docs:
                     continue
                 scores = torch.full((Nq, D.shape[0]), float("nan"), device="cuda")
                 _launch.launch_fwd_hopper(cfg, Q, D, scores, normalize)
@@ -1450,7 +1455,8 @@ def norms_handoff() -> None:
     ``launch_fwd_hopper`` with the dispatched tiles: scores compared, GPU ms of CUDA-graph
     replays in three interleaved rounds. The old kernel's copy is not kept in the tree:
     ``git show 8570ab9:src/fusedmaxsim/_kernels_hopper.py > benchmarks/hopper_forward_8570ab9.py``
-    makes it."""
+    makes it. (Since section 38 the launcher passes a constexpr that kernel lacks,
+    ``DOCS_PER_PROGRAM``: the probe ran at ``2841c3c``.)"""
     before = _kernel_copy("8570ab9")
     if before is None:
         return
@@ -1463,7 +1469,8 @@ def norms_handoff() -> None:
         Nq, Lq, dim = q_shape
         cfg = fwd_config(Lq=Lq, dim=dim, Nq=Nq, per_query_docs=False, elem_bytes=2,
                          norm_from_tiles=normalize, n_cols=D.shape[0], sm_count=sm_count)
-        tiles = _launch.hopper_call_tiles(cfg, normalize, Nq, Lq, D.shape[0], sm_count)[0]
+        tiles = _launch.hopper_call_tiles(cfg, normalize, Nq, Lq, D.shape[0], D.shape[1],
+                                          sm_count)[0]
         outputs, graphs = {}, {}
         for name, kernel in kernels.items():
             saved = _launch._kernels_hopper._maxsim_fwd_overlap_kernel

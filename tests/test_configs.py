@@ -224,9 +224,46 @@ def test_hopper_tiles_follow_the_grid():
     assert _launch.hopper_tiles(short, False, 100, 132) == _launch._HOPPER_SHORT_TILES
     # A call's grid: longdoc's 16 packed 32-token queries against 32 documents, 4 blocks × 32
     # documents = 128 programs; one short query padded to two slots against 133 documents.
-    assert _launch.hopper_call_tiles(packed, False, 16, 32, 32, 132) == (
-        _launch._HOPPER_FEW_PROGRAMS_TILES, 4, 1)
-    assert _launch.hopper_call_tiles(packed, False, 16, 32, 34, 132) == (
-        _launch._HOPPER_PACKED_TILES, 4, 1)
-    assert _launch.hopper_call_tiles(short, True, 1, 32, 133, 132) == (
-        _launch._HOPPER_SHORT_NORM_TILES, 2, 1)
+    assert _launch.hopper_call_tiles(packed, False, 16, 32, 32, 8192, 132) == (
+        _launch._HOPPER_FEW_PROGRAMS_TILES, 4, 1, 1)
+    assert _launch.hopper_call_tiles(packed, False, 16, 32, 34, 8192, 132) == (
+        _launch._HOPPER_PACKED_TILES, 4, 1, 1)
+    assert _launch.hopper_call_tiles(short, True, 1, 32, 133, 300, 132) == (
+        _launch._HOPPER_SHORT_NORM_TILES, 2, 1, 1)
+
+
+def test_hopper_documents_a_program_follow_the_grid():
+    """Several documents a program where one query chunk meets documents of at least a ring of
+    tiles: doubled while the grid keeps a program an SM and a program at most 64 tiles."""
+    from fusedmaxsim import _launch
+    from fusedmaxsim._configs import FwdConfig
+
+    long_query = FwdConfig(128, 1, 64, 128, 4, 3)
+    packed = FwdConfig(32, 4, 64, 128, 4, 3)
+    short = FwdConfig(32, 1, 64, 128, 4, 3)
+
+    def docs(cfg, normalize, Nq, Lq, Ncols, Ld):
+        return _launch.hopper_call_tiles(cfg, normalize, Nq, Lq, Ncols, Ld, 132)[3]
+
+    # batch_colbert: 64 blocks × 256 documents of five 64-token tiles: 12 tiles of 64 → 8.
+    assert docs(packed, False, 256, 32, 256, 300) == 8
+    # Its normalized one: 32-token tiles, ten a document → 4.
+    assert docs(packed, True, 256, 32, 256, 300) == 4
+    # rerank_colpali(_norm): 16 tiles a document → 4; 1000 / 8 = 125 programs < 132 SMs.
+    assert docs(long_query, False, 1, 128, 1000, 1024) == 4
+    assert docs(long_query, True, 1, 128, 1000, 1024) == 4
+    assert docs(long_query, False, 1, 128, 300, 1024) == 2
+    assert docs(long_query, False, 1, 128, 200, 1024) == 1
+    # rerank_colbert: a padded short query, ten 32-token tiles a document (6 stages) → 4.
+    assert docs(short, False, 1, 32, 1000, 300) == 4
+    # Several query chunks, or documents shorter than the ring: one.
+    assert docs(long_query, False, 4, 2048, 64, 1024) == 1
+    assert docs(packed, False, 256, 32, 256, 100) == 1
+    # Forced (tests, probes) where it applies, and not where it does not.
+    saved = _launch.HOPPER_DOCS_PER_PROGRAM
+    _launch.HOPPER_DOCS_PER_PROGRAM = 3
+    try:
+        assert docs(long_query, False, 1, 128, 200, 1024) == 3
+        assert docs(long_query, False, 4, 2048, 64, 1024) == 1
+    finally:
+        _launch.HOPPER_DOCS_PER_PROGRAM = saved

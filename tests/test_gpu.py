@@ -363,8 +363,7 @@ def test_hopper_forward_streams_several_documents_a_program(monkeypatch, normali
     cfg = fwd_config(Lq=Lq, dim=dim, Nq=Nq, per_query_docs=False, elem_bytes=2,
                      norm_from_tiles=normalize)
     sm_count = _launch._sm_count(Q.device)
-    tiles = _launch.hopper_call_tiles(cfg, normalize, Nq, Lq, d_shape[0], sm_count)[0]
-    assert _launch.hopper_docs_per_program(Lq, cfg.lq_tile, d_shape[1], tiles) == docs
+    assert _launch.hopper_call_tiles(cfg, normalize, Nq, Lq, *d_shape[:2], sm_count)[3] == docs
     _check_hopper_forward(cfg, Q, D, normalize)
 
 

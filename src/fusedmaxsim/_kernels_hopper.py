@@ -39,7 +39,11 @@ As ``_maxsim_fwd_kernel``: program ``(j · n_splits + c, b)`` owns document ``j`
 ``b`` of ``BLOCK_M = LQ_TILE · QUERIES_PER_BLOCK`` rows and its chunks ``c, c + n_splits, …``,
 and writes its part of the scores to ``Out[c]`` (``stride_out_split`` apart). ``d_desc`` views
 the documents as one ``[Nd · Ld, dim]`` matrix: tile rows past the end of a document belong to
-the next one (or are TMA's zero fill past the last) and are masked out of the max.
+the next one (or are TMA's zero fill past the last) and are masked out of the max. With
+``DOCS_PER_PROGRAM > 1`` (one query chunk, documents of at least ``NUM_STAGES`` tiles) program
+``(j, b)`` owns documents ``j · DOCS_PER_PROGRAM, …`` (fewer in the last), one pass each: the
+query chunk is loaded once, and the refills of a pass request the next document's first tiles,
+so the ring is filled once a program (benchmarks/NOTES.md section 38).
 
 Caveats
 -------

@@ -484,13 +484,17 @@ def hopper_tiles(
 
 
 def hopper_call_tiles(
-    cfg, normalize: bool, Nq: int, Lq: int, Ncols: int, sm_count: int
-) -> tuple[tuple[int, int, int, int | None], int, int]:
+    cfg, normalize: bool, Nq: int, Lq: int, Ncols: int, Ld: int, sm_count: int
+) -> tuple[tuple[int, int, int, int | None], int, int, int]:
     """This call's Gluon tiles (:func:`hopper_tiles` on its grid), with what the grid is built
-    from: the queries a block once padded (:func:`hopper_block`) and the chunk splits."""
+    from: the queries a block once padded (:func:`hopper_block`), the chunk splits and the
+    documents a program (:func:`hopper_docs_per_program`)."""
     qpb = hopper_block(cfg).queries_per_block
     splits = chunk_splits(Lq, cfg.lq_tile, Nq, Ncols, False)
-    return hopper_tiles(cfg, normalize, Ncols * splits * _cdiv(Nq, qpb), sm_count), qpb, splits
+    blocks = _cdiv(Nq, qpb)
+    tiles = hopper_tiles(cfg, normalize, Ncols * splits * blocks, sm_count)
+    docs = hopper_docs_per_program(tiles, Lq, cfg.lq_tile, Ld, Ncols, blocks, sm_count)
+    return tiles, qpb, splits, docs
 
 
 @functools.lru_cache(maxsize=None)
@@ -516,17 +520,36 @@ def hopper_layouts(
     )
 
 
-def hopper_docs_per_program(Lq: int, lq_tile: int, Ld: int, tiles: tuple) -> int:
-    """Documents a program of the Gluon forward streams one after the other, its ring of tiles
-    running on from one to the next: only for one query chunk and documents of at least as many
-    tiles as the ring has slots; ``HOPPER_DOCS_PER_PROGRAM`` where it applies, else one."""
-    block_n, stages = tiles[0], tiles[1]
-    if HOPPER_DOCS_PER_PROGRAM is None or Lq > lq_tile or _cdiv(Ld, block_n) < stages:
-        return 1
-    return HOPPER_DOCS_PER_PROGRAM
-
-
+# Several documents a program (NOTES.md section 38, record 2026-12-01_d40cf09, GPU ms at one
+# document a program → the count this rule picks): batch_colbert 0.354-0.368 → 0.310-0.315
+# (8), its normalized one 0.658-0.664 → 0.574-0.579 (4), rerank_colpali_norm 0.108-0.109 →
+# 0.097 (4), rerank_colbert 0.0325 → 0.0309 (4), rerank_colpali level (0.0764 → 0.0767, 4).
+# The count doubles while the grid keeps one program an SM and a program streams at most
+# _HOPPER_PASS_TILES tiles: at 3000 documents of 1024, 16 documents a program (188 programs)
+# were 20% slower than one, 4 within 2%; at 1000 documents, 8 (125 programs) 2-10% slower.
+_HOPPER_MAX_DOCS = 16
+_HOPPER_PASS_TILES = 64
+# The tests and probes force a count (where it applies) here.
 HOPPER_DOCS_PER_PROGRAM: int | None = None
+
+
+def hopper_docs_per_program(
+    tiles: tuple, Lq: int, lq_tile: int, Ld: int, Ncols: int, blocks: int, sm_count: int
+) -> int:
+    """How many documents a program of the Gluon forward streams one after the other, its ring
+    of tiles running on from one to the next and its query chunk loaded once: several only for
+    one query chunk and documents of at least as many tiles as the ring has slots."""
+    block_n, stages = tiles[0], tiles[1]
+    tiles_per_doc = _cdiv(Ld, block_n)
+    if Lq > lq_tile or tiles_per_doc < stages:
+        return 1
+    if HOPPER_DOCS_PER_PROGRAM is not None:
+        return HOPPER_DOCS_PER_PROGRAM
+    docs = 1
+    while (docs * 2 <= _HOPPER_MAX_DOCS and docs * 2 * tiles_per_doc <= _HOPPER_PASS_TILES
+           and _cdiv(Ncols, docs * 2) * blocks >= sm_count):
+        docs *= 2
+    return docs
 
 
 def hopper_constexprs(
@@ -604,8 +627,8 @@ def launch_fwd_hopper(cfg, Q: Tensor, D: Tensor, scores: Tensor, normalize: bool
     Ncols, Ld = D.shape[0], D.shape[1]
     if Q.stride(-1) != 1:
         Q = Q.contiguous()
-    tiles, qpb, splits = hopper_call_tiles(cfg, normalize, Nq, Lq, Ncols, _sm_count(Q.device))
-    docs = hopper_docs_per_program(Lq, cfg.lq_tile, Ld, tiles)
+    tiles, qpb, splits, docs = hopper_call_tiles(
+        cfg, normalize, Nq, Lq, Ncols, Ld, _sm_count(Q.device))
     block_n, consts, template, d_layout = _hopper_plan(
         Q.dtype, cfg.lq_tile, qpb, dim, normalize, tiles, documents_beyond_l2(D), docs)
     documents = D.view(Ncols * Ld, dim)
