@@ -1,5 +1,5 @@
 """The Python side of a call, with every Triton launch replaced by a no-op: what the package's own
-layers cost the host per call, apart from the launch itself and the GPU. Runs on a CPU under the
+layers cost the host per call (the best of five timings), apart from the launch itself and the GPU. Runs on a CPU under the
 Triton interpreter (so that CPU tensors take the Triton path), for the source tree given.
 
     TRITON_INTERPRET=1 FUSEDMAXSIM_BACKEND=triton python benchmarks/host_python.py [SRC_DIR]
@@ -53,13 +53,32 @@ def main() -> None:
         x.grad = None
         (x * 2).backward(g)
 
+    import fusedmaxsim.api as api
+
+    def general_forward():  # backward= set: the general path even on a GPU
+        with torch.no_grad():
+            maxsim(Q, D, backward="auto")
+
+    def launcher_forward():
+        with torch.no_grad():
+            _launch.maxsim_fwd(Q, D, None, None, None, None, False, "tf32")
+
     rows = (
         ("no_grad forward, 32 x 32 queries and documents", forward, 5000),
+        ("  the same through the general path (backward='auto')", general_forward, 5000),
+        ("  its launcher alone (_launch.maxsim_fwd)", launcher_forward, 5000),
         ("backward launcher, lowmem (2 launches)",
          lambda: _launch.maxsim_bwd(g, Q, D, argmax, None, None, True, True, "lowmem", False, "tf32"), 5000),
         ("training step (forward + backward)", step, 2000),
         ("torch alone: (x * 2).backward(g)", trivial_graph, 2000),
     )
+    if hasattr(api, "_plain_inference_applies"):  # section 39: what a GPU call's shortcut checks
+        def shortcut_checks():
+            with torch.no_grad():
+                api._plain_inference_applies(Q, D)
+
+        rows += (("the plain-inference shortcut's checks (a GPU call's, CUDA last)",
+                  shortcut_checks, 20000),)
     if _launch._kernels_hopper.AVAILABLE:  # the Gluon forward's launch key (NOTES.md section 33)
         items = tuple(_launch.hopper_constexprs(
             torch.bfloat16, 128, 1, 64, 4, 128, 4, False).items())
@@ -68,7 +87,7 @@ def main() -> None:
                  ("hash of their Constants (the launch key's part)", lambda: hash(consts), 100000))
     print(f"torch {torch.__version__}, source {sys.path[0]}")
     for label, fn, n in rows:
-        print(f"  {per_call_us(fn, n):7.1f} us  {label}", flush=True)
+        print(f"  {min(per_call_us(fn, n) for _ in range(5)):7.1f} us  {label}", flush=True)
 
 
 if __name__ == "__main__":

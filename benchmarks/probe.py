@@ -676,11 +676,19 @@ def graph_times() -> None:
         case = bm.make_case(bm.SHAPES_BY_NAME[name], "inference", "cuda")
         print(f"-- {name}")
         steps = {}
-        for key in ("fusedmaxsim", "fusedmaxsim, Triton forward", "lik", "flash", "naive"):
+        for key in ("fusedmaxsim", "fusedmaxsim, general path", "fusedmaxsim, Triton forward",
+                    "lik", "flash", "naive"):
             provider = bm.PROVIDERS_BY_KEY.get(key.split(",")[0])
             if provider.module and importlib.util.find_spec(provider.module) is None:
                 continue
-            step = bm.make_step(provider.build(case), case)
+            if key.endswith("general path"):  # section 39: maxsim's layers, without the shortcut
+                def general(case=case):
+                    return maxsim(case.Q, case.D, backward="auto",
+                                  normalize=case.shape.normalize)
+
+                step = bm.make_step(general, case)
+            else:
+                step = bm.make_step(provider.build(case), case)
             steps[key] = _without_gluon(step) if key.endswith("Triton forward") else step
         # Issue times in three rounds, each in another provider order, the least of each kept:
         # a provider timed first in a process or a shape ran slower on some hosts (record

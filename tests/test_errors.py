@@ -75,3 +75,25 @@ def test_settings_scopes_restore_the_previous_value():
             assert settings.backend() == "torch"
         assert settings.backend() == "auto"
     assert settings.fp32_precision() == "tf32"
+
+
+def test_settings_follow_setters_and_reload(monkeypatch):
+    """The resolved settings are remembered between calls (a call reads two of them) and
+    forgotten on every change: a setter, a scope's end, a reload of the environment."""
+    assert settings.backend() == "auto"
+    monkeypatch.setenv("FUSEDMAXSIM_BACKEND", "torch")
+    assert settings.backend() == "auto"  # the environment is read at import and on reload
+    settings.reload()
+    try:
+        assert settings.backend() == "torch"
+        settings.set_backend("triton")
+        assert settings.backend() == "triton"
+        with settings.use_backend("auto"):
+            assert settings.backend() == "auto"
+        assert settings.backend() == "triton"
+        settings.set_backend(None)
+        assert settings.backend() == "torch"
+    finally:
+        monkeypatch.delenv("FUSEDMAXSIM_BACKEND")
+        settings.reload()
+    assert settings.backend() == "auto"

@@ -216,6 +216,38 @@ def test_pairs_and_candidates_agree_with_cross_on_gpu():
     torch.testing.assert_close(cand, cross)
 
 
+@pytest.mark.parametrize("normalize", [False, True], ids=["scores", "normalize"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("shape", ["cross-odd", "cross-colbert", "cross-colpali-many-programs"])
+def test_plain_inference_shortcut_is_the_general_path(shape, dtype, normalize):
+    """``maxsim``'s shortcut for a plain inference call (no masks, CUDA tensors, no autograd)
+    gives bit for bit what the general path gives (reached here by ``backward="auto"``); calls
+    it does not take (autograd, the torch backend, strided inputs) give the same scores too."""
+    import fusedmaxsim.api as api
+
+    q_shape, d_shape = SHAPES[shape]
+    Q = torch.randn(q_shape, device="cuda", dtype=dtype)
+    D = torch.randn(d_shape, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        assert api._plain_inference_applies(Q, D)
+        fast = maxsim(Q, D, normalize=normalize)
+        general = maxsim(Q, D, normalize=normalize, backward="auto")
+    assert torch.equal(fast, general)
+    ref = maxsim_ref(Q.double(), D.double(), normalize=normalize)
+    assert_close_to_reference(fast, ref, BOUNDS.get(dtype, (1e-2, 1e-2))[0], "scores")
+    # Autograd: the general path, with a graph.
+    Qg = Q.clone().requires_grad_()
+    assert not api._plain_inference_applies(Qg, D)
+    assert maxsim(Qg, D, normalize=normalize).grad_fn is not None
+    # The torch backend and a transposed D (strided, as the general path takes it).
+    with torch.no_grad(), settings.use_backend("torch"):
+        assert not api._plain_inference_applies(Q, D)
+    Dt = D.transpose(0, 1).contiguous().transpose(0, 1)
+    with torch.no_grad():
+        torch.testing.assert_close(maxsim(Q, Dt, normalize=normalize), general)
+
+
 def _hopper_with_gluon() -> bool:
     from fusedmaxsim import _kernels_hopper
 

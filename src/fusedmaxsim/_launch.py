@@ -631,14 +631,18 @@ def launch_fwd_hopper(cfg, Q: Tensor, D: Tensor, scores: Tensor, normalize: bool
         cfg, normalize, Nq, Lq, Ncols, Ld, _sm_count(Q.device))
     block_n, consts, template, d_layout = _hopper_plan(
         Q.dtype, cfg.lq_tile, qpb, dim, normalize, tiles, documents_beyond_l2(D), docs)
-    documents = D.view(Ncols * Ld, dim)
     if template is None:  # a Triton release whose descriptor is not a plain dataclass
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+        documents = D.view(Ncols * Ld, dim)
         d_desc = TensorDescriptor(documents, [Ncols * Ld, dim], [dim, 1], [block_n, dim], d_layout)
-    else:
-        d_desc = _tensor_descriptor(template, documents, [Ncols * Ld, dim], [dim, 1])
+    else:  # the base is read for its address and dtype only: the contiguous D serves as it is
+        d_desc = _tensor_descriptor(template, D, [Ncols * Ld, dim], [dim, 1])
     kernel = launcher(_kernels_hopper._maxsim_fwd_overlap_kernel)
+    if splits == 1 and Nq <= _MAX_GRID_Y * qpb:  # the common case, without a closure
+        kernel((_cdiv(Ncols, docs), _cdiv(Nq, qpb)),
+               (Q, d_desc, scores, Nq, Ncols, Lq, Ld, 1, 0, Q.stride(0), Q.stride(1)), consts)
+        return
 
     def launch_slice(rows, out, stride_out_split):
         q = _take(Q, rows)

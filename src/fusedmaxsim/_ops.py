@@ -37,6 +37,7 @@ def _launch():
     return _launch_module
 
 
+
 @torch.library.custom_op("fusedmaxsim::maxsim_fwd", mutates_args=())
 def maxsim_fwd(
     Q: Tensor,

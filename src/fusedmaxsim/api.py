@@ -52,9 +52,36 @@ from ._validate import (
     check_backward,
     check_reduction,
     select_backend,
+    triton_available,
 )
 
 __all__ = ["maxsim", "maxsim_pairs"]
+
+
+_FAST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _plain_inference_applies(Q: object, D: object) -> bool:
+    """Whether ``maxsim(Q, D)`` (no masks, the max, the default backward) is an inference cross
+    product of CUDA tensors that :func:`_plain_inference` may launch straight away: these
+    conditions imply that every check of ``canonical`` passes and that ``_run`` would make that
+    same launch. (CUDA last: on a CPU this measures what the checks cost, benchmarks/
+    host_python.py.)"""
+    return (
+        isinstance(Q, Tensor) and isinstance(D, Tensor)
+        and Q.dim() == 3 and D.dim() == 3 and Q.dtype is D.dtype and Q.dtype in _FAST_DTYPES
+        and Q.shape[2] == D.shape[2]
+        and not (torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad))
+        and settings.backend() != "torch" and not torch.compiler.is_compiling()
+        and triton_available() and Q.is_cuda and D.is_cuda and Q.get_device() == D.get_device()
+    )
+
+
+def _plain_inference(Q: Tensor, D: Tensor, normalize: bool) -> Tensor:
+    """The scores of the most common call, straight from the launcher: the layers between cost
+    a small call about as much host time as its kernel takes (benchmarks/NOTES.md section 39)."""
+    return _ops._launch().maxsim_fwd(
+        Q, D, None, None, None, None, False, settings.fp32_precision(), normalize)[0]
 
 
 def _run(p: Problem, normalize: bool, strategy: str, tau: float = 0.0) -> Tensor:
@@ -115,6 +142,9 @@ def maxsim(
         >>> maxsim(Q, D).shape
         torch.Size([4, 10])
     """
+    if (q_mask is None and d_mask is None and backward is None and reduction == "max"
+            and _plain_inference_applies(Q, D)):
+        return _plain_inference(Q, D, normalize)
     p = canonical(Q, D, q_mask, d_mask)
     scores = _run(p, normalize, check_backward(backward), check_reduction(reduction, tau))
     if p.squeeze_d:

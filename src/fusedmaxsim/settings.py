@@ -40,23 +40,30 @@ FP32_PRECISIONS = ("tf32", "ieee")
 
 _overrides: dict[str, object] = {}
 _environment: dict[str, str] = {}
+# The choices as last resolved and checked, cleared on every change (a call reads two of them).
+_resolved: dict[str, str] = {}
 
 
 def reload() -> None:
     """Read the ``FUSEDMAXSIM_*`` environment variables again."""
     _environment.clear()
     _environment.update({k: v for k, v in os.environ.items() if k.startswith("FUSEDMAXSIM_")})
+    _resolved.clear()
 
 
 reload()
 
 
 def _choice(name: str, env: str, default: str, allowed: tuple[str, ...]) -> str:
+    value = _resolved.get(name)
+    if value is not None:
+        return value
     value = _overrides.get(name)
     if value is None:
         value = _environment.get(env, default).strip().lower() or default
     if value not in allowed:
         raise ValueError(f"{env} (or {name}) must be one of {allowed}, got {value!r}")
+    _resolved[name] = value
     return value
 
 
@@ -95,6 +102,7 @@ def autotune() -> bool:
 
 def set_autotune(value: bool | None) -> None:
     """Turn the autotuning on or off; ``None`` returns to ``FUSEDMAXSIM_AUTOTUNE``."""
+    _resolved.clear()
     if value is None:
         _overrides.pop("autotune", None)
     else:
@@ -102,6 +110,7 @@ def set_autotune(value: bool | None) -> None:
 
 
 def _set(name: str, value: object, check) -> None:
+    _resolved.clear()
     if value is None:
         _overrides.pop(name, None)
         return
@@ -110,6 +119,7 @@ def _set(name: str, value: object, check) -> None:
         check()
     except ValueError:
         _overrides.pop(name, None)
+        _resolved.clear()
         raise
 
 
@@ -138,6 +148,7 @@ def _scoped(name: str, setter, value) -> Iterator[None]:
         _overrides.pop(name, None)
         if saved is not None:
             _overrides[name] = saved
+        _resolved.clear()
 
 
 def use_backend(value: str) -> contextlib.AbstractContextManager[None]:
