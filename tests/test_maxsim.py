@@ -252,16 +252,20 @@ def test_auto_strategy_rule():
 
 
 def test_no_argmax_is_saved_without_grad(backend, device, monkeypatch):
-    from fusedmaxsim import _ops
+    """Spied where every forward of the backend passes, the plain-inference shortcut's included
+    (``api._plain_inference``, a CUDA call without autograd: straight to the launcher)."""
+    from fusedmaxsim import _blocked, _ops
 
     seen = []
-    real = _ops.maxsim_fwd_impl
+    module, name = (_ops._launch(), "maxsim_fwd") if backend == "triton" else (
+        _blocked, "maxsim_fwd_blocked")
+    real = getattr(module, name)
 
-    def spy(*args):
+    def spy(*args, **kwargs):
         seen.append(args[6])  # save_argmax
-        return real(*args)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(_ops, "maxsim_fwd_impl", spy)
+    monkeypatch.setattr(module, name, spy)
     Q = leaf(torch.randn(2, 7, 32, device=device))
     D = leaf(torch.randn(3, 13, 32, device=device))
     with torch.no_grad():
