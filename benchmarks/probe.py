@@ -21,6 +21,7 @@ one 128-token query; behind section 38, several documents a program. GPU times b
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import io
@@ -1376,8 +1377,6 @@ def doc_passes() -> None:
     against one document a program, with the dispatched tiles (benchmarks/NOTES.md section 38):
     scores against one document a program's and float64, GPU ms of CUDA-graph replays in three
     interleaved rounds."""
-    _warm_gpu()
-    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     shapes = (
         ("batch_colbert", False, (256, 32, 128), (256, 300, 128)),
         ("batch_colbert, normalize", True, (256, 32, 128), (256, 300, 128)),
@@ -1391,47 +1390,15 @@ def doc_passes() -> None:
         ("train_colpali's shape, scores", False, (128, 128, 128), (128, 1024, 128)),
         ("train_colpali's shape, normalize", True, (128, 128, 128), (128, 1024, 128)),
     )
-    saved = _launch.HOPPER_DOCS_PER_PROGRAM
-    for label, normalize, q_shape, d_shape in shapes:
-        Q, D = _bf16(*q_shape), _bf16(*d_shape)
-        Nq, Lq, dim = q_shape
-        cfg = fwd_config(Lq=Lq, dim=dim, Nq=Nq, per_query_docs=False, elem_bytes=2,
-                         norm_from_tiles=normalize, n_cols=D.shape[0], sm_count=sm_count)
-        tiles = _launch.hopper_call_tiles(cfg, normalize, Nq, Lq, D.shape[0], D.shape[1],
-                                          sm_count)[0]
-        outputs, graphs = {}, {}
-        for docs in (1, 2, 4, 8, 16):
-            _launch.HOPPER_DOCS_PER_PROGRAM = docs
-            try:
-                if _launch.hopper_call_tiles(cfg, normalize, Nq, Lq, D.shape[0], D.shape[1],
-                                             sm_count)[3] != docs:
-                    continue
-                scores = torch.full((Nq, D.shape[0]), float("nan"), device="cuda")
-                _launch.launch_fwd_hopper(cfg, Q, D, scores, normalize)
-                outputs[docs] = scores
-                graphs[docs] = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graphs[docs]):
-                    _launch.launch_fwd_hopper(cfg, Q, D, scores, normalize)
-            except Exception as exc:  # noqa: BLE001
-                print(f"   {docs} documents: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-            finally:
-                _launch.HOPPER_DOCS_PER_PROGRAM = saved
-        ref = maxsim_ref(Q.double(), D[:50].double(), normalize=normalize)
-        row = f"-- {label} ({tiles})"
-        for docs, out in outputs.items():
-            apart = (out - outputs[1]).abs().max().item()
-            row += (f"\n   {docs} documents a program: {relative_error(out[:, :50], ref):.0e} from "
-                    f"float64, {apart:.1e} from one a program"
-                    + ("" if apart == 0 else " NOT BITWISE"))
-        times = {docs: [] for docs in graphs}
-        for _ in range(3):
-            for docs, graph in graphs.items():
-                times[docs].append(bench(graph.replay))
-        for docs, values in times.items():
-            row += f"\n   {docs:2d} documents " + " ".join(f"{v:.4f}" for v in values)
-        print(row, flush=True)
-        del Q, D, graphs
-        torch.cuda.empty_cache()
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def applies(docs, cfg, Q, D, normalize):  # the count the launcher takes, once forced
+        return _launch.hopper_call_tiles(cfg, normalize, *Q.shape[:2], *D.shape[:2],
+                                         sm_count)[3] == docs
+
+    _variant_rounds(shapes, {docs: (lambda docs=docs: _swapped(
+        _launch, "HOPPER_DOCS_PER_PROGRAM", docs)) for docs in (1, 2, 4, 8, 16)},
+        reference=1, applies=applies)
 
 
 def half_blocks() -> None:
@@ -1455,6 +1422,66 @@ def half_blocks() -> None:
     ))
 
 
+def _variant_rounds(shapes, variants: dict, reference: str, applies=None) -> None:
+    """For each ``(label, normalize, q_shape, d_shape)``: the Gluon forward through
+    ``launch_fwd_hopper`` with the dispatched tiles under each of ``variants`` (name → a context
+    manager setting what the variant changes; ``applies(name, cfg, Q, D, normalize)``, when
+    given, skips a variant where it is False), each variant's NaN-poisoned scores against float64 and against
+    ``reference``'s (bit for bit or not), GPU ms of CUDA-graph replays in three interleaved
+    rounds."""
+    _warm_gpu()
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    for label, normalize, q_shape, d_shape in shapes:
+        Q, D = _bf16(*q_shape), _bf16(*d_shape)
+        Nq, Lq, dim = q_shape
+        cfg = fwd_config(Lq=Lq, dim=dim, Nq=Nq, per_query_docs=False, elem_bytes=2,
+                         norm_from_tiles=normalize, n_cols=D.shape[0], sm_count=sm_count)
+        tiles = _launch.hopper_call_tiles(cfg, normalize, Nq, Lq, D.shape[0], D.shape[1],
+                                          sm_count)[0]
+        outputs, graphs = {}, {}
+        for name, variant in variants.items():
+            try:
+                with variant():
+                    if applies is not None and not applies(name, cfg, Q, D, normalize):
+                        continue
+                    scores = torch.full((Nq, D.shape[0]), float("nan"), device="cuda")
+                    _launch.launch_fwd_hopper(cfg, Q, D, scores, normalize)
+                    outputs[name] = scores
+                    graphs[name] = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graphs[name]):
+                        _launch.launch_fwd_hopper(cfg, Q, D, scores, normalize)
+            except Exception as exc:  # noqa: BLE001
+                print(f"   {name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        ref = maxsim_ref(Q.double(), D[:50].double(), normalize=normalize)
+        row = f"-- {label} ({tiles})"
+        for name, out in outputs.items():
+            apart = relative_error(out, outputs[reference])
+            row += (f"\n   {name}: {relative_error(out[:, :50], ref):.0e} from float64, "
+                    f"{apart:.0e} from {reference}"
+                    + (" (bit for bit)" if torch.equal(out, outputs[reference]) else "")
+                    + ("" if apart < 1e-5 else " PARITY FAILED"))
+        times = {name: [] for name in graphs}
+        for _ in range(3):
+            for name, graph in graphs.items():
+                times[name].append(bench(graph.replay))
+        for name, values in times.items():
+            row += f"\n   {str(name):12s} " + " ".join(f"{v:.4f}" for v in values)
+        print(row, flush=True)
+        del Q, D, graphs
+        torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def _swapped(owner, attribute: str, value):
+    """``owner.attribute`` set to ``value`` inside the block."""
+    saved = getattr(owner, attribute)
+    setattr(owner, attribute, value)
+    try:
+        yield
+    finally:
+        setattr(owner, attribute, saved)
+
+
 def norms_handoff() -> None:
     """The Gluon forward of this tree (a tile's inverse norms handed from ``_issue`` to
     ``_complete`` through shared memory, read after the CTA barrier the refill has anyway;
@@ -1468,44 +1495,13 @@ def norms_handoff() -> None:
     before = _kernel_copy("8570ab9")
     if before is None:
         return
-    kernels = {"8570ab9": before._maxsim_fwd_overlap_kernel,
-               "this tree": _launch._kernels_hopper._maxsim_fwd_overlap_kernel}
-    _warm_gpu()
-    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
-    for label, normalize, q_shape, d_shape in _KERNEL_AB_SHAPES:
-        Q, D = _bf16(*q_shape), _bf16(*d_shape)
-        Nq, Lq, dim = q_shape
-        cfg = fwd_config(Lq=Lq, dim=dim, Nq=Nq, per_query_docs=False, elem_bytes=2,
-                         norm_from_tiles=normalize, n_cols=D.shape[0], sm_count=sm_count)
-        tiles = _launch.hopper_call_tiles(cfg, normalize, Nq, Lq, D.shape[0], D.shape[1],
-                                          sm_count)[0]
-        outputs, graphs = {}, {}
-        for name, kernel in kernels.items():
-            saved = _launch._kernels_hopper._maxsim_fwd_overlap_kernel
-            _launch._kernels_hopper._maxsim_fwd_overlap_kernel = kernel
-            try:
-                scores = torch.full((Nq, D.shape[0]), float("nan"), device="cuda")
-                _launch.launch_fwd_hopper(cfg, Q, D, scores, normalize)
-                outputs[name] = scores
-                graphs[name] = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graphs[name]):
-                    _launch.launch_fwd_hopper(cfg, Q, D, scores, normalize)
-            finally:
-                _launch._kernels_hopper._maxsim_fwd_overlap_kernel = saved
-        ref = maxsim_ref(Q.double(), D[:50].double(), normalize=normalize)
-        apart = relative_error(outputs["this tree"], outputs["8570ab9"])
-        row = (f"-- {label} ({tiles}; old/new {apart:.0e} apart, new "
-               f"{relative_error(outputs['this tree'][:, :50], ref):.0e} from float64)")
-        row += "" if apart < 1e-5 else " PARITY FAILED"
-        times = {name: [] for name in kernels}
-        for _ in range(3):
-            for name in kernels:
-                times[name].append(bench(graphs[name].replay))
-        for name, values in times.items():
-            row += f"\n   {name:10s} " + " ".join(f"{v:.4f}" for v in values)
-        print(row, flush=True)
-        del Q, D, graphs
-        torch.cuda.empty_cache()
+    kernel_module = _launch._kernels_hopper
+    _variant_rounds(_KERNEL_AB_SHAPES, {
+        "8570ab9": lambda: _swapped(kernel_module, "_maxsim_fwd_overlap_kernel",
+                                    before._maxsim_fwd_overlap_kernel),
+        "this tree": contextlib.nullcontext,
+    }, reference="8570ab9")
+
 
 if __name__ == "__main__":
     wanted = set(sys.argv[1:]) or {"normalize", "kd", "smooth"}

@@ -286,21 +286,28 @@ def test_hopper_forward_matches_reference_and_triton(monkeypatch, tiles_first, n
     within the dtype's bound, Triton's to fp32 rounding, every score written (NaN-poisoned
     output), a NaN in a document making its column NaN and no other."""
     from fusedmaxsim import _launch
-    from fusedmaxsim._configs import fwd_config
 
     if tiles_first:
         monkeypatch.setattr(_launch, "_l2_bytes", lambda device_index: 0)
 
-    Q = torch.randn(q_shape, device="cuda", dtype=dtype)
-    D = torch.randn(d_shape, device="cuda", dtype=dtype)
+    Q, D, cfg = _hopper_inputs(q_shape, d_shape, normalize, dtype)
     if normalize:
         D[0, 0] = 0.0
+    # The kernel takes d = 64; the dispatch keeps it to the dims where it was measured faster.
+    assert _launch.hopper_forward_applies(cfg, Q, D) == (q_shape[-1] in _launch._HOPPER_DIMS)
+    _check_hopper_forward(cfg, Q, D, normalize)
+
+
+def _hopper_inputs(q_shape, d_shape, normalize: bool, dtype=torch.bfloat16):
+    """Random ``Q`` and ``D`` on the GPU and the forward's default tiles for them."""
+    from fusedmaxsim._configs import fwd_config
+
+    Q = torch.randn(q_shape, device="cuda", dtype=dtype)
+    D = torch.randn(d_shape, device="cuda", dtype=dtype)
     Nq, Lq, dim = q_shape
     cfg = fwd_config(Lq=Lq, dim=dim, Nq=Nq, per_query_docs=False, elem_bytes=2,
                      norm_from_tiles=normalize)
-    # The kernel takes d = 64; the dispatch keeps it to the dims where it was measured faster.
-    assert _launch.hopper_forward_applies(cfg, Q, D) == (dim in _launch._HOPPER_DIMS)
-    _check_hopper_forward(cfg, Q, D, normalize)
+    return Q, D, cfg
 
 
 def _check_hopper_forward(cfg, Q, D, normalize: bool) -> None:
@@ -351,16 +358,10 @@ def test_hopper_forward_under_every_tile_set(monkeypatch, tile_set, shape, norma
     """Each tile set the dispatch can take (document tile, stages, warps, register cap), forced
     onto the shapes its loop treats apart, plain and normalizing."""
     from fusedmaxsim import _launch
-    from fusedmaxsim._configs import fwd_config
 
     tiles = getattr(_launch, tile_set)
     monkeypatch.setattr(_launch, "hopper_tiles", lambda *args: tiles)
-    q_shape, d_shape = _TILE_SHAPES[shape]
-    Q = torch.randn(q_shape, device="cuda", dtype=torch.bfloat16)
-    D = torch.randn(d_shape, device="cuda", dtype=torch.bfloat16)
-    Nq, Lq, dim = q_shape
-    cfg = fwd_config(Lq=Lq, dim=dim, Nq=Nq, per_query_docs=False, elem_bytes=2,
-                     norm_from_tiles=normalize)
+    Q, D, cfg = _hopper_inputs(*_TILE_SHAPES[shape], normalize)
     _check_hopper_forward(cfg, Q, D, normalize)
 
 
@@ -383,17 +384,13 @@ def test_hopper_forward_streams_several_documents_a_program(monkeypatch, normali
     document leaving the others of its program alone, with the dispatched tiles (4 or 8 warps,
     32- or 64-token tiles)."""
     from fusedmaxsim import _launch
-    from fusedmaxsim._configs import fwd_config
 
     if tiles_first:
         monkeypatch.setattr(_launch, "_l2_bytes", lambda device_index: 0)
     monkeypatch.setattr(_launch, "HOPPER_DOCS_PER_PROGRAM", docs)
     q_shape, d_shape = _DOC_PASS_SHAPES[shape]
-    Q = torch.randn(q_shape, device="cuda", dtype=torch.bfloat16)
-    D = torch.randn(d_shape, device="cuda", dtype=torch.bfloat16)
-    Nq, Lq, dim = q_shape
-    cfg = fwd_config(Lq=Lq, dim=dim, Nq=Nq, per_query_docs=False, elem_bytes=2,
-                     norm_from_tiles=normalize)
+    Q, D, cfg = _hopper_inputs(q_shape, d_shape, normalize)
+    Nq, Lq, _ = q_shape
     sm_count = _launch._sm_count(Q.device)
     assert _launch.hopper_call_tiles(cfg, normalize, Nq, Lq, *d_shape[:2], sm_count)[3] == docs
     _check_hopper_forward(cfg, Q, D, normalize)
