@@ -234,7 +234,8 @@ def test_hopper_tiles_follow_the_grid():
 
 def test_hopper_documents_a_program_follow_the_grid():
     """Several documents a program where one query chunk meets documents of at least a ring of
-    tiles: doubled while the grid keeps a program an SM and a program at most 64 tiles."""
+    tiles: doubled while the grid keeps a program an SM and a program at most 64 tiles; one for
+    the plain forward of documents of 16 tiles or more."""
     from fusedmaxsim import _launch
     from fusedmaxsim._configs import FwdConfig
 
@@ -249,11 +250,13 @@ def test_hopper_documents_a_program_follow_the_grid():
     assert docs(packed, False, 256, 32, 256, 300) == 8
     # Its normalized one: 32-token tiles, ten a document → 4.
     assert docs(packed, True, 256, 32, 256, 300) == 4
-    # rerank_colpali(_norm): 16 tiles a document → 4; 1000 / 8 = 125 programs < 132 SMs.
-    assert docs(long_query, False, 1, 128, 1000, 1024) == 4
+    # rerank_colpali_norm: 16 tiles a document → 4; 1000 / 8 = 125 programs < 132 SMs.
     assert docs(long_query, True, 1, 128, 1000, 1024) == 4
-    assert docs(long_query, False, 1, 128, 300, 1024) == 2
-    assert docs(long_query, False, 1, 128, 200, 1024) == 1
+    assert docs(long_query, True, 1, 128, 300, 1024) == 2
+    assert docs(long_query, True, 1, 128, 200, 1024) == 1
+    # The plain forward of documents of 16 tiles or more keeps one (rerank_colpali).
+    assert docs(long_query, False, 1, 128, 1000, 1024) == 1
+    assert docs(long_query, False, 1, 128, 1000, 960) == 4  # 15 tiles: 60 a program
     # rerank_colbert: a padded short query, ten 32-token tiles a document (6 stages) → 4.
     assert docs(short, False, 1, 32, 1000, 300) == 4
     # Several query chunks, or documents shorter than the ring: one.

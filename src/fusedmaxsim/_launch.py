@@ -493,7 +493,8 @@ def hopper_call_tiles(
     splits = chunk_splits(Lq, cfg.lq_tile, Nq, Ncols, False)
     blocks = _cdiv(Nq, qpb)
     tiles = hopper_tiles(cfg, normalize, Ncols * splits * blocks, sm_count)
-    docs = hopper_docs_per_program(tiles, Lq, cfg.lq_tile, Ld, Ncols, blocks, sm_count)
+    docs = hopper_docs_per_program(tiles, Lq, cfg.lq_tile, Ld, Ncols, blocks, sm_count,
+                                   normalize)
     return tiles, qpb, splits, docs
 
 
@@ -523,18 +524,22 @@ def hopper_layouts(
 # Several documents a program (NOTES.md section 38, record 2026-12-01_d40cf09, GPU ms at one
 # document a program → the count this rule picks): batch_colbert 0.354-0.368 → 0.310-0.315
 # (8), its normalized one 0.658-0.664 → 0.574-0.579 (4), rerank_colpali_norm 0.108-0.109 →
-# 0.097 (4), rerank_colbert 0.0325 → 0.0309 (4), rerank_colpali level (0.0764 → 0.0767, 4).
-# The count doubles while the grid keeps one program an SM and a program streams at most
-# _HOPPER_PASS_TILES tiles: at 3000 documents of 1024, 16 documents a program (188 programs)
-# were 20% slower than one, 4 within 2%; at 1000 documents, 8 (125 programs) 2-10% slower.
+# 0.097 (4), rerank_colbert 0.0325 → 0.0309 (4). The count doubles while the grid keeps one
+# program an SM and a program streams at most _HOPPER_PASS_TILES tiles: at 3000 documents of
+# 1024, 16 documents a program (188 programs) were 20% slower than one; at 1000 documents, 8
+# (125 programs) 2-10% slower. The plain forward of documents of _HOPPER_LONG_DOC_TILES tiles
+# or more keeps one: grouped four at a time, rerank_colpali, 3000 documents and train_colpali's
+# shape were 0.5-4% slower (records 2026-12-01_d40cf09 and 6435b09).
 _HOPPER_MAX_DOCS = 16
 _HOPPER_PASS_TILES = 64
+_HOPPER_LONG_DOC_TILES = 16
 # The tests and probes force a count (where it applies) here.
 HOPPER_DOCS_PER_PROGRAM: int | None = None
 
 
 def hopper_docs_per_program(
-    tiles: tuple, Lq: int, lq_tile: int, Ld: int, Ncols: int, blocks: int, sm_count: int
+    tiles: tuple, Lq: int, lq_tile: int, Ld: int, Ncols: int, blocks: int, sm_count: int,
+    normalize: bool,
 ) -> int:
     """How many documents a program of the Gluon forward streams one after the other, its ring
     of tiles running on from one to the next and its query chunk loaded once: several only for
@@ -545,6 +550,8 @@ def hopper_docs_per_program(
         return 1
     if HOPPER_DOCS_PER_PROGRAM is not None:
         return HOPPER_DOCS_PER_PROGRAM
+    if not normalize and tiles_per_doc >= _HOPPER_LONG_DOC_TILES:
+        return 1
     docs = 1
     while (docs * 2 <= _HOPPER_MAX_DOCS and docs * 2 * tiles_per_doc <= _HOPPER_PASS_TILES
            and _cdiv(Ncols, docs * 2) * blocks >= sm_count):
