@@ -122,8 +122,8 @@ if AVAILABLE:
         refill = t + NUM_STAGES
         if ACROSS_DOCS:  # a refill past this document's tiles: the next one's first tiles
             beyond = (refill >= n_tiles).to(gl.int32)
-            _load_tile(d_desc, bars, d_smem, doc_row + refill * BLOCK_N - beyond * (n_tiles * BLOCK_N - Ld),
-                       slot, (refill < n_tiles) | has_next)
+            row = doc_row + refill * BLOCK_N - beyond * (n_tiles * BLOCK_N - Ld)
+            _load_tile(d_desc, bars, d_smem, row, slot, (refill < n_tiles) | has_next)
         else:
             _load_tile(d_desc, bars, d_smem, doc_row + refill * BLOCK_N, slot, refill < n_tiles)
         if NORMALIZE:
@@ -170,8 +170,8 @@ if AVAILABLE:
 
     @gluon.jit
     def _load_query_chunk(Q, q_smem, chunk, lq_r, lq_query, lq_k, Nq, Lq, stride_q_seq,
-                          stride_q_tok, LQ_TILE: gl.constexpr, NORMALIZE: gl.constexpr, rows_of:
-                          gl.constexpr):
+                          stride_q_tok, LQ_TILE: gl.constexpr, NORMALIZE: gl.constexpr,
+                          rows_of: gl.constexpr):
         """The query chunk from row ``chunk`` through registers into ``q_smem`` (rows past the
         query or the batch as zeros); returns its rows' inverse norms with ``NORMALIZE`` (ones
         without)."""

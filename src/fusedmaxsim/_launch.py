@@ -543,7 +543,8 @@ def hopper_docs_per_program(
 ) -> int:
     """How many documents a program of the Gluon forward streams one after the other, its ring
     of tiles running on from one to the next and its query chunk loaded once: several only for
-    one query chunk and documents of at least as many tiles as the ring has slots."""
+    one query chunk and documents of at least as many tiles as the ring has slots, and not for
+    the plain forward of long documents (the measurements above)."""
     block_n, stages = tiles[0], tiles[1]
     tiles_per_doc = _cdiv(Ld, block_n)
     if Lq > lq_tile or tiles_per_doc < stages:

@@ -37,7 +37,6 @@ def _launch():
     return _launch_module
 
 
-
 @torch.library.custom_op("fusedmaxsim::maxsim_fwd", mutates_args=())
 def maxsim_fwd(
     Q: Tensor,

@@ -81,7 +81,7 @@ def _plain_inference(Q: Tensor, D: Tensor, normalize: bool) -> Tensor:
     """The scores of the most common call, straight from the launcher: the layers between cost
     a small call about as much host time as its kernel takes (benchmarks/NOTES.md section 39)."""
     return _ops._launch().maxsim_fwd(
-        Q, D, None, None, None, None, False, settings.fp32_precision(), normalize)[0]
+        Q, D, None, None, None, None, False, settings.fp32_precision(), bool(normalize))[0]
 
 
 def _run(p: Problem, normalize: bool, strategy: str, tau: float = 0.0) -> Tensor:
