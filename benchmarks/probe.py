@@ -8,8 +8,8 @@ for every provider, and the query chunk height; behind sections 22-23: the query
 registers, the small rows' GPU time alone, 256-row query blocks; behind section 25: the
 document-owned grad_D through the winner index; behind sections 30-35: the Gluon forward, its
 argmax and normalize variants, and its tiles; behind section 36, 64-row query chunks for
-one 128-token query; behind section 38, several documents a program. GPU times by ``triton.testing.do_bench``
-(median, ms).
+one 128-token query; behind section 38, several documents a program. GPU times by
+``triton.testing.do_bench`` (median, ms).
 
     PYTHONPATH=src python3 benchmarks/probe.py [normalize] [kd] [smooth] [masked] [rerank] [memory] [cold]
         [small] [stages] [cold_profile] [steps] [host] [fwd_tiles] [launch] [chunks]
@@ -1127,19 +1127,32 @@ def hopper_variants() -> None:
         print(row, flush=True)
 
 
+def _suite_shape(name: str, normalize: bool | None = None, label: str | None = None) -> tuple:
+    """``(label, normalize, q_shape, d_shape)`` of the benchmark suite's shape ``name`` for the
+    Gluon probes (normalized as the suite's shape is, unless ``normalize`` says otherwise;
+    labelled by its name, with ", normalize" where the suite's is not)."""
+    from fusedmaxsim import benchmarking as bm
+
+    shape = bm.SHAPES_BY_NAME[name]
+    normalize = shape.normalize if normalize is None else normalize
+    if label is None:
+        label = name + (", normalize" if normalize and not shape.normalize else "")
+    return label, normalize, shape.q_shape, shape.d_shape
+
+
 # The shapes of the A/Bs of this tree's Gluon forward against an older copy (norms_ahead,
 # norms_handoff): the normalizing variant's, and the plain forward's as a control.
 _KERNEL_AB_SHAPES = (
-    ("rerank_colpali_norm", True, (1, 128, 128), (1000, 1024, 128)),
-    ("rerank_colpali_1030, normalize", True, (1, 1030, 128), (1000, 1030, 128)),
-    ("longquery, normalize", True, (4, 2048, 128), (64, 1024, 128)),
-    ("batch_colbert, normalize", True, (256, 32, 128), (256, 300, 128)),
-    ("rerank_colbert, normalize", True, (1, 32, 128), (1000, 300, 128)),
-    ("longdoc, normalize", True, (16, 32, 128), (32, 8192, 128)),
-    ("rerank_colpali", False, (1, 128, 128), (1000, 1024, 128)),
-    ("batch_colbert", False, (256, 32, 128), (256, 300, 128)),
-    ("rerank_colbert", False, (1, 32, 128), (1000, 300, 128)),
-    ("train_colpali's shape, scores", False, (128, 128, 128), (128, 1024, 128)),
+    _suite_shape("rerank_colpali_norm"),
+    _suite_shape("rerank_colpali_1030", True),
+    _suite_shape("longquery", True),
+    _suite_shape("batch_colbert", True),
+    _suite_shape("rerank_colbert", True),
+    _suite_shape("longdoc", True),
+    _suite_shape("rerank_colpali"),
+    _suite_shape("batch_colbert"),
+    _suite_shape("rerank_colbert"),
+    _suite_shape("train_colpali", False, "train_colpali's shape, scores"),
 )
 
 
@@ -1239,6 +1252,18 @@ def _warm_gpu() -> None:
         warm @ warm
 
 
+def _gluon_case(normalize: bool, q_shape, d_shape, sm_count: int) -> tuple:
+    """Random bf16 ``Q`` and ``D`` of these shapes, the forward's tiles for them as the launcher
+    chooses them, and the Gluon forward's tiles for the call: ``(Q, D, cfg, tiles)``."""
+    Q, D = _bf16(*q_shape), _bf16(*d_shape)
+    Nq, Lq, dim = q_shape
+    cfg = fwd_config(Lq=Lq, dim=dim, Nq=Nq, per_query_docs=False, elem_bytes=2,
+                     norm_from_tiles=normalize, n_cols=D.shape[0], sm_count=sm_count)
+    tiles = _launch.hopper_call_tiles(cfg, normalize, Nq, Lq, D.shape[0], D.shape[1],
+                                      sm_count)[0]
+    return Q, D, cfg, tiles
+
+
 def _gluon_tile_rounds(shapes, variants, with_triton: bool = False) -> None:
     """For each ``(label, normalize, q_shape, d_shape)``: the Gluon forward under the dispatched
     tiles and under each of ``variants`` (every tile set of ``_launch`` replaced; a variant
@@ -1252,15 +1277,11 @@ def _gluon_tile_rounds(shapes, variants, with_triton: bool = False) -> None:
     saved = tuple(getattr(_launch, name) for name in names)
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     for label, normalize, q_shape, d_shape in shapes:
-        Q, D = _bf16(*q_shape), _bf16(*d_shape)
-        Nq, Lq, dim = q_shape
-        cfg = fwd_config(Lq=Lq, dim=dim, Nq=Nq, per_query_docs=False, elem_bytes=2,
-                         norm_from_tiles=normalize, n_cols=D.shape[0], sm_count=sm_count)
+        Q, D, cfg, dispatched = _gluon_case(normalize, q_shape, d_shape, sm_count)
         if not _launch.hopper_forward_applies(cfg, Q, D):
             print(f"-- {label}: the Gluon forward does not apply ({cfg})", flush=True)
             continue
-        dispatched = _launch.hopper_call_tiles(cfg, normalize, Nq, Lq, D.shape[0], D.shape[1],
-                                          sm_count)[0]
+        Nq = q_shape[0]
         scores = torch.empty(Nq, D.shape[0], device="cuda")
 
         def forward(variant):
@@ -1329,18 +1350,18 @@ def three_programs() -> None:
     (benchmarks/NOTES.md section 34), against the dispatched tiles (two 4-warp programs an SM)."""
     _warm_gpu()
     shapes = (
-        ("rerank_colpali_norm", True, (1, 128, 128), (1000, 1024, 128)),
-        ("rerank_colpali", False, (1, 128, 128), (1000, 1024, 128)),
-        ("rerank_colpali_1030", False, (1, 1030, 128), (1000, 1030, 128)),
-        ("rerank_colpali_1030, normalize", True, (1, 1030, 128), (1000, 1030, 128)),
-        ("rerank_colbert", False, (1, 32, 128), (1000, 300, 128)),
-        ("rerank_colbert, normalize", True, (1, 32, 128), (1000, 300, 128)),
-        ("batch_colbert", False, (256, 32, 128), (256, 300, 128)),
-        ("batch_colbert, normalize", True, (256, 32, 128), (256, 300, 128)),
-        ("longquery", False, (4, 2048, 128), (64, 1024, 128)),
-        ("longquery, normalize", True, (4, 2048, 128), (64, 1024, 128)),
-        ("longdoc", False, (16, 32, 128), (32, 8192, 128)),
-        ("train_colpali's shape, scores", False, (128, 128, 128), (128, 1024, 128)),
+        _suite_shape("rerank_colpali_norm"),
+        _suite_shape("rerank_colpali"),
+        _suite_shape("rerank_colpali_1030"),
+        _suite_shape("rerank_colpali_1030", True),
+        _suite_shape("rerank_colbert"),
+        _suite_shape("rerank_colbert", True),
+        _suite_shape("batch_colbert"),
+        _suite_shape("batch_colbert", True),
+        _suite_shape("longquery"),
+        _suite_shape("longquery", True),
+        _suite_shape("longdoc"),
+        _suite_shape("train_colpali", False, "train_colpali's shape, scores"),
     )
     # (Record 2026-12-01_2e55496 also has (32, 5, 4, None), (32, 5, 4, 168), (32, 6, 4, 168) and
     # (32, 3, 4, 128).) Two 8-warp programs an SM: 128 registers at most.
@@ -1354,8 +1375,8 @@ def few_programs() -> None:
     kernel's forward (benchmarks/NOTES.md section 34)."""
     _warm_gpu()
     shapes = (
-        ("longdoc: 16 x 32 against 32 x 8192", False, (16, 32, 128), (32, 8192, 128)),
-        ("longdoc, normalize", True, (16, 32, 128), (32, 8192, 128)),
+        _suite_shape("longdoc", False, "longdoc: 16 x 32 against 32 x 8192"),
+        _suite_shape("longdoc", True),
         ("16 x 32 against 64 x 8192", False, (16, 32, 128), (64, 8192, 128)),
         ("4 x 32 against 64 x 4096", False, (4, 32, 128), (64, 4096, 128)),
         ("8 x 128 against 16 x 8192", False, (8, 128, 128), (16, 8192, 128)),
@@ -1365,8 +1386,8 @@ def few_programs() -> None:
         ("1 x 128 against 300 x 1024", False, (1, 128, 128), (300, 1024, 128)),
         ("1 x 32 against 100 x 300", False, (1, 32, 128), (100, 300, 128)),
         ("1 x 32 against 100 x 300, normalize", True, (1, 32, 128), (100, 300, 128)),
-        ("batch_colbert, normalize", True, (256, 32, 128), (256, 300, 128)),
-        ("rerank_colbert, normalize", True, (1, 32, 128), (1000, 300, 128)),
+        _suite_shape("batch_colbert", True),
+        _suite_shape("rerank_colbert", True),
     )
     _gluon_tile_rounds(shapes, ((64, 4, 8, None), (64, 3, 8, None), (64, 6, 8, None),
                                 (32, 6, 8, None), (32, 4, 4, 168)), with_triton=True)
@@ -1378,17 +1399,17 @@ def doc_passes() -> None:
     scores against one document a program's and float64, GPU ms of CUDA-graph replays in three
     interleaved rounds."""
     shapes = (
-        ("batch_colbert", False, (256, 32, 128), (256, 300, 128)),
-        ("batch_colbert, normalize", True, (256, 32, 128), (256, 300, 128)),
-        ("rerank_colpali", False, (1, 128, 128), (1000, 1024, 128)),
-        ("rerank_colpali_norm", True, (1, 128, 128), (1000, 1024, 128)),
-        ("rerank_colbert", False, (1, 32, 128), (1000, 300, 128)),
-        ("rerank_colbert, normalize", True, (1, 32, 128), (1000, 300, 128)),
+        _suite_shape("batch_colbert"),
+        _suite_shape("batch_colbert", True),
+        _suite_shape("rerank_colpali"),
+        _suite_shape("rerank_colpali_norm"),
+        _suite_shape("rerank_colbert"),
+        _suite_shape("rerank_colbert", True),
         ("1 x 128 against 3000 x 1024", False, (1, 128, 128), (3000, 1024, 128)),
         ("1 x 128 against 300 x 1024", False, (1, 128, 128), (300, 1024, 128)),
         ("64 x 32 against 1000 x 300", False, (64, 32, 128), (1000, 300, 128)),
-        ("train_colpali's shape, scores", False, (128, 128, 128), (128, 1024, 128)),
-        ("train_colpali's shape, normalize", True, (128, 128, 128), (128, 1024, 128)),
+        _suite_shape("train_colpali", False, "train_colpali's shape, scores"),
+        _suite_shape("train_colpali", True, "train_colpali's shape, normalize"),
     )
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
 
@@ -1426,18 +1447,14 @@ def _variant_rounds(shapes, variants: dict, reference: str, applies=None) -> Non
     """For each ``(label, normalize, q_shape, d_shape)``: the Gluon forward through
     ``launch_fwd_hopper`` with the dispatched tiles under each of ``variants`` (name → a context
     manager setting what the variant changes; ``applies(name, cfg, Q, D, normalize)``, when
-    given, skips a variant where it is False), each variant's NaN-poisoned scores against float64 and against
-    ``reference``'s (bit for bit or not), GPU ms of CUDA-graph replays in three interleaved
-    rounds."""
+    given, skips a variant where it is False), each variant's NaN-poisoned scores against
+    float64 and against ``reference``'s (bit for bit or not), GPU ms of CUDA-graph replays in
+    three interleaved rounds."""
     _warm_gpu()
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     for label, normalize, q_shape, d_shape in shapes:
-        Q, D = _bf16(*q_shape), _bf16(*d_shape)
-        Nq, Lq, dim = q_shape
-        cfg = fwd_config(Lq=Lq, dim=dim, Nq=Nq, per_query_docs=False, elem_bytes=2,
-                         norm_from_tiles=normalize, n_cols=D.shape[0], sm_count=sm_count)
-        tiles = _launch.hopper_call_tiles(cfg, normalize, Nq, Lq, D.shape[0], D.shape[1],
-                                          sm_count)[0]
+        Q, D, cfg, tiles = _gluon_case(normalize, q_shape, d_shape, sm_count)
+        Nq = q_shape[0]
         outputs, graphs = {}, {}
         for name, variant in variants.items():
             try:

@@ -389,10 +389,9 @@ def _launch_fwd(
 # and 64-token tiles, 3 to 6 stages and 4 or 8 warps measured; and the least work (multiply-adds)
 # for which each is taken. It saves 11-17% of the GPU time of the plain forward (CUDA-graph
 # replays, records 2026-12-01_24087c6 and 4e3362d: rerank_colbert's 2^30 multiply-adds 0.036 →
-# 0.032 ms,
-# rerank_colpali's 2^34 0.086 → 0.077) and 7-23% of the normalizing one. A call through it
-# costs the host what a call through the Triton kernel does (67.2 against 68.7 µs at
-# rerank_colbert's shape, record 4e3362d).
+# 0.032 ms, rerank_colpali's 2^34 0.086 → 0.077) and 7-23% of the normalizing one. A call
+# through it costs the host what a call through the Triton kernel does (67.2 against 68.7 µs
+# at rerank_colbert's shape, record 4e3362d).
 _HOPPER_TILES = (64, 4, 4, None)
 # Several short queries packed into a block: 3 stages (batch_colbert 0.355 against 0.373 ms at
 # 4, in two runs).
@@ -647,10 +646,6 @@ def launch_fwd_hopper(cfg, Q: Tensor, D: Tensor, scores: Tensor, normalize: bool
     else:  # the base is read for its address and dtype only: the contiguous D serves as it is
         d_desc = _tensor_descriptor(template, D, [Ncols * Ld, dim], [dim, 1])
     kernel = launcher(_kernels_hopper._maxsim_fwd_overlap_kernel)
-    if splits == 1 and Nq <= _MAX_GRID_Y * qpb:  # the common case, without a closure
-        kernel((_cdiv(Ncols, docs), _cdiv(Nq, qpb)),
-               (Q, d_desc, scores, Nq, Ncols, Lq, Ld, 1, 0, Q.stride(0), Q.stride(1)), consts)
-        return
 
     def launch_slice(rows, out, stride_out_split):
         q = _take(Q, rows)
