@@ -8,15 +8,16 @@ for every provider, and the query chunk height; behind sections 22-23: the query
 registers, the small rows' GPU time alone, 256-row query blocks; behind section 25: the
 document-owned grad_D through the winner index; behind sections 30-35: the Gluon forward, its
 argmax and normalize variants, and its tiles; behind section 36, 64-row query chunks for
-one 128-token query; behind section 38, several documents a program. GPU times by
-``triton.testing.do_bench`` (median, ms).
+one 128-token query; behind section 38, several documents a program; behind section 41, the
+documents a program of grids a few waves long, and what the suite's L2 flush costs the call
+timed after it. GPU times by ``triton.testing.do_bench`` (median, ms).
 
     PYTHONPATH=src python3 benchmarks/probe.py [normalize] [kd] [smooth] [masked] [rerank] [memory] [cold]
         [small] [stages] [cold_profile] [steps] [host] [fwd_tiles] [launch] [chunks]
         [query_registers] [graph_times] [wide_rows] [winner_index] [chunk_splits] [occupancy]
         [hopper_forward] [hopper_host] [hopper_variants] [short_query] [norms_ahead]
         [three_programs] [few_programs] [norms_handoff] [half_blocks]
-        [doc_passes]
+        [doc_passes] [doc_waves] [flush_writeback]
 """
 
 from __future__ import annotations
@@ -1411,6 +1412,12 @@ def doc_passes() -> None:
         _suite_shape("train_colpali", False, "train_colpali's shape, scores"),
         _suite_shape("train_colpali", True, "train_colpali's shape, normalize"),
     )
+    _doc_count_rounds(shapes, (1, 2, 4, 8, 16))
+
+
+def _doc_count_rounds(shapes, counts) -> None:
+    """``_variant_rounds`` over forced counts of documents a program, one document a program the
+    reference; each count where the launcher can take it."""
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
 
     def applies(docs, cfg, Q, D, normalize):  # the count the launcher takes, once forced
@@ -1418,8 +1425,93 @@ def doc_passes() -> None:
                                          sm_count)[3] == docs
 
     _variant_rounds(shapes, {docs: (lambda docs=docs: _swapped(
-        _launch, "HOPPER_DOCS_PER_PROGRAM", docs)) for docs in (1, 2, 4, 8, 16)},
+        _launch, "HOPPER_DOCS_PER_PROGRAM", docs)) for docs in counts},
         reference=1, applies=applies)
+
+
+def doc_waves() -> None:
+    """Documents a program where the grid is a few waves of programs (benchmarks/NOTES.md
+    section 41): reranks of 150-800 documents of 1024 tokens (one 128-token query; the plain
+    forward keeps one document a program at 1000) and of 300-3000 documents of 300 tokens (one
+    32-token query, plain and normalizing), each count against one document a program, then
+    the registers and shared memory of every variant compiled (what sets programs an SM)."""
+    shapes = [(f"1 x 128 against {n} x 1024", False, (1, 128, 128), (n, 1024, 128))
+              for n in (150, 200, 264, 300, 400, 530, 800)]
+    shapes += [(f"1 x 128 against {n} x 1024, normalize", True, (1, 128, 128), (n, 1024, 128))
+               for n in (300, 530)]
+    shapes += [(f"1 x 32 against {n} x 300{tag}", normalize, (1, 32, 128), (n, 300, 128))
+               for normalize, tag in ((False, ""), (True, ", normalize"))
+               for n in (300, 1000, 3000)]
+    _doc_count_rounds(shapes, (1, 2, 4, 8))
+    kernel = _launch.launcher(_launch._kernels_hopper._maxsim_fwd_overlap_kernel)
+    for (_, consts, _), compiled in kernel.compiled.items():
+        wanted = ("QUERIES_PER_BLOCK", "BLOCK_N", "NUM_STAGES", "NORMALIZE", "DOCS_PER_PROGRAM",
+                  "num_warps", "maxnreg")
+        print("   " + " ".join(f"{name}={consts.kwargs.get(name)}" for name in wanted)
+              + f": {compiled.n_regs} registers, {compiled.metadata.shared} B shared", flush=True)
+
+
+def flush_writeback() -> None:
+    """What the suite's L2 flush costs the call timed after it (benchmarks/NOTES.md section 41):
+    do_bench zeroes a 256 MB buffer before each call, which leaves the L2 cache full of dirty
+    lines that the next call's reads must write back to DRAM first. Each provider's call,
+    captured in a CUDA graph, timed after that flush ("dirty") and after the same flush
+    followed by a read of another 256 MiB ("clean": the write-backs done before the clock
+    starts, the L2 left holding clean lines of neither input), with CUDA events around the
+    replay as do_bench does; beside them a read of D's bytes alone (``torch.amax``) and a
+    one-element add (the launch's and the events' own cost). Medians of 300 calls, µs, in three
+    rounds."""
+    from fusedmaxsim import benchmarking as bm
+
+    cache = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    other = torch.empty(64 << 20, dtype=torch.float32, device="cuda").fill_(1.0)
+
+    def median_us(replay, clean: bool, n: int = 300) -> float:
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        for i in range(n):
+            cache.zero_()
+            if clean:
+                other.amax()
+            starts[i].record()
+            replay()
+            ends[i].record()
+        torch.cuda.synchronize()
+        times = sorted(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
+        return times[n // 2]
+
+    _warm_gpu()
+    for name in ("rerank_colbert", "small_batch", "rerank_colpali", "longdoc",
+                 "rerank_colpali_norm"):
+        case = bm.make_case(bm.SHAPES_BY_NAME[name], "inference", "cuda")
+        tiny = torch.zeros(1, device="cuda")
+        steps = {"one-element add": tiny.add_, "torch.amax(D)": case.D.amax}
+        for key in ("fusedmaxsim", "lik", "flash"):
+            provider = bm.PROVIDERS_BY_KEY[key]
+            if provider.module and importlib.util.find_spec(provider.module) is None:
+                continue
+            steps[key] = bm.make_step(provider.build(case), case)
+        graphs = {}
+        for key, step in steps.items():
+            args = (1,) if step is tiny.add_ else ()
+            try:
+                step(*args)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    step(*args)
+                graphs[key] = graph
+            except Exception as exc:  # noqa: BLE001
+                print(f"   {key}: not capturable ({type(exc).__name__})", flush=True)
+        mib = case.D.numel() * case.D.element_size() / 2**20
+        print(f"-- {name} (D {mib:.0f} MiB)", flush=True)
+        for key, graph in graphs.items():
+            dirty = [median_us(graph.replay, False) for _ in range(3)]
+            clean = [median_us(graph.replay, True) for _ in range(3)]
+            print(f"   {key:14s} dirty " + " ".join(f"{v:6.1f}" for v in dirty)
+                  + "   clean " + " ".join(f"{v:6.1f}" for v in clean), flush=True)
+        del case, graphs
+        torch.cuda.empty_cache()
 
 
 def half_blocks() -> None:
@@ -1535,7 +1627,8 @@ if __name__ == "__main__":
                         ("short_query", short_query), ("norms_ahead", norms_ahead),
                         ("three_programs", three_programs), ("few_programs", few_programs),
                         ("norms_handoff", norms_handoff), ("half_blocks", half_blocks),
-                        ("doc_passes", doc_passes)):
+                        ("doc_passes", doc_passes), ("doc_waves", doc_waves),
+                        ("flush_writeback", flush_writeback)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()
