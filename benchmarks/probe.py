@@ -1417,8 +1417,14 @@ def doc_passes() -> None:
 
 def _doc_count_rounds(shapes, counts) -> None:
     """``_variant_rounds`` over forced counts of documents a program, one document a program the
-    reference; each count where the launcher can take it."""
+    reference; each count where the launcher can take it; first, the count the rule picks for
+    each shape."""
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    for label, normalize, (Nq, Lq, dim), (Ncols, Ld, _) in shapes:
+        cfg = fwd_config(Lq=Lq, dim=dim, Nq=Nq, per_query_docs=False, elem_bytes=2,
+                         norm_from_tiles=normalize, n_cols=Ncols, sm_count=sm_count)
+        picked = _launch.hopper_call_tiles(cfg, normalize, Nq, Lq, Ncols, Ld, sm_count)[3]
+        print(f"   the rule's count for {label}: {picked}", flush=True)
 
     def applies(docs, cfg, Q, D, normalize):  # the count the launcher takes, once forced
         return _launch.hopper_call_tiles(cfg, normalize, *Q.shape[:2], *D.shape[:2],
@@ -1431,17 +1437,19 @@ def _doc_count_rounds(shapes, counts) -> None:
 
 def doc_waves() -> None:
     """Documents a program where the grid is a few waves of programs (benchmarks/NOTES.md
-    section 41): reranks of 150-800 documents of 1024 tokens (one 128-token query; the plain
-    forward keeps one document a program at 1000) and of 300-3000 documents of 300 tokens (one
-    32-token query, plain and normalizing), each count against one document a program, then
-    the registers and shared memory of every variant compiled (what sets programs an SM)."""
+    section 41): reranks of 150-3000 documents of 1024 tokens (one 128-token query, plain and
+    normalizing) and of 300-3000 documents of 300 tokens (one 32-token query, plain and
+    normalizing), each count against one document a program, with the count the rule picks;
+    then the registers and shared memory of every variant compiled (what sets programs an SM).
+    The first record (9bdebaf) ran the shapes before the rule; the later ones add shapes the
+    rule was not fitted to."""
     shapes = [(f"1 x 128 against {n} x 1024", False, (1, 128, 128), (n, 1024, 128))
-              for n in (150, 200, 264, 300, 400, 530, 800)]
+              for n in (150, 200, 264, 300, 350, 400, 530, 600, 700, 800, 1500)]
     shapes += [(f"1 x 128 against {n} x 1024, normalize", True, (1, 128, 128), (n, 1024, 128))
-               for n in (300, 530)]
+               for n in (300, 400, 530, 700, 2000)]
     shapes += [(f"1 x 32 against {n} x 300{tag}", normalize, (1, 32, 128), (n, 300, 128))
                for normalize, tag in ((False, ""), (True, ", normalize"))
-               for n in (300, 1000, 3000)]
+               for n in (300, 500, 1000, 2000, 3000)]
     _doc_count_rounds(shapes, (1, 2, 4, 8))
     kernel = _launch.launcher(_launch._kernels_hopper._maxsim_fwd_overlap_kernel)
     for (_, consts, _), compiled in kernel.compiled.items():
@@ -1485,7 +1493,7 @@ def flush_writeback() -> None:
                  "rerank_colpali_norm"):
         case = bm.make_case(bm.SHAPES_BY_NAME[name], "inference", "cuda")
         tiny = torch.zeros(1, device="cuda")
-        steps = {"one-element add": tiny.add_, "torch.amax(D)": case.D.amax}
+        steps = {"one-element add": lambda tiny=tiny: tiny.add_(1), "torch.amax(D)": case.D.amax}
         for key in ("fusedmaxsim", "lik", "flash"):
             provider = bm.PROVIDERS_BY_KEY[key]
             if provider.module and importlib.util.find_spec(provider.module) is None:
@@ -1493,13 +1501,12 @@ def flush_writeback() -> None:
             steps[key] = bm.make_step(provider.build(case), case)
         graphs = {}
         for key, step in steps.items():
-            args = (1,) if step is tiny.add_ else ()
             try:
-                step(*args)
+                step()
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
-                    step(*args)
+                    step()
                 graphs[key] = graph
             except Exception as exc:  # noqa: BLE001
                 print(f"   {key}: not capturable ({type(exc).__name__})", flush=True)

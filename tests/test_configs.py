@@ -234,8 +234,9 @@ def test_hopper_tiles_follow_the_grid():
 
 def test_hopper_documents_a_program_follow_the_grid():
     """Several documents a program where one query chunk meets documents of at least a ring of
-    tiles: doubled while the grid keeps a program an SM and a program at most 64 tiles; one for
-    the plain forward of documents of 16 tiles or more."""
+    tiles, at most 64 tiles a program and a program an SM: the most for short documents; for
+    long ones, one unless a grid of few waves ends in a thin one; for the normalizing forward,
+    the fewest waves counted in documents plus a start."""
     from fusedmaxsim import _launch
     from fusedmaxsim._configs import FwdConfig
 
@@ -248,17 +249,27 @@ def test_hopper_documents_a_program_follow_the_grid():
 
     # batch_colbert: 64 blocks × 256 documents of five 64-token tiles: 12 tiles of 64 → 8.
     assert docs(packed, False, 256, 32, 256, 300) == 8
-    # Its normalized one: 32-token tiles, ten a document → 4.
-    assert docs(packed, True, 256, 32, 256, 300) == 4
-    # rerank_colpali_norm: 16 tiles a document → 4; 1000 / 8 = 125 programs < 132 SMs.
-    assert docs(long_query, True, 1, 128, 1000, 1024) == 4
-    assert docs(long_query, True, 1, 128, 300, 1024) == 2
-    assert docs(long_query, True, 1, 128, 200, 1024) == 1
-    # The plain forward of documents of 16 tiles or more keeps one (rerank_colpali).
-    assert docs(long_query, False, 1, 128, 1000, 1024) == 1
-    assert docs(long_query, False, 1, 128, 1000, 960) == 4  # 15 tiles: 60 a program
     # rerank_colbert: a padded short query, ten 32-token tiles a document (6 stages) → 4.
     assert docs(short, False, 1, 32, 1000, 300) == 4
+    assert docs(long_query, False, 1, 128, 1000, 960) == 4  # 15 tiles: 60 a program
+    # Plain, 16 tiles a document, two programs an SM (264 slots): one, where the last wave is
+    # over a quarter full (rerank_colpali: 1000 / 264 = 3.79 waves), the grid is over four waves
+    # (3000 documents; train_colpali's shape) or fills its one wave (264); else the count of the
+    # fullest last wave: 300 → 150 programs (0.57 of a wave), 530 → 133 (0.50; 265 programs at
+    # two would leave one alone in a second wave), 800 → 200 (0.76).
+    for Ncols, expected in ((1000, 1), (3000, 1), (264, 1), (150, 1), (300, 2), (530, 4),
+                            (800, 4)):
+        assert docs(long_query, False, 1, 128, Ncols, 1024) == expected, Ncols
+    assert docs(long_query, False, 128, 128, 128, 1024) == 1
+    # Normalizing: waves of (documents + 0.3) document-times. rerank_colpali_norm: 4 waves of
+    # 1.3 at one, 2 of 2.3 at two, 1 of 4.3 at four (8: 125 programs < 132 SMs).
+    for Ncols, expected in ((1000, 4), (300, 2), (530, 1), (200, 1)):
+        assert docs(long_query, True, 1, 128, Ncols, 1024) == expected, Ncols
+    # Normalized short queries (32-token tiles, four programs an SM): 300 → 1, 1000 → 2, 3000 → 2
+    # (six waves of 1.3, three of 2.3, two of 4.3); batch_colbert normalized: 4.
+    for Ncols, expected in ((300, 1), (1000, 2), (3000, 2)):
+        assert docs(short, True, 1, 32, Ncols, 300) == expected, Ncols
+    assert docs(packed, True, 256, 32, 256, 300) == 4
     # Several query chunks, or documents shorter than the ring: one.
     assert docs(long_query, False, 4, 2048, 64, 1024) == 1
     assert docs(packed, False, 256, 32, 256, 100) == 1

@@ -520,20 +520,43 @@ def hopper_layouts(
     )
 
 
-# Several documents a program (NOTES.md section 38, record 2026-12-01_d40cf09, GPU ms at one
-# document a program → the count this rule picks): batch_colbert 0.354-0.368 → 0.310-0.315
-# (8), its normalized one 0.658-0.664 → 0.574-0.579 (4), rerank_colpali_norm 0.108-0.109 →
-# 0.097 (4), rerank_colbert 0.0325 → 0.0309 (4). The count doubles while the grid keeps one
-# program an SM and a program streams at most _HOPPER_PASS_TILES tiles: at 3000 documents of
-# 1024, 16 documents a program (188 programs) were 20% slower than one; at 1000 documents, 8
-# (125 programs) 2-10% slower. The plain forward of documents of _HOPPER_LONG_DOC_TILES tiles
-# or more keeps one: grouped four at a time, rerank_colpali, 3000 documents and train_colpali's
-# shape were 0.5-4% slower (records 2026-12-01_d40cf09 and 6435b09).
+# Several documents a program (NOTES.md sections 38 and 41, records 2026-12-01_d40cf09 and
+# 9bdebaf, GPU ms at one document a program → the count this rule picks): batch_colbert
+# 0.354-0.368 → 0.310-0.315 (8), its normalized one 0.658-0.664 → 0.574-0.579 (4),
+# rerank_colpali_norm 0.108-0.109 → 0.097 (4), rerank_colbert 0.0325 → 0.0309 (4). A program
+# streams at most _HOPPER_PASS_TILES tiles and the grid keeps at least one program an SM (at
+# 3000 documents of 1024, 16 documents a program, 188 programs, were 20% slower than one). Within
+# that, the count depends on what bounds the forward:
+# - The plain forward of short documents: the most documents a program.
+# - The plain forward of documents of _HOPPER_LONG_DOC_TILES tiles or more streams at the
+#   memory's rate with one document a program (grouped four at a time, rerank_colpali, 3000
+#   documents and train_colpali's shape were 0.5-4% slower), except where a grid of at most
+#   _HOPPER_FEW_WAVES waves of programs ends in a last wave at most _HOPPER_THIN_WAVE full, whose
+#   programs then run almost alone: it takes the count whose last wave is the fullest (one
+#   128-token query against 300, 530 or 800 documents of 1024: 0.038 → 0.0355 ms at 2, 0.0513
+#   → 0.0491 at 4, 0.0666 → 0.0657 at 4).
+# - The normalizing forward's programs are bound by their own work: waves of programs take
+#   turns, each as long as its documents plus a start (_HOPPER_PROGRAM_START documents' worth),
+#   and the count with the fewest such document-times wins (1 query of 32 tokens against 300,
+#   1000, 3000 documents of 300: 1, 2, 2 documents a program, 0.0187, 0.0331, 0.0802 ms, where
+#   doubling while the grid kept a program an SM took 2, 4, 4: 0.0213, 0.0353, 0.0910).
 _HOPPER_MAX_DOCS = 16
 _HOPPER_PASS_TILES = 64
 _HOPPER_LONG_DOC_TILES = 16
+_HOPPER_FEW_WAVES = 4
+_HOPPER_THIN_WAVE = 0.25
+_HOPPER_PROGRAM_START = 0.3
+# Programs an SM, of the tile sets that the rule counts in waves (triton 3.6, record 9bdebaf):
+# the 64-token tiles of a 128-row block take 252-255 registers and 98-100 KB of shared memory
+# (two an SM); the normalized short queries' 32-token tiles 108-122 registers and 50 KB (four).
+_HOPPER_PROGRAMS_PER_SM = {_HOPPER_TILES: 2, _HOPPER_NORM_TILES: 2, _HOPPER_SHORT_NORM_TILES: 4}
 # The tests and probes force a count (where it applies) here.
 HOPPER_DOCS_PER_PROGRAM: int | None = None
+
+
+def _last_wave_fill(programs: int, slots: int) -> float:
+    """How full the last of the waves of ``programs`` on ``slots`` is, in (0, 1]."""
+    return programs / slots - _cdiv(programs, slots) + 1
 
 
 def hopper_docs_per_program(
@@ -542,21 +565,33 @@ def hopper_docs_per_program(
 ) -> int:
     """How many documents a program of the Gluon forward streams one after the other, its ring
     of tiles running on from one to the next and its query chunk loaded once: several only for
-    one query chunk and documents of at least as many tiles as the ring has slots, and not for
-    the plain forward of long documents (the measurements above)."""
+    one query chunk and documents of at least as many tiles as the ring has slots; how many
+    depends on what bounds the forward (the measurements above)."""
     block_n, stages = tiles[0], tiles[1]
     tiles_per_doc = _cdiv(Ld, block_n)
     if Lq > lq_tile or tiles_per_doc < stages:
         return 1
     if HOPPER_DOCS_PER_PROGRAM is not None:
         return HOPPER_DOCS_PER_PROGRAM
-    if not normalize and tiles_per_doc >= _HOPPER_LONG_DOC_TILES:
+    counts = [1]
+    while (counts[-1] * 2 <= _HOPPER_MAX_DOCS
+           and counts[-1] * 2 * tiles_per_doc <= _HOPPER_PASS_TILES
+           and _cdiv(Ncols, counts[-1] * 2) * blocks >= sm_count):
+        counts.append(counts[-1] * 2)
+    slots = _HOPPER_PROGRAMS_PER_SM.get(tiles, 2) * sm_count
+
+    def programs(docs: int) -> int:
+        return _cdiv(Ncols, docs) * blocks
+
+    if normalize:
+        return min(counts, key=lambda docs: (
+            _cdiv(programs(docs), slots) * (docs + _HOPPER_PROGRAM_START), docs))
+    if tiles_per_doc < _HOPPER_LONG_DOC_TILES:
+        return counts[-1]
+    if (programs(1) > _HOPPER_FEW_WAVES * slots
+            or _last_wave_fill(programs(1), slots) > _HOPPER_THIN_WAVE):
         return 1
-    docs = 1
-    while (docs * 2 <= _HOPPER_MAX_DOCS and docs * 2 * tiles_per_doc <= _HOPPER_PASS_TILES
-           and _cdiv(Ncols, docs * 2) * blocks >= sm_count):
-        docs *= 2
-    return docs
+    return max(counts, key=lambda docs: (_last_wave_fill(programs(docs), slots), -docs))
 
 
 def hopper_constexprs(
