@@ -1444,7 +1444,8 @@ def doc_waves() -> None:
     The first record (9bdebaf) ran the shapes before the rule; the later ones add shapes the
     rule was not fitted to."""
     shapes = [(f"1 x 128 against {n} x 1024", False, (1, 128, 128), (n, 1024, 128))
-              for n in (150, 200, 264, 300, 350, 400, 530, 600, 700, 800, 1500)]
+              for n in (150, 200, 264, 300, 350, 400, 450, 500, 530, 560, 600, 650,
+                        700, 800, 1500)]
     shapes += [(f"1 x 128 against {n} x 1024, normalize", True, (1, 128, 128), (n, 1024, 128))
                for n in (300, 400, 530, 700, 2000)]
     shapes += [(f"1 x 32 against {n} x 300{tag}", normalize, (1, 32, 128), (n, 300, 128))

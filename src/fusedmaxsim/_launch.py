@@ -530,11 +530,11 @@ def hopper_layouts(
 # - The plain forward of short documents: the most documents a program.
 # - The plain forward of documents of _HOPPER_LONG_DOC_TILES tiles or more streams at the
 #   memory's rate with one document a program (grouped four at a time, rerank_colpali, 3000
-#   documents and train_colpali's shape were 0.5-4% slower), except where a grid of at most
-#   _HOPPER_FEW_WAVES waves of programs ends in a last wave at most _HOPPER_THIN_WAVE full, whose
-#   programs then run almost alone: it takes the count whose last wave is the fullest (one
-#   128-token query against 300, 530 or 800 documents of 1024: 0.038 → 0.0355 ms at 2, 0.0513
-#   → 0.0491 at 4, 0.0666 → 0.0657 at 4).
+#   documents and train_colpali's shape were 0.5-4% slower), except on a grid of two waves of
+#   programs or less, or of at most _HOPPER_FEW_WAVES waves whose last is at most
+#   _HOPPER_THIN_WAVE full: there it takes the count of fewest waves (one 128-token query against
+#   300, 350, 400, 530 or 800 documents of 1024: 0.0385 → 0.0351 ms at 2, 0.0392 → 0.0375 at 2,
+#   0.0412 → 0.0400 at 2, 0.0509 → 0.0483 at 4, 0.0661 → 0.0649 at 4; record f6e9916).
 # - The normalizing forward's programs are bound by their own work: waves of programs take
 #   turns, each as long as its documents plus a start (_HOPPER_PROGRAM_START documents' worth),
 #   and the count with the fewest such document-times wins (1 query of 32 tokens against 300,
@@ -588,10 +588,11 @@ def hopper_docs_per_program(
             _cdiv(programs(docs), slots) * (docs + _HOPPER_PROGRAM_START), docs))
     if tiles_per_doc < _HOPPER_LONG_DOC_TILES:
         return counts[-1]
-    if (programs(1) > _HOPPER_FEW_WAVES * slots
-            or _last_wave_fill(programs(1), slots) > _HOPPER_THIN_WAVE):
+    waves = _cdiv(programs(1), slots)
+    if waves > _HOPPER_FEW_WAVES or (
+            waves > 2 and _last_wave_fill(programs(1), slots) > _HOPPER_THIN_WAVE):
         return 1
-    return max(counts, key=lambda docs: (_last_wave_fill(programs(docs), slots), -docs))
+    return min(counts, key=lambda docs: (_cdiv(programs(docs), slots), docs))
 
 
 def hopper_constexprs(
