@@ -234,7 +234,7 @@ def test_hopper_tiles_follow_the_grid():
 
 def test_hopper_documents_a_program_follow_the_grid():
     """Several documents a program where one query chunk meets documents of at least a ring of
-    tiles, at most 64 tiles a program and a program an SM: the most for short documents; for
+    tiles, at most 128 tiles a program and a program an SM: the most for short documents; for
     long ones, one unless the grid is two waves or less or ends in a thin one; for the
     normalizing forward, the fewest waves counted in documents plus a start."""
     from fusedmaxsim import _launch
@@ -247,8 +247,10 @@ def test_hopper_documents_a_program_follow_the_grid():
     def docs(cfg, normalize, Nq, Lq, Ncols, Ld):
         return _launch.hopper_call_tiles(cfg, normalize, Nq, Lq, Ncols, Ld, 132)[3]
 
-    # batch_colbert: 64 blocks × 256 documents of five 64-token tiles: 12 tiles of 64 → 8.
-    assert docs(packed, False, 256, 32, 256, 300) == 8
+    # batch_colbert: 64 blocks × 256 documents of five 64-token tiles: 16 (80 tiles a program).
+    assert docs(packed, False, 256, 32, 256, 300) == 16
+    # A short query against 2000 documents of ten 32-token tiles: 8 (250 programs); 1000: 4.
+    assert docs(short, False, 1, 32, 2000, 300) == 8
     # rerank_colbert: a padded short query, ten 32-token tiles a document (6 stages) → 4.
     assert docs(short, False, 1, 32, 1000, 300) == 4
     assert docs(long_query, False, 1, 128, 1000, 960) == 4  # 15 tiles: 60 a program
@@ -266,10 +268,11 @@ def test_hopper_documents_a_program_follow_the_grid():
     for Ncols, expected in ((1000, 4), (300, 2), (530, 1), (200, 1)):
         assert docs(long_query, True, 1, 128, Ncols, 1024) == expected, Ncols
     # Normalized short queries (32-token tiles, four programs an SM): 300 → 1, 1000 → 2, 3000 → 2
-    # (six waves of 1.3, three of 2.3, two of 4.3); batch_colbert normalized: 4.
+    # (six waves of 1.3, three of 2.3, two of 4.3, one of 8.3 at 375 programs: 2);
+    # batch_colbert normalized: 8 (eight waves of 8.3 against sixteen of 4.3).
     for Ncols, expected in ((300, 1), (1000, 2), (3000, 2)):
         assert docs(short, True, 1, 32, Ncols, 300) == expected, Ncols
-    assert docs(packed, True, 256, 32, 256, 300) == 4
+    assert docs(packed, True, 256, 32, 256, 300) == 8
     # Several query chunks, or documents shorter than the ring: one.
     assert docs(long_query, False, 4, 2048, 64, 1024) == 1
     assert docs(packed, False, 256, 32, 256, 100) == 1

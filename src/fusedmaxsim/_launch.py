@@ -525,9 +525,11 @@ def hopper_layouts(
 # 0.354-0.368 → 0.310-0.315 (8), its normalized one 0.658-0.664 → 0.574-0.579 (4),
 # rerank_colpali_norm 0.108-0.109 → 0.097 (4), rerank_colbert 0.0325 → 0.0309 (4). A program
 # streams at most _HOPPER_PASS_TILES tiles and the grid keeps at least one program an SM (at
-# 3000 documents of 1024, 16 documents a program, 188 programs, were 20% slower than one). Within
-# that, the count depends on what bounds the forward:
-# - The plain forward of short documents: the most documents a program.
+# 3000 documents of 1024, 16 documents a program, 188 programs, were 20% slower than one; the
+# rules below keep one there). Within that, the count depends on what bounds the forward:
+# - The plain forward of short documents: the most documents a program (64 × 32 query tokens
+#   against 1000 documents of 300: 0.367-0.372 ms at 4, 0.343-0.349 at 16, 80 tiles a program;
+#   a 32-token query against 2000 documents of 300: 0.0557 at 4, 0.0495 at 8, also 80 tiles).
 # - The plain forward of documents of _HOPPER_LONG_DOC_TILES tiles or more streams at the
 #   memory's rate with one document a program (grouped four at a time, rerank_colpali, 3000
 #   documents and train_colpali's shape were 0.5-4% slower), except on a grid of two waves of
@@ -541,7 +543,7 @@ def hopper_layouts(
 #   1000, 3000 documents of 300: 1, 2, 2 documents a program, 0.0187, 0.0331, 0.0802 ms, where
 #   doubling while the grid kept a program an SM took 2, 4, 4: 0.0213, 0.0353, 0.0910).
 _HOPPER_MAX_DOCS = 16
-_HOPPER_PASS_TILES = 64
+_HOPPER_PASS_TILES = 128
 _HOPPER_LONG_DOC_TILES = 16
 _HOPPER_FEW_WAVES = 4
 _HOPPER_THIN_WAVE = 0.25
