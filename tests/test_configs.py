@@ -235,8 +235,8 @@ def test_hopper_tiles_follow_the_grid():
 def test_hopper_documents_a_program_follow_the_grid():
     """Several documents a program where one query chunk meets documents of at least a ring of
     tiles, at most 128 tiles a program and a program an SM: the most for short documents; for
-    long ones, one unless the grid is two waves or less or ends in a thin one; for the
-    normalizing forward, the fewest waves counted in documents plus a start."""
+    long ones, one unless that grid makes two waves, then one wave; for the normalizing
+    forward, the fewest waves counted in documents plus a start."""
     from fusedmaxsim import _launch
     from fusedmaxsim._configs import FwdConfig
 
@@ -254,13 +254,12 @@ def test_hopper_documents_a_program_follow_the_grid():
     # rerank_colbert: a padded short query, ten 32-token tiles a document (6 stages) → 4.
     assert docs(short, False, 1, 32, 1000, 300) == 4
     assert docs(long_query, False, 1, 128, 1000, 960) == 4  # 15 tiles: 60 a program
-    # Plain, 16 tiles a document, two programs an SM (264 slots): one on grids of more than four
-    # waves (3000 documents; train_colpali's shape) or of three or four whose last is over a
-    # quarter full (rerank_colpali: 1000 / 264 = 3.79 waves; 600: 2.27); else the count of
-    # fewest waves: 264 → one wave already, 300 and 400 → 150 and 200 programs at two, 530 and
-    # 800 (last waves 0.01 and 0.03 full) → 133 and 200 at four.
-    for Ncols, expected in ((1000, 1), (3000, 1), (600, 1), (264, 1), (150, 1), (300, 2),
-                            (400, 2), (530, 4), (800, 4)):
+    # Plain, 16 tiles a document, two programs an SM (264 slots): one, but where one a program
+    # makes two waves (265-528 documents), the count that makes one: 300, 400 and 500 → 150, 200
+    # and 250 programs at two. rerank_colpali (1000 / 264 = 3.79 waves), 530, 3000 documents and
+    # train_colpali's shape: one; 264 is one wave already.
+    for Ncols, expected in ((1000, 1), (3000, 1), (530, 1), (800, 1), (264, 1), (150, 1),
+                            (300, 2), (400, 2), (500, 2)):
         assert docs(long_query, False, 1, 128, Ncols, 1024) == expected, Ncols
     assert docs(long_query, False, 128, 128, 128, 1024) == 1
     # Normalizing: waves of (documents + 0.3) document-times. rerank_colpali_norm: 4 waves of

@@ -521,9 +521,9 @@ def hopper_layouts(
 
 
 # Several documents a program (NOTES.md sections 38 and 41, records 2026-12-01_d40cf09 and
-# 9bdebaf, GPU ms at one document a program → the count this rule picks): batch_colbert
-# 0.354-0.368 → 0.310-0.315 (8), its normalized one 0.658-0.664 → 0.574-0.579 (4),
-# rerank_colpali_norm 0.108-0.109 → 0.097 (4), rerank_colbert 0.0325 → 0.0309 (4). A program
+# 15f6248, GPU ms at one document a program → the count this rule picks): batch_colbert
+# 0.354-0.368 → 0.308 (16), its normalized one 0.658-0.664 → 0.572 (8), rerank_colpali_norm
+# 0.108-0.109 → 0.096-0.097 (4), rerank_colbert 0.0325 → 0.0308 (4). A program
 # streams at most _HOPPER_PASS_TILES tiles and the grid keeps at least one program an SM (at
 # 3000 documents of 1024, 16 documents a program, 188 programs, were 20% slower than one; the
 # rules below keep one there). Within that, the count depends on what bounds the forward:
@@ -532,11 +532,12 @@ def hopper_layouts(
 #   a 32-token query against 2000 documents of 300: 0.0557 at 4, 0.0495 at 8, also 80 tiles).
 # - The plain forward of documents of _HOPPER_LONG_DOC_TILES tiles or more streams at the
 #   memory's rate with one document a program (grouped four at a time, rerank_colpali, 3000
-#   documents and train_colpali's shape were 0.5-4% slower), except on a grid of two waves of
-#   programs or less, or of at most _HOPPER_FEW_WAVES waves whose last is at most
-#   _HOPPER_THIN_WAVE full: there it takes the count of fewest waves (one 128-token query against
-#   300, 350, 400, 530 or 800 documents of 1024: 0.0385 → 0.0351 ms at 2, 0.0392 → 0.0375 at 2,
-#   0.0412 → 0.0400 at 2, 0.0509 → 0.0483 at 4, 0.0661 → 0.0649 at 4; record f6e9916).
+#   documents and train_colpali's shape were 0.5-4% slower), except on a grid of more than one
+#   wave of programs and at most two, which it brings into one (one 128-token query against 300,
+#   350 or 400 documents of 1024: 0.0384 → 0.0353 ms, 0.0392 → 0.0376, 0.0410 → 0.0401 at two;
+#   450 and 500: 0.2% faster; records f6e9916 and 15f6248). On longer grids a thin last wave
+#   cost more than grouping saved as often as not (530 documents: 0.0508 → 0.0486 at four; 560:
+#   0.0550 → 0.0570).
 # - The normalizing forward's programs are bound by their own work: waves of programs take
 #   turns, each as long as its documents plus a start (_HOPPER_PROGRAM_START documents' worth),
 #   and the count with the fewest such document-times wins (1 query of 32 tokens against 300,
@@ -545,8 +546,6 @@ def hopper_layouts(
 _HOPPER_MAX_DOCS = 16
 _HOPPER_PASS_TILES = 128
 _HOPPER_LONG_DOC_TILES = 16
-_HOPPER_FEW_WAVES = 4
-_HOPPER_THIN_WAVE = 0.25
 _HOPPER_PROGRAM_START = 0.3
 # Programs an SM, of the tile sets that the rule counts in waves (triton 3.6, record 9bdebaf):
 # the 64-token tiles of a 128-row block take 252-255 registers and 98-100 KB of shared memory
@@ -554,11 +553,6 @@ _HOPPER_PROGRAM_START = 0.3
 _HOPPER_PROGRAMS_PER_SM = {_HOPPER_TILES: 2, _HOPPER_NORM_TILES: 2, _HOPPER_SHORT_NORM_TILES: 4}
 # The tests and probes force a count (where it applies) here.
 HOPPER_DOCS_PER_PROGRAM: int | None = None
-
-
-def _last_wave_fill(programs: int, slots: int) -> float:
-    """How full the last of the waves of ``programs`` on ``slots`` is, in (0, 1]."""
-    return programs / slots - _cdiv(programs, slots) + 1
 
 
 def hopper_docs_per_program(
@@ -590,9 +584,7 @@ def hopper_docs_per_program(
             _cdiv(programs(docs), slots) * (docs + _HOPPER_PROGRAM_START), docs))
     if tiles_per_doc < _HOPPER_LONG_DOC_TILES:
         return counts[-1]
-    waves = _cdiv(programs(1), slots)
-    if waves > _HOPPER_FEW_WAVES or (
-            waves > 2 and _last_wave_fill(programs(1), slots) > _HOPPER_THIN_WAVE):
+    if _cdiv(programs(1), slots) != 2:
         return 1
     return min(counts, key=lambda docs: (_cdiv(programs(docs), slots), docs))
 
