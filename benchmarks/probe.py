@@ -704,17 +704,22 @@ def graph_times() -> None:
             eager = do_bench(step, warmup=25, rep=100)
             issue = min(issues[key])
             try:
-                step()
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    step()
-                replay = f"{do_bench(graph.replay, warmup=25, rep=100):.4f} ms"
+                replay = f"{do_bench(_captured(step).replay, warmup=25, rep=100):.4f} ms"
             except Exception as exc:  # noqa: BLE001
                 replay = f"not capturable ({type(exc).__name__})"
             rounds = " / ".join(f"{v:.1f}" for v in issues[key])
             print(f"  {key:28s} eager {eager:.4f} ms  graph replay {replay}  issue {issue:6.1f} us"
                   f" ({rounds})", flush=True)
+
+
+def _captured(step) -> torch.cuda.CUDAGraph:
+    """``step`` run once (compiling what it needs), then captured in a CUDA graph."""
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
 
 
 def _without_gluon(fn):
@@ -1503,12 +1508,7 @@ def flush_writeback() -> None:
         graphs = {}
         for key, step in steps.items():
             try:
-                step()
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    step()
-                graphs[key] = graph
+                graphs[key] = _captured(step)
             except Exception as exc:  # noqa: BLE001
                 print(f"   {key}: not capturable ({type(exc).__name__})", flush=True)
         mib = case.D.numel() * case.D.element_size() / 2**20
