@@ -266,9 +266,10 @@ def test_hopper_documents_a_program_follow_the_grid():
     # 1.3 at one, 2 of 2.3 at two, 1 of 4.3 at four (8: 125 programs < 132 SMs).
     for Ncols, expected in ((1000, 4), (300, 2), (530, 1), (200, 1)):
         assert docs(long_query, True, 1, 128, Ncols, 1024) == expected, Ncols
-    # Normalized short queries (32-token tiles, four programs an SM): 300 → 1, 1000 → 2, 3000 → 2
-    # (six waves of 1.3, three of 2.3, two of 4.3, one of 8.3 at 375 programs: 2);
-    # batch_colbert normalized: 8 (eight waves of 8.3 against sixteen of 4.3).
+    # Normalized short queries (32-token tiles, four programs an SM): 300 → 1, 1000 → 2,
+    # 3000 → 2 (six waves of 1.3, three of 2.3, two of 4.3, one of 8.3 at 375 programs: 2);
+    # batch_colbert normalized (64 blocks × 256 documents): 8, four waves of 8.3 against eight
+    # of 4.3.
     for Ncols, expected in ((300, 1), (1000, 2), (3000, 2)):
         assert docs(short, True, 1, 32, Ncols, 300) == expected, Ncols
     assert docs(packed, True, 256, 32, 256, 300) == 8

@@ -523,10 +523,10 @@ def hopper_layouts(
 # Several documents a program (NOTES.md sections 38 and 41, records 2026-12-01_d40cf09 and
 # 15f6248, GPU ms at one document a program → the count this rule picks): batch_colbert
 # 0.354-0.368 → 0.308 (16), its normalized one 0.658-0.664 → 0.572 (8), rerank_colpali_norm
-# 0.108-0.109 → 0.096-0.097 (4), rerank_colbert 0.0325 → 0.0308 (4). A program
-# streams at most _HOPPER_PASS_TILES tiles and the grid keeps at least one program an SM (at
-# 3000 documents of 1024, 16 documents a program, 188 programs, were 20% slower than one; the
-# rules below keep one there). Within that, the count depends on what bounds the forward:
+# 0.108-0.109 → 0.096-0.097 (4), rerank_colbert 0.0325 → 0.0308 (4). A program streams at most
+# _HOPPER_PASS_TILES tiles and the grid keeps at least one program an SM (at 3000 documents of
+# 1024, 16 documents a program, 188 programs, were 20% slower than one; the rules below keep
+# one there). Within that, the count depends on what bounds the forward:
 # - The plain forward of short documents: the most documents a program (64 × 32 query tokens
 #   against 1000 documents of 300: 0.367-0.372 ms at 4, 0.343-0.349 at 16, 80 tiles a program;
 #   a 32-token query against 2000 documents of 300: 0.0557 at 4, 0.0495 at 8, also 80 tiles).
@@ -584,7 +584,7 @@ def hopper_docs_per_program(
             _cdiv(programs(docs), slots) * (docs + _HOPPER_PROGRAM_START), docs))
     if tiles_per_doc < _HOPPER_LONG_DOC_TILES:
         return counts[-1]
-    if _cdiv(programs(1), slots) != 2:
+    if _cdiv(programs(1), slots) != 2:  # grouping pays only to bring two waves into one
         return 1
     return min(counts, key=lambda docs: (_cdiv(programs(docs), slots), docs))
 
