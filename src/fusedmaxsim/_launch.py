@@ -528,7 +528,7 @@ def hopper_layouts(
 # 1024, 16 documents a program, 188 programs, were 20% slower than one; the rules below keep
 # one there). Within that, the count depends on what bounds the forward:
 # - The plain forward of short documents: the most documents a program (64 × 32 query tokens
-#   against 1000 documents of 300: 0.367-0.372 ms at 4, 0.343-0.349 at 16, 80 tiles a program;
+#   against 1000 documents of 300: 0.364-0.371 ms at 8, 0.343-0.349 at 16, 80 tiles a program;
 #   a 32-token query against 2000 documents of 300: 0.0557 at 4, 0.0495 at 8, also 80 tiles).
 # - The plain forward of documents of _HOPPER_LONG_DOC_TILES tiles or more streams at the
 #   memory's rate with one document a program (grouped four at a time, rerank_colpali, 3000
