@@ -569,24 +569,25 @@ def hopper_docs_per_program(
         return 1
     if HOPPER_DOCS_PER_PROGRAM is not None:
         return HOPPER_DOCS_PER_PROGRAM
-    counts = [1]
-    while (counts[-1] * 2 <= _HOPPER_MAX_DOCS
-           and counts[-1] * 2 * tiles_per_doc <= _HOPPER_PASS_TILES
-           and _cdiv(Ncols, counts[-1] * 2) * blocks >= sm_count):
-        counts.append(counts[-1] * 2)
+    # The candidates double from one while a program streams at most _HOPPER_PASS_TILES tiles
+    # and the grid keeps a program an SM; the loop runs on every launch, so it stays plain.
+    most = 1
+    while (most * 2 <= _HOPPER_MAX_DOCS and most * 2 * tiles_per_doc <= _HOPPER_PASS_TILES
+           and _cdiv(Ncols, most * 2) * blocks >= sm_count):
+        most *= 2
+    if not normalize and tiles_per_doc < _HOPPER_LONG_DOC_TILES:
+        return most
     slots = _HOPPER_PROGRAMS_PER_SM.get(tiles, 2) * sm_count
-
-    def programs(docs: int) -> int:
-        return _cdiv(Ncols, docs) * blocks
-
-    if normalize:
-        return min(counts, key=lambda docs: (
-            _cdiv(programs(docs), slots) * (docs + _HOPPER_PROGRAM_START), docs))
-    if tiles_per_doc < _HOPPER_LONG_DOC_TILES:
-        return counts[-1]
-    if _cdiv(programs(1), slots) != 2:  # grouping pays only to bring two waves into one
-        return 1
-    return min(counts, key=lambda docs: (_cdiv(programs(docs), slots), docs))
+    if not normalize and _cdiv(Ncols * blocks, slots) != 2:
+        return 1  # grouping long documents pays only to bring two waves into one
+    best, best_cost, docs = 1, None, 1
+    while docs <= most:
+        waves = _cdiv(_cdiv(Ncols, docs) * blocks, slots)
+        cost = waves * (docs + _HOPPER_PROGRAM_START) if normalize else waves
+        if best_cost is None or cost < best_cost:
+            best, best_cost = docs, cost
+        docs *= 2
+    return best
 
 
 def hopper_constexprs(
