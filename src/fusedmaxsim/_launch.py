@@ -547,10 +547,17 @@ _HOPPER_MAX_DOCS = 16
 _HOPPER_PASS_TILES = 128
 _HOPPER_LONG_DOC_TILES = 16
 _HOPPER_PROGRAM_START = 0.3
-# Programs an SM, of the tile sets that the rule counts in waves (triton 3.6, record 9bdebaf):
-# the 64-token tiles of a 128-row block take 252-255 registers and 98-100 KB of shared memory
-# (two an SM); the normalized short queries' 32-token tiles 108-122 registers and 50 KB (four).
-_HOPPER_PROGRAMS_PER_SM = {_HOPPER_TILES: 2, _HOPPER_NORM_TILES: 2, _HOPPER_SHORT_NORM_TILES: 4}
+# Programs an SM of the tile sets whose grids the rule counts in waves, from their registers and
+# shared memory under triton 3.6-3.9 (record 9bdebaf; compile_hopper.py offline): the 128-row
+# block's 64-token tiles, plain or normalizing, 246-255 registers and 98-100 KB (two); a padded
+# short query's 32-token tiles 76-103 registers and 66 KB (three); the normalized short queries'
+# 32-token tiles 96-122 registers and 50 KB with one padded query (four). With four queries a
+# block those take 168 registers (the cap) and 67 KB, three an SM, but are counted as four:
+# batch_colbert normalized (41 waves at one document a program) then takes 8 documents a
+# program, 0.5% faster than the 4 that three would pick (record 15f6248). Others: two.
+_HOPPER_PROGRAMS_PER_SM = {
+    _HOPPER_TILES: 2, _HOPPER_NORM_TILES: 2, _HOPPER_SHORT_TILES: 3, _HOPPER_SHORT_NORM_TILES: 4,
+}
 # The tests and probes force a count (where it applies) here.
 HOPPER_DOCS_PER_PROGRAM: int | None = None
 
