@@ -262,6 +262,10 @@ def test_hopper_documents_a_program_follow_the_grid():
                             (300, 2), (400, 2), (500, 2)):
         assert docs(long_query, False, 1, 128, Ncols, 1024) == expected, Ncols
     assert docs(long_query, False, 128, 128, 128, 1024) == 1
+    # A padded short query's 32-token tiles run three programs an SM (396 slots): 300 documents of
+    # 1024 are one wave (one); 400 and 530 two (two a program); 800 three (one).
+    for Ncols, expected in ((300, 1), (400, 2), (530, 2), (800, 1)):
+        assert docs(short, False, 1, 32, Ncols, 1024) == expected, Ncols
     # Normalizing: waves of (documents + 0.3) document-times. rerank_colpali_norm: 4 waves of
     # 1.3 at one, 2 of 2.3 at two, 1 of 4.3 at four (8: 125 programs < 132 SMs).
     for Ncols, expected in ((1000, 4), (300, 2), (530, 1), (200, 1)):
