@@ -617,7 +617,7 @@ def launch_paths() -> None:
         print(f"-- {name}")
         for key in ("fusedmaxsim", "fusedmaxsim-triton-launch", "lik", "flash", "naive"):
             provider = bm.PROVIDERS_BY_KEY.get(key.split("-")[0])
-            if provider.module and importlib.util.find_spec(provider.module) is None:
+            if bm.provider_unavailable(provider, torch.device("cuda")):
                 continue
             build = ours_with_triton_launch(provider.build) if key.endswith("launch") else provider.build
             step = bm.make_step(build(case), case)
@@ -681,7 +681,7 @@ def graph_times() -> None:
         for key in ("fusedmaxsim", "fusedmaxsim, general path", "fusedmaxsim, Triton forward",
                     "lik", "flash", "naive"):
             provider = bm.PROVIDERS_BY_KEY.get(key.split(",")[0])
-            if provider.module and importlib.util.find_spec(provider.module) is None:
+            if bm.provider_unavailable(provider, torch.device("cuda")):
                 continue
             if key.endswith("general path"):  # section 39: maxsim's layers, without the shortcut
                 def general(case=case):
@@ -1502,7 +1502,7 @@ def flush_writeback() -> None:
         steps = {"one-element add": lambda tiny=tiny: tiny.add_(1), "torch.amax(D)": case.D.amax}
         for key in ("fusedmaxsim", "lik", "flash"):
             provider = bm.PROVIDERS_BY_KEY[key]
-            if provider.module and importlib.util.find_spec(provider.module) is None:
+            if bm.provider_unavailable(provider, torch.device("cuda")):
                 continue
             steps[key] = bm.make_step(provider.build(case), case)
         graphs = {}

@@ -366,8 +366,8 @@ def test_hopper_forward_under_every_tile_set(monkeypatch, tile_set, shape, norma
 
 
 _DOC_PASS_SHAPES = {
-    "packed": ((37, 32, 128), (53, 300, 128)),
-    "one-short-query": ((1, 32, 128), (50, 300, 128)),
+    "packed": _TILE_SHAPES["packed"],
+    "one-short-query": _TILE_SHAPES["one-short-query"],
     "one-long-query": ((1, 128, 128), (23, 1024, 128)),
 }
 
