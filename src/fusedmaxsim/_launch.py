@@ -548,7 +548,7 @@ _HOPPER_PASS_TILES = 128
 _HOPPER_LONG_DOC_TILES = 16
 _HOPPER_PROGRAM_START = 0.3
 # Programs an SM of the tile sets whose grids the rule counts in waves, from their registers and
-# shared memory under triton 3.6-3.9 (record 9bdebaf; compile_hopper.py offline): the 128-row
+# shared memory under triton 3.6-3.9 (record 9bdebaf; offline record aa6d350): the 128-row
 # block's 64-token tiles, plain or normalizing, 246-255 registers and 98-100 KB (two); a padded
 # short query's 32-token tiles 76-103 registers and 66 KB (three); the normalized short queries'
 # 32-token tiles 96-122 registers and 50 KB with one padded query (four). With four queries a
