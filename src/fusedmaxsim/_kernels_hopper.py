@@ -137,7 +137,8 @@ if AVAILABLE:
         the value with its code bits cleared (NaN kept), the token from the winning column and
         the tile its code names (kept inside the document, which only a NaN row can leave)."""
         BLOCK_N: gl.constexpr = run_max.shape[1]
-        cols = gl.zeros(run_max.shape, gl.int32, run_max.type.layout) + gl.expand_dims(o_c, 0)
+        layout: gl.constexpr = run_max.type.layout
+        cols = gl.zeros(run_max.shape, gl.int32, layout) + gl.expand_dims(o_c, 0)
         best, col = gl.reduce((run_max, cols), 1, _argmax_combine)
         bits = best.to(gl.int32, bitcast=True)
         value = gl.where(best != best, best,
