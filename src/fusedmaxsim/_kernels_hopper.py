@@ -120,8 +120,8 @@ if AVAILABLE:
         gl.static_assert(TILE_CODES == 16)
         return gl.inline_asm_elementwise(
             "{ .reg .b32 top; .reg .pred take, keep; or.b32 top, $1, 15; "
-            "setp.gtu.f32 take, $2, top; setp.num.f32 keep, $1, $1; and.pred take, take, keep; "
-            "mov.b32 $0, $1; @take lop3.b32 $0, $2, -16, $3, 0xf8; }",
+            "setp.num.f32 keep, $1, $1; setp.gtu.and.f32 take, $2, top, keep; "
+            "mov.b32 $0, $1; @take lop3.b32 $0, $2, -16, $3, 0xea; }",
             "=r,r,r,r", [run_max, acc, code], dtype=gl.float32, is_pure=True, pack=1)
 
     @gluon.jit
