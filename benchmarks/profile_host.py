@@ -1,5 +1,6 @@
 """Where the host time of a small MaxSim call goes, on a GPU: wall time per call of each layer
-(N calls back to back, one synchronize), then a cProfile of the training step.
+(N calls back to back, one synchronize), then a cProfile of the inference call and of the
+training step.
 
     PYTHONPATH=src python3 benchmarks/profile_host.py
 
@@ -73,6 +74,17 @@ def main() -> None:
     rows["autograd floor: (x*2).sum().backward()"] = wall_us(lambda: (x * 2).sum().backward())
     for name, us in rows.items():
         print(f"{name:42s} {us:8.1f} us/call")
+
+    with torch.no_grad():
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(2000):
+            fm.maxsim(Q, D)
+        torch.cuda.synchronize()
+        prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(16)
+    print("\n== cProfile, 2000 inference calls (no_grad)\n" + out.getvalue())
 
     for strategy in ("unified", "lowmem"):
         prof = cProfile.Profile()
