@@ -1458,9 +1458,9 @@ def doc_waves() -> None:
                for n in (300, 500, 1000, 2000, 3000)]
     _doc_count_rounds(shapes, (1, 2, 4, 8))
     kernel = _launch.launcher(_launch._kernels_hopper._maxsim_fwd_overlap_kernel)
+    wanted = ("QUERIES_PER_BLOCK", "BLOCK_N", "NUM_STAGES", "NORMALIZE", "DOCS_PER_PROGRAM",
+              "num_warps", "maxnreg")
     for (_, consts, _), compiled in kernel.compiled.items():
-        wanted = ("QUERIES_PER_BLOCK", "BLOCK_N", "NUM_STAGES", "NORMALIZE", "DOCS_PER_PROGRAM",
-                  "num_warps", "maxnreg")
         print("   " + " ".join(f"{name}={consts.kwargs.get(name)}" for name in wanted)
               + f": {compiled.n_regs} registers, {compiled.metadata.shared} B shared", flush=True)
 

@@ -40,6 +40,19 @@ def wall_us(fn, n: int = 400, *, issue_only: bool = False) -> float:
     return (end - start) / n * 1e6
 
 
+def print_profile(label: str, call, n: int, lines: int) -> None:
+    """A cProfile of ``n`` calls and one synchronize, the ``lines`` largest by own time."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        call()
+    torch.cuda.synchronize()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(lines)
+    print(f"\n== cProfile, {label}\n" + out.getvalue())
+
+
 def main() -> None:
     dev = "cuda"
     Q = torch.randn(32, 32, 128, device=dev, dtype=torch.bfloat16)
@@ -76,26 +89,10 @@ def main() -> None:
         print(f"{name:42s} {us:8.1f} us/call")
 
     with torch.no_grad():
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(2000):
-            fm.maxsim(Q, D)
-        torch.cuda.synchronize()
-        prof.disable()
-    out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(16)
-    print("\n== cProfile, 2000 inference calls (no_grad)\n" + out.getvalue())
-
+        print_profile("2000 inference calls (no_grad)", lambda: fm.maxsim(Q, D), 2000, 16)
     for strategy in ("unified", "lowmem"):
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(300):
-            fm.maxsim(Qg, Dg, backward=strategy).backward(g)
-        torch.cuda.synchronize()
-        prof.disable()
-        out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(22)
-        print(f"\n== cProfile, 300 training steps, {strategy}\n" + out.getvalue())
+        print_profile(f"300 training steps, {strategy}",
+                      lambda: fm.maxsim(Qg, Dg, backward=strategy).backward(g), 300, 22)
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
         for _ in range(50):

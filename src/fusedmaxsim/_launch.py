@@ -554,10 +554,10 @@ _HOPPER_PROGRAM_START = 0.3
 # 32-token tiles 96-122 registers and 50 KB with one padded query (four). With four queries a
 # block those take 168 registers (the cap) and 67 KB, three an SM, but are counted as four:
 # batch_colbert normalized (41 waves at one document a program) then takes 8 documents a
-# program, 0.5% faster than the 4 that three would pick (record 15f6248). Others: two.
-_HOPPER_PROGRAMS_PER_SM = {
-    _HOPPER_TILES: 2, _HOPPER_NORM_TILES: 2, _HOPPER_SHORT_TILES: 3, _HOPPER_SHORT_NORM_TILES: 4,
-}
+# program, 0.5% faster than the 4 that three would pick (record 15f6248). Others, the 128-row
+# block's included: _HOPPER_PROGRAMS_PER_SM_DEFAULT.
+_HOPPER_PROGRAMS_PER_SM = {_HOPPER_SHORT_TILES: 3, _HOPPER_SHORT_NORM_TILES: 4}
+_HOPPER_PROGRAMS_PER_SM_DEFAULT = 2
 # The tests and probes force a count (where it applies) here.
 HOPPER_DOCS_PER_PROGRAM: int | None = None
 
@@ -584,7 +584,7 @@ def hopper_docs_per_program(
         most *= 2
     if not normalize and tiles_per_doc < _HOPPER_LONG_DOC_TILES:
         return most
-    slots = _HOPPER_PROGRAMS_PER_SM.get(tiles, 2) * sm_count
+    slots = _HOPPER_PROGRAMS_PER_SM.get(tiles, _HOPPER_PROGRAMS_PER_SM_DEFAULT) * sm_count
     if not normalize and _cdiv(Ncols * blocks, slots) != 2:
         return 1  # grouping long documents pays only to bring two waves into one
     best, best_cost, docs = 1, None, 1
