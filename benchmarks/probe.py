@@ -10,14 +10,14 @@ document-owned grad_D through the winner index; behind sections 30-35: the Gluon
 argmax and normalize variants, and its tiles; behind section 36, 64-row query chunks for
 one 128-token query; behind section 38, several documents a program; behind section 41, the
 documents a program of grids a few waves long, and what the suite's L2 flush costs the call
-timed after it. GPU times by ``triton.testing.do_bench`` (median, ms).
+timed after it; behind section 44, where a host-bound training step's timed interval goes. GPU times by ``triton.testing.do_bench`` (median, ms).
 
     PYTHONPATH=src python3 benchmarks/probe.py [normalize] [kd] [smooth] [masked] [rerank] [memory] [cold]
         [small] [stages] [cold_profile] [steps] [host] [fwd_tiles] [launch] [chunks]
         [query_registers] [graph_times] [wide_rows] [winner_index] [chunk_splits] [occupancy]
         [hopper_forward] [hopper_host] [hopper_variants] [short_query] [norms_ahead]
         [three_programs] [few_programs] [norms_handoff] [half_blocks]
-        [doc_passes] [doc_waves] [flush_writeback]
+        [doc_passes] [doc_waves] [flush_writeback] [step_timeline]
 """
 
 from __future__ import annotations
@@ -1522,6 +1522,92 @@ def flush_writeback() -> None:
         torch.cuda.empty_cache()
 
 
+def step_timeline() -> None:
+    """Why the suite's median of a host-bound training step exceeds its wall time per call
+    (benchmarks/NOTES.md section 44): do_bench's loop (grads cleared, the 256 MB L2 flush, an
+    event, the step, an event) with the host's clock read at each event's record, so each call
+    gives the events' interval and the host's span between the two records; the same loop
+    without the flush; then a profiler timeline (host API calls and GPU kernels on one clock) of
+    three calls of ours. Medians of 200 calls, µs."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from fusedmaxsim import benchmarking as bm
+
+    cache = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+
+    def loop(case, step, flush: bool, n: int = 200) -> tuple:
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        spans = []
+        for i in range(n):
+            case.reset_grads()
+            if flush:
+                cache.zero_()
+            starts[i].record()
+            t0 = time.perf_counter()
+            step()
+            t1 = time.perf_counter()
+            ends[i].record()
+            spans.append((t1 - t0) * 1e6)
+        torch.cuda.synchronize()
+        events = sorted(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
+        return events[n // 2], sorted(spans)[n // 2]
+
+    _warm_gpu()
+    for name in ("train_small_batch", "train_kd", "train_colbert"):
+        case = bm.make_case(bm.SHAPES_BY_NAME[name], "training", "cuda")
+        print(f"-- {name}", flush=True)
+        steps = {}
+        for key in ("fusedmaxsim", "lik", "flash", "naive"):
+            provider = bm.PROVIDERS_BY_KEY[key]
+            if bm.provider_unavailable(provider, torch.device("cuda")):
+                continue
+            steps[key] = bm.make_step(provider.build(case), case)
+            for _ in range(20):
+                case.reset_grads()
+                steps[key]()
+        torch.cuda.synchronize()
+        for rnd in range(2):
+            for key, step in steps.items():
+                ev_f, host_f = loop(case, step, True)
+                ev_n, host_n = loop(case, step, False)
+                print(f"   round {rnd} {key:12s} flushed: events {ev_f:6.1f} host span {host_f:6.1f}"
+                      f"   unflushed: events {ev_n:6.1f} host span {host_n:6.1f}", flush=True)
+        if name != "train_small_batch":
+            continue
+        for key in ("fusedmaxsim", "flash"):
+            if key not in steps:
+                continue
+            step = steps[key]
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    case.reset_grads()
+                    cache.zero_()
+                    torch.cuda.Event(enable_timing=True).record()
+                    step()
+                    torch.cuda.Event(enable_timing=True).record()
+                torch.cuda.synchronize()
+            rows = []
+            for e in prof.events():
+                on_gpu = e.device_type == torch.autograd.DeviceType.CUDA
+                if on_gpu or e.name.startswith(("cuda", "cuLaunch", "autograd::engine")) \
+                        or "backward" in e.name.lower():
+                    start = e.time_range.start
+                    rows.append((start, "gpu" if on_gpu else "cpu", e.name[:60],
+                                 e.time_range.end - start))
+            rows.sort()
+            t0 = rows[0][0] if rows else 0
+            print(f"   timeline of three calls, {key} (µs from the first row; cpu rows are host API"
+                  " calls, gpu rows kernels and memsets)")
+            for start, where, label, dur in rows:
+                print(f"     {start - t0:9.1f} {where} {dur:7.1f}  {label}")
+        case.reset_grads()
+        del case, steps
+        torch.cuda.empty_cache()
+
+
 def half_blocks() -> None:
     """A single 128-token query as two 64-row chunks, each its own program (neighbours, so the
     second reads the document's tiles from L2), with tiles small enough for three or four
@@ -1636,7 +1722,7 @@ if __name__ == "__main__":
                         ("three_programs", three_programs), ("few_programs", few_programs),
                         ("norms_handoff", norms_handoff), ("half_blocks", half_blocks),
                         ("doc_passes", doc_passes), ("doc_waves", doc_waves),
-                        ("flush_writeback", flush_writeback)):
+                        ("flush_writeback", flush_writeback), ("step_timeline", step_timeline)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()

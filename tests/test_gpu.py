@@ -207,6 +207,42 @@ def test_training_memory_stays_near_the_floor():
     assert peak <= 1.25 * floor + 1, f"peak {peak:.1f} MiB above the inputs, floor {floor:.1f} MiB"
 
 
+@pytest.mark.parametrize("strategy", ["unified", "lowmem"])
+def test_no_host_synchronization_in_a_training_step(strategy):
+    """Forward and backward of every dense layout never wait for the GPU: a host sync inside a
+    step would stall a training loop behind whatever the GPU still has queued."""
+    q_small, d_small = leaf(torch.randn(6, 33, 128, device="cuda", dtype=torch.bfloat16)), \
+        leaf(torch.randn(9, 200, 128, device="cuda", dtype=torch.bfloat16))
+    # Past the sizes where the lowmem backward builds its winner index (more launches).
+    q_big = leaf(torch.randn(64, 32, 128, device="cuda", dtype=torch.bfloat16))
+    d_big = leaf(torch.randn(64, 300, 128, device="cuda", dtype=torch.bfloat16))
+    candidates = leaf(torch.randn(6, 5, 200, 128, device="cuda", dtype=torch.bfloat16))
+    q_mask = masks_with_holes((6, 33), "cuda")
+    d_mask = masks_with_holes((9, 200), "cuda")
+
+    def calls():
+        for out in (
+            maxsim(q_small, d_small, backward=strategy),
+            maxsim(q_small, d_small, q_mask, d_mask, normalize=True, backward=strategy),
+            maxsim(q_big, d_big, backward=strategy),
+            maxsim(q_small, candidates, backward=strategy),
+            maxsim_pairs(q_small, d_small[:6], backward=strategy),
+            maxsim(q_small, d_small, reduction="smoothmax", backward=strategy),
+        ):
+            out.sum().backward()
+        with torch.no_grad():
+            maxsim(q_small, d_small)
+            maxsim(q_big, d_big, normalize=True)
+
+    calls()  # compiles every kernel first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        calls()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 def test_pairs_and_candidates_agree_with_cross_on_gpu():
     Q = torch.randn(5, 32, 128, device="cuda", dtype=torch.bfloat16)
     D = torch.randn(5, 100, 128, device="cuda", dtype=torch.bfloat16)
