@@ -10,14 +10,14 @@ document-owned grad_D through the winner index; behind sections 30-35: the Gluon
 argmax and normalize variants, and its tiles; behind section 36, 64-row query chunks for
 one 128-token query; behind section 38, several documents a program; behind section 41, the
 documents a program of grids a few waves long, and what the suite's L2 flush costs the call
-timed after it; behind section 44, where a host-bound training step's timed interval goes. GPU times by ``triton.testing.do_bench`` (median, ms).
+timed after it; behind section 44, where a host-bound training step's timed interval goes and the gather kernel's columns a step. GPU times by ``triton.testing.do_bench`` (median, ms).
 
     PYTHONPATH=src python3 benchmarks/probe.py [normalize] [kd] [smooth] [masked] [rerank] [memory] [cold]
         [small] [stages] [cold_profile] [steps] [host] [fwd_tiles] [launch] [chunks]
         [query_registers] [graph_times] [wide_rows] [winner_index] [chunk_splits] [occupancy]
         [hopper_forward] [hopper_host] [hopper_variants] [short_query] [norms_ahead]
         [three_programs] [few_programs] [norms_handoff] [half_blocks]
-        [doc_passes] [doc_waves] [flush_writeback] [step_timeline]
+        [doc_passes] [doc_waves] [flush_writeback] [step_timeline] [gather_steps]
 """
 
 from __future__ import annotations
@@ -1527,11 +1527,8 @@ def step_timeline() -> None:
     (benchmarks/NOTES.md section 44): do_bench's loop (grads cleared, the 256 MB L2 flush, an
     event, the step, an event) with the host's clock read at each event's record, so each call
     gives the events' interval and the host's span between the two records; the same loop
-    without the flush; then a profiler timeline (host API calls and GPU kernels on one clock) of
-    three calls of ours. Medians of 200 calls, µs."""
+    without the flush. Medians of 200 calls, µs."""
     import time
-
-    from torch.profiler import ProfilerActivity, profile
 
     from fusedmaxsim import benchmarking as bm
 
@@ -1575,36 +1572,88 @@ def step_timeline() -> None:
                 ev_n, host_n = loop(case, step, False)
                 print(f"   round {rnd} {key:12s} flushed: events {ev_f:6.1f} host span {host_f:6.1f}"
                       f"   unflushed: events {ev_n:6.1f} host span {host_n:6.1f}", flush=True)
-        if name != "train_small_batch":
-            continue
-        for key in ("fusedmaxsim", "flash"):
-            if key not in steps:
-                continue
-            step = steps[key]
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for _ in range(3):
-                    case.reset_grads()
-                    cache.zero_()
-                    torch.cuda.Event(enable_timing=True).record()
-                    step()
-                    torch.cuda.Event(enable_timing=True).record()
-                torch.cuda.synchronize()
-            rows = []
-            for e in prof.events():
-                on_gpu = e.device_type == torch.autograd.DeviceType.CUDA
-                if on_gpu or e.name.startswith(("cuda", "cuLaunch", "autograd::engine")) \
-                        or "backward" in e.name.lower():
-                    start = e.time_range.start
-                    rows.append((start, "gpu" if on_gpu else "cpu", e.name[:60],
-                                 e.time_range.end - start))
-            rows.sort()
-            t0 = rows[0][0] if rows else 0
-            print(f"   timeline of three calls, {key} (µs from the first row; cpu rows are host API"
-                  " calls, gpu rows kernels and memsets)")
-            for start, where, label, dur in rows:
-                print(f"     {start - t0:9.1f} {where} {dur:7.1f}  {label}")
         case.reset_grads()
         del case, steps
+        torch.cuda.empty_cache()
+
+
+def gather_steps() -> None:
+    """The gather kernel's columns a step (benchmarks/NOTES.md section 44) on grids of few
+    programs: an fp32 grad_Q alone through ``_launch.maxsim_bwd`` (lowmem: the gather kernel only) with
+    1, 2 or 4 columns a step under 4 or 8 warps, each variant's grad_Q against one column a
+    step's (bit for bit or not) and against float64, GPU ms of CUDA-graph replays in three
+    interleaved rounds; then what the library picks, and the whole training step's GPU time
+    (forward and both gradients, replayed) at the suite's small training shapes."""
+    from fusedmaxsim import benchmarking as bm
+
+    _warm_gpu()
+    shapes = (  # label, Q, D (4-D: per-query candidates)
+        ("train_small_batch (32 programs)", (32, 32, 128), (32, 180, 128)),
+        ("train_kd (64 programs)", (64, 32, 128), (64, 32, 300, 128)),
+        ("train_kd_colpali (32 programs)", (32, 32, 128), (32, 16, 1030, 128)),
+        ("128 queries x 32 documents of 300", (128, 32, 128), (32, 300, 128)),
+        ("256 queries x 32 documents of 300", (256, 32, 128), (32, 300, 128)),
+        ("512 queries x 32 documents of 300", (512, 32, 128), (32, 300, 128)),
+        ("1 query of 128 x 1000 documents of 300", (1, 128, 128), (1000, 300, 128)),
+    )
+    variants = [(1, 4), (2, 4), (4, 4), (2, 8), (4, 8)]
+    for label, q_shape, d_shape in shapes:
+        Q, D = _bf16(*q_shape), _bf16(*d_shape)
+        g = torch.randn(q_shape[0], d_shape[-3], device="cuda")
+        with torch.no_grad():
+            _, argmax = _launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32")
+        base = bwd_config(Lq=q_shape[1], dim=q_shape[2], elem_bytes=2, per_query_docs=len(d_shape) == 4)
+        outputs, graphs = {}, {}
+        for cols, warps in variants:
+            cfg = dataclasses.replace(base, num_warps=warps)
+
+            def call(cfg=cfg, Q=Q, D=D, g=g, argmax=argmax):
+                with forced_configs(bwd=cfg):
+                    return _launch.maxsim_bwd(g, Q, D, argmax, None, None, True, False, "lowmem",
+                                              True, "tf32")[0]  # fp32 grad_Q: orders compared
+
+            with _swapped(_launch, "gather_cols_per_step", lambda programs, device, c=cols: c):
+                try:
+                    outputs[(cols, warps)] = call()
+                    graphs[(cols, warps)] = _captured(call)
+                except Exception as exc:  # noqa: BLE001
+                    print(f"   {cols} x {warps}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        Q64 = Q.double().requires_grad_()
+        (maxsim_ref(Q64, D.double()) * g.double()).sum().backward()
+        reference = outputs[(1, 4)]
+        programs = q_shape[0] * -(-q_shape[1] // base.block_s)
+        picked = _launch.gather_cols_per_step(programs, Q.device)
+        row = f"-- {label}: {programs} programs, the library picks {picked} a step"
+        for key, out in outputs.items():
+            apart = relative_error(out, reference)
+            row += (f"\n   {key[0]} cols x {key[1]} warps: {relative_error(out, Q64.grad):.0e} from "
+                    f"float64" + (" (bit for bit with 1 x 4)" if torch.equal(out, reference) else
+                                  f", {apart:.0e} from 1 x 4") + ("" if apart < 1e-5 else " PARITY FAILED"))
+        times = {key: [] for key in graphs}
+        for _ in range(3):
+            for key, graph in graphs.items():
+                times[key].append(bench(graph.replay))
+        for key, values in times.items():
+            row += f"\n   {key[0]} x {key[1]}  " + " ".join(f"{v:.4f}" for v in values)
+        print(row, flush=True)
+        del Q, D, argmax, graphs, outputs
+        torch.cuda.empty_cache()
+    for name in ("train_small_batch", "train_kd", "train_kd_colpali", "train_colbert"):
+        case = bm.make_case(bm.SHAPES_BY_NAME[name], "training", "cuda")
+        step = bm.make_step(bm.PROVIDERS_BY_KEY["fusedmaxsim"].build(case), case)
+
+        def training(step=step, case=case):
+            case.reset_grads()
+            step()
+
+        try:
+            graph = _captured(training)
+            print(f"-- {name}: whole step (library's pick), GPU ms "
+                  + " ".join(f"{bench(graph.replay):.4f}" for _ in range(3)), flush=True)
+        except Exception as exc:  # noqa: BLE001
+            print(f"-- {name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        case.reset_grads()
+        del case
         torch.cuda.empty_cache()
 
 
@@ -1722,7 +1771,7 @@ if __name__ == "__main__":
                         ("three_programs", three_programs), ("few_programs", few_programs),
                         ("norms_handoff", norms_handoff), ("half_blocks", half_blocks),
                         ("doc_passes", doc_passes), ("doc_waves", doc_waves),
-                        ("flush_writeback", flush_writeback), ("step_timeline", step_timeline)):
+                        ("flush_writeback", flush_writeback), ("step_timeline", step_timeline), ("gather_steps", gather_steps)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()

@@ -428,6 +428,27 @@ def test_unified_grad_d_through_column_chunks(device, layout, needs, monkeypatch
         assert Q.grad is None
 
 
+
+@pytest.mark.parametrize("cols_per_step", [1, 2, 4])
+@pytest.mark.parametrize("layout", ["cross", "candidates"])
+def test_gather_columns_a_step(device, layout, cols_per_step, monkeypatch):
+    """The gather kernel of grad_Q walks its columns ``cols_per_step`` at a time; a program's
+    last step may hold fewer (5 columns here on the cross product), and each width gives the
+    reference's gradients. (A gather that also scatters grad_D always takes one.)"""
+    from fusedmaxsim import _launch
+
+    monkeypatch.setattr(_launch, "gather_cols_per_step", lambda programs, device: cols_per_step)
+    Q, D, q_mask, d_mask = random_problem(layout, torch.float32, device)
+    Q, D = leaf(Q), leaf(D)
+    with settings.use_backend("triton"):
+        out = maxsim(Q, D, q_mask, d_mask, backward="lowmem")
+    grad = torch.randn_like(out)
+    (out * grad).sum().backward()
+    Q64, D64 = leaf(Q.detach().double()), leaf(D.detach().double())
+    (maxsim_ref(Q64, D64, q_mask, d_mask) * grad.double()).sum().backward()
+    assert_close_to_reference(Q.grad, Q64.grad, 1e-5, "grad_Q")
+    assert_close_to_reference(D.grad, D64.grad, 1e-5, "grad_D")
+
 @pytest.mark.parametrize("Lq", [5, 20])  # rows in one block of 16 (loaded once), or in two
 @pytest.mark.parametrize("Nq, K", [(4, 4), (3, 3)])  # 3 tiles a program, or 2 then 1
 def test_lowmem_grad_d_of_candidates_over_several_token_tiles(device, Nq, K, Lq, monkeypatch):

@@ -39,7 +39,8 @@ Grid mapping
   ``BLOCK_N`` tiles through :func:`_doc_max`, the one MaxSim inner loop that every layout shares.
   The ``[Lq, Ld]`` similarity tile lives only in registers.
 * ``_maxsim_bwd_gather_kernel``: program ``(i, s-block, column split)`` of the columns
-  ``[col_base, col_end)`` gathers the winning document rows for ``grad_Q`` (row-owned) and, in the
+  ``[col_base, col_end)``, ``COLS_PER_STEP`` columns a step, gathers the winning document rows for
+  ``grad_Q`` (row-owned) and, in the
   "unified" strategy, scatters ``g · Q`` rows into an fp32 ``grad_D`` buffer with atomics (the
   buffer's column 0 is ``col_base``: large ``grad_D`` goes through it in column chunks).
 * ``_maxsim_bwd_dd_kernel``: program ``(g, j, t-blocks)`` owns tiles of ``grad_D`` and adds
@@ -504,6 +505,7 @@ def _maxsim_bwd_gather_kernel(
     SCATTER_GRAD_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    COLS_PER_STEP: tl.constexpr,
 ):
     n_sblocks = tl.cdiv(Lq, BLOCK_S)
     pid = tl.program_id(0).to(tl.int64)
@@ -530,35 +532,45 @@ def _maxsim_bwd_gather_kernel(
     acc = tl.zeros([BLOCK_S, BLOCK_K], tl.float32)
     col_lo = col_base + i_split * cols_per_split
     col_hi = tl.minimum(col_lo + cols_per_split, col_end)
-    for col in range(col_lo, col_hi):
-        g = tl.load(Grad + i_q * stride_g_seq + col * stride_g_col).to(tl.float32)
-        idx = tl.load(Argmax + (i_q * Ncols + col) * Lq + o_s, mask=m_s, other=-1)
-        m_hit = idx >= 0
-        idx = tl.where(m_hit, idx, 0).to(tl.int64)
-        m_rows = m_hit[:, None] & m_k[None, :]
-        if COMPUTE_GRAD_Q:
-            b_d = tl.load(
-                D + i_grp * stride_d_grp + col * stride_d_col + idx[:, None] * stride_d_tok
-                + o_k[None, :] * stride_d_dim,
-                mask=m_rows,
-                other=0.0,
-            ).to(tl.float32)
-            if NORMALIZE:
-                d_inv = tl.load(
-                    DInv + i_grp * stride_dinv_grp + col * stride_dinv_col + idx * stride_dinv_tok,
-                    mask=m_hit,
+    # A column's loads wait on each other (its argmax, then the document rows that names). The
+    # columns of one step are unrolled, so their loads are all issued before the first is used:
+    # that hides the latency where too few programs share an SM to hide it for each other.
+    for col_step in range(col_lo, col_hi, COLS_PER_STEP):
+        for c in tl.static_range(COLS_PER_STEP):
+            col = col_step + c
+            # A column past the program's last reads no row (every idx -1) and the last one's g,
+            # in bounds, zeroed. The masks are vectors: the interpreter takes no scalar load mask,
+            # and its `&` of a vector and a scalar is not boolean.
+            m_col = tl.full([BLOCK_S], col, tl.int64) < col_hi
+            g = tl.load(Grad + i_q * stride_g_seq + tl.minimum(col, col_hi - 1) * stride_g_col)
+            g = tl.where(col < col_hi, g.to(tl.float32), 0.0)
+            idx = tl.load(Argmax + (i_q * Ncols + col) * Lq + o_s, mask=m_s & m_col, other=-1)
+            m_hit = idx >= 0
+            idx = tl.where(m_hit, idx, 0).to(tl.int64)
+            m_rows = m_hit[:, None] & m_k[None, :]
+            if COMPUTE_GRAD_Q:
+                b_d = tl.load(
+                    D + i_grp * stride_d_grp + col * stride_d_col + idx[:, None] * stride_d_tok
+                    + o_k[None, :] * stride_d_dim,
+                    mask=m_rows,
                     other=0.0,
+                ).to(tl.float32)
+                if NORMALIZE:
+                    d_inv = tl.load(
+                        DInv + i_grp * stride_dinv_grp + col * stride_dinv_col + idx * stride_dinv_tok,
+                        mask=m_hit,
+                        other=0.0,
+                    )
+                    b_d = b_d * d_inv[:, None]
+                acc += g * b_d
+            if SCATTER_GRAD_D:
+                tl.atomic_add(
+                    GradD + i_grp * stride_gd_grp + (col - col_base) * stride_gd_col + idx[:, None] * stride_gd_tok
+                    + o_k[None, :] * stride_gd_dim,
+                    g * b_q,
+                    mask=m_rows,
+                    sem="relaxed",
                 )
-                b_d = b_d * d_inv[:, None]
-            acc += g * b_d
-        if SCATTER_GRAD_D:
-            tl.atomic_add(
-                GradD + i_grp * stride_gd_grp + (col - col_base) * stride_gd_col + idx[:, None] * stride_gd_tok
-                + o_k[None, :] * stride_gd_dim,
-                g * b_q,
-                mask=m_rows,
-                sem="relaxed",
-            )
 
     if COMPUTE_GRAD_Q:
         p_gq = GradQ + i_q * stride_gq_seq + o_s[:, None] * stride_gq_tok + o_k[None, :] * stride_gq_dim

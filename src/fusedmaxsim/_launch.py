@@ -838,6 +838,19 @@ def _dd_tiles_per_program(cfg, Q: Tensor, documents: int, Ld: int, rows_in_one_b
     return _cdiv(tiles, min(tiles, splits))
 
 
+# Columns a gather program loads at once where its grid is small (benchmarks/NOTES.md section 44):
+# two take 162-255 registers and no local memory at 4 warps (sm_90, triton 3.6-3.9); four spill
+# under triton 3.6.
+_GATHER_COLS_PER_STEP = 2
+
+
+def gather_cols_per_step(programs: int, device: torch.device) -> int:
+    """Columns a step of the gather kernel: a column's two loads wait on each other, and with
+    fewer than two programs an SM no other warp runs meanwhile, so several columns' loads go
+    out together; otherwise one column a step, the loop's leanest registers."""
+    return _GATHER_COLS_PER_STEP if programs < 2 * _sm_count(device) else 1
+
+
 def _launch_gather(
     cfg, grad_scores, Q, D, argmax, q_inv, d_inv, per_query_docs, col_base, n_cols, splits,
     grad_q, grad_d_buffer,
@@ -850,8 +863,9 @@ def _launch_gather(
     normalize = q_inv is not None
     cols_per_split = _cdiv(n_cols, splits)
     splits = _cdiv(n_cols, cols_per_split)
+    rows = Nq * _cdiv(Lq, cfg.block_s)
     launcher(_maxsim_bwd_gather_kernel)(
-        (Nq * _cdiv(Lq, cfg.block_s), splits),
+        (rows, splits),
         (
             grad_scores, Q, D,
             Q if q_inv is None else q_inv, D if d_inv is None else d_inv,
@@ -870,14 +884,19 @@ def _launch_gather(
         _gather_constants(
             cfg, per_query_docs, normalize, grad_q is not None,
             grad_q is not None and splits > 1, grad_d_buffer is not None,
+            # A scatter's registers leave no room for a second column (it spills, triton 3.6).
+            1 if grad_d_buffer is not None else gather_cols_per_step(rows * splits, Q.device),
         ),
     )
 
 
 @functools.lru_cache(maxsize=1024)
-def _gather_constants(cfg, per_query_docs, normalize, grad_q, atomic_q, scatter_d) -> Constants:
+def _gather_constants(
+    cfg, per_query_docs, normalize, grad_q, atomic_q, scatter_d, cols_per_step
+) -> Constants:
     return constants(
         PER_QUERY_DOCS=per_query_docs,
+        COLS_PER_STEP=cols_per_step,
         **gather_meta(cfg, normalize=normalize, grad_q=grad_q, atomic_q=atomic_q, scatter_d=scatter_d),
     )
 
