@@ -1579,11 +1579,12 @@ def step_timeline() -> None:
 
 def gather_steps() -> None:
     """The gather kernel's columns a step (benchmarks/NOTES.md section 44) on grids of few
-    programs: an fp32 grad_Q alone through ``_launch.maxsim_bwd`` (lowmem: the gather kernel only) with
-    1, 2 or 4 columns a step under 4 or 8 warps, each variant's grad_Q against one column a
+    programs: an fp32 grad_Q alone through ``_launch.maxsim_bwd`` (lowmem: the gather kernel
+    only) with 1-8 columns a step under 4 or 8 warps, each variant's grad_Q against one column a
     step's (bit for bit or not) and against float64, GPU ms of CUDA-graph replays in three
-    interleaved rounds; then what the library picks, and the whole training step's GPU time
-    (forward and both gradients, replayed) at the suite's small training shapes."""
+    interleaved rounds; then the whole training step's GPU time (forward and both gradients,
+    replayed) at the suite's small training shapes under one column a step and under the
+    library's pick, in interleaved rounds."""
     from fusedmaxsim import benchmarking as bm
 
     _warm_gpu()
@@ -1596,7 +1597,7 @@ def gather_steps() -> None:
         ("512 queries x 32 documents of 300", (512, 32, 128), (32, 300, 128)),
         ("1 query of 128 x 1000 documents of 300", (1, 128, 128), (1000, 300, 128)),
     )
-    variants = [(1, 4), (2, 4), (4, 4), (2, 8), (4, 8)]
+    variants = [(1, 4), (2, 4), (4, 4), (4, 8), (8, 8)]
     for label, q_shape, d_shape in shapes:
         Q, D = _bf16(*q_shape), _bf16(*d_shape)
         g = torch.randn(q_shape[0], d_shape[-3], device="cuda")
@@ -1605,14 +1606,11 @@ def gather_steps() -> None:
         base = bwd_config(Lq=q_shape[1], dim=q_shape[2], elem_bytes=2, per_query_docs=len(d_shape) == 4)
         outputs, graphs = {}, {}
         for cols, warps in variants:
-            cfg = dataclasses.replace(base, num_warps=warps)
+            def call(Q=Q, D=D, g=g, argmax=argmax):
+                return _launch.maxsim_bwd(g, Q, D, argmax, None, None, True, False, "lowmem",
+                                          True, "tf32")[0]  # fp32 grad_Q: orders compared
 
-            def call(cfg=cfg, Q=Q, D=D, g=g, argmax=argmax):
-                with forced_configs(bwd=cfg):
-                    return _launch.maxsim_bwd(g, Q, D, argmax, None, None, True, False, "lowmem",
-                                              True, "tf32")[0]  # fp32 grad_Q: orders compared
-
-            with _swapped(_launch, "gather_cols_per_step", lambda programs, device, c=cols: c):
+            with _swapped(_launch, "gather_step", lambda programs, device, s=(cols, warps): s):
                 try:
                     outputs[(cols, warps)] = call()
                     graphs[(cols, warps)] = _captured(call)
@@ -1622,8 +1620,8 @@ def gather_steps() -> None:
         (maxsim_ref(Q64, D.double()) * g.double()).sum().backward()
         reference = outputs[(1, 4)]
         programs = q_shape[0] * -(-q_shape[1] // base.block_s)
-        picked = _launch.gather_cols_per_step(programs, Q.device)
-        row = f"-- {label}: {programs} programs, the library picks {picked} a step"
+        picked = _launch.gather_step(programs, Q.device)
+        row = f"-- {label}: {programs} programs, the library picks {picked} (columns, warps)"
         for key, out in outputs.items():
             apart = relative_error(out, reference)
             row += (f"\n   {key[0]} cols x {key[1]} warps: {relative_error(out, Q64.grad):.0e} from "
@@ -1638,6 +1636,9 @@ def gather_steps() -> None:
         print(row, flush=True)
         del Q, D, argmax, graphs, outputs
         torch.cuda.empty_cache()
+    def one_column(programs, device):  # the rule before section 44
+        return 1, None
+
     for name in ("train_small_batch", "train_kd", "train_kd_colpali", "train_colbert"):
         case = bm.make_case(bm.SHAPES_BY_NAME[name], "training", "cuda")
         step = bm.make_step(bm.PROVIDERS_BY_KEY["fusedmaxsim"].build(case), case)
@@ -1647,9 +1648,16 @@ def gather_steps() -> None:
             step()
 
         try:
-            graph = _captured(training)
-            print(f"-- {name}: whole step (library's pick), GPU ms "
-                  + " ".join(f"{bench(graph.replay):.4f}" for _ in range(3)), flush=True)
+            with _swapped(_launch, "gather_step", one_column):
+                before = _captured(training)
+            after = _captured(training)
+            times = {"one column": [], "library": []}
+            for _ in range(3):
+                times["one column"].append(bench(before.replay))
+                times["library"].append(bench(after.replay))
+            print(f"-- {name}: whole step, GPU ms: " + "; ".join(
+                f"{key} " + " ".join(f"{v:.4f}" for v in values) for key, values in times.items()),
+                flush=True)
         except Exception as exc:  # noqa: BLE001
             print(f"-- {name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
         case.reset_grads()

@@ -437,7 +437,7 @@ def test_gather_columns_a_step(device, layout, cols_per_step, monkeypatch):
     reference's gradients. (A gather that also scatters grad_D always takes one.)"""
     from fusedmaxsim import _launch
 
-    monkeypatch.setattr(_launch, "gather_cols_per_step", lambda programs, device: cols_per_step)
+    monkeypatch.setattr(_launch, "gather_step", lambda programs, device: (cols_per_step, None))
     Q, D, q_mask, d_mask = random_problem(layout, torch.float32, device)
     Q, D = leaf(Q), leaf(D)
     with settings.use_backend("triton"):

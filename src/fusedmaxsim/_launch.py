@@ -838,17 +838,21 @@ def _dd_tiles_per_program(cfg, Q: Tensor, documents: int, Ld: int, rows_in_one_b
     return _cdiv(tiles, min(tiles, splits))
 
 
-# Columns a gather program loads at once where its grid is small (benchmarks/NOTES.md section 44):
-# two take 162-255 registers and no local memory at 4 warps (sm_90, triton 3.6-3.9); four spill
-# under triton 3.6.
-_GATHER_COLS_PER_STEP = 2
+# Where a gather grid is small, a program loads this many columns at once, under this many warps:
+# the fastest of 1, 2 and 4 columns at 4 or 8 warps on the H200, up to 512 programs (half the
+# time of one column at 4 warps; benchmarks/NOTES.md section 44). 48-52 registers and no local
+# memory (sm_90, triton 3.6-3.9).
+_GATHER_SMALL_GRID_STEP = (4, 8)
 
 
-def gather_cols_per_step(programs: int, device: torch.device) -> int:
-    """Columns a step of the gather kernel: a column's two loads wait on each other, and with
-    fewer than two programs an SM no other warp runs meanwhile, so several columns' loads go
-    out together; otherwise one column a step, the loop's leanest registers."""
-    return _GATHER_COLS_PER_STEP if programs < 2 * _sm_count(device) else 1
+def gather_step(programs: int, device: torch.device) -> tuple[int, int | None]:
+    """``(columns a step, warps)`` of the gather kernel (None: the configuration's warps). A
+    column's two loads wait on each other; with fewer than four programs an SM too few warps run
+    to cover that wait, so several columns' loads go out together. Otherwise one column a step,
+    as measured before."""
+    if programs < 4 * _sm_count(device):
+        return _GATHER_SMALL_GRID_STEP
+    return 1, None
 
 
 def _launch_gather(
@@ -884,21 +888,19 @@ def _launch_gather(
         _gather_constants(
             cfg, per_query_docs, normalize, grad_q is not None,
             grad_q is not None and splits > 1, grad_d_buffer is not None,
-            # A scatter's registers leave no room for a second column (it spills, triton 3.6).
-            1 if grad_d_buffer is not None else gather_cols_per_step(rows * splits, Q.device),
+            # A gather that also scatters keeps one column a step (not measured otherwise).
+            (1, None) if grad_d_buffer is not None else gather_step(rows * splits, Q.device),
         ),
     )
 
 
 @functools.lru_cache(maxsize=1024)
-def _gather_constants(
-    cfg, per_query_docs, normalize, grad_q, atomic_q, scatter_d, cols_per_step
-) -> Constants:
-    return constants(
-        PER_QUERY_DOCS=per_query_docs,
-        COLS_PER_STEP=cols_per_step,
-        **gather_meta(cfg, normalize=normalize, grad_q=grad_q, atomic_q=atomic_q, scatter_d=scatter_d),
-    )
+def _gather_constants(cfg, per_query_docs, normalize, grad_q, atomic_q, scatter_d, step) -> Constants:
+    cols_per_step, warps = step
+    meta = gather_meta(cfg, normalize=normalize, grad_q=grad_q, atomic_q=atomic_q, scatter_d=scatter_d)
+    if warps is not None:
+        meta["num_warps"] = warps
+    return constants(PER_QUERY_DOCS=per_query_docs, COLS_PER_STEP=cols_per_step, **meta)
 
 
 @functools.lru_cache(maxsize=1024)
