@@ -10,7 +10,8 @@ document-owned grad_D through the winner index; behind sections 30-35: the Gluon
 argmax and normalize variants, and its tiles; behind section 36, 64-row query chunks for
 one 128-token query; behind section 38, several documents a program; behind section 41, the
 documents a program of grids a few waves long, and what the suite's L2 flush costs the call
-timed after it; behind section 44, where a host-bound training step's timed interval goes and the gather kernel's columns a step. GPU times by ``triton.testing.do_bench`` (median, ms).
+timed after it; behind section 44, where a host-bound training step's timed interval goes, and
+the gather kernel's columns a step. GPU times by ``triton.testing.do_bench`` (median, ms).
 
     PYTHONPATH=src python3 benchmarks/probe.py [normalize] [kd] [smooth] [masked] [rerank] [memory] [cold]
         [small] [stages] [cold_profile] [steps] [host] [fwd_tiles] [launch] [chunks]
@@ -1523,8 +1524,8 @@ def flush_writeback() -> None:
 
 
 def step_timeline() -> None:
-    """Why the suite's median of a host-bound training step exceeds its wall time per call
-    (benchmarks/NOTES.md section 44): do_bench's loop (grads cleared, the 256 MB L2 flush, an
+    """What the suite's median of a host-bound training step times (benchmarks/NOTES.md section
+    44): do_bench's loop (grads cleared, the 256 MB L2 flush, an
     event, the step, an event) with the host's clock read at each event's record, so each call
     gives the events' interval and the host's span between the two records; the same loop
     without the flush. Medians of 200 calls, µs."""
@@ -1627,15 +1628,11 @@ def gather_steps() -> None:
             row += (f"\n   {key[0]} cols x {key[1]} warps: {relative_error(out, Q64.grad):.0e} from "
                     f"float64" + (" (bit for bit with 1 x 4)" if torch.equal(out, reference) else
                                   f", {apart:.0e} from 1 x 4") + ("" if apart < 1e-5 else " PARITY FAILED"))
-        times = {key: [] for key in graphs}
-        for _ in range(3):
-            for key, graph in graphs.items():
-                times[key].append(bench(graph.replay))
-        for key, values in times.items():
-            row += f"\n   {key[0]} x {key[1]}  " + " ".join(f"{v:.4f}" for v in values)
+        row += _replay_rounds(graphs, lambda key: f"{key[0]} x {key[1]} ")
         print(row, flush=True)
         del Q, D, argmax, graphs, outputs
         torch.cuda.empty_cache()
+
     def one_column(programs, device):  # the rule before section 44
         return 1, None
 
@@ -1651,13 +1648,9 @@ def gather_steps() -> None:
             with _swapped(_launch, "gather_step", one_column):
                 before = _captured(training)
             after = _captured(training)
-            times = {"one column": [], "library": []}
-            for _ in range(3):
-                times["one column"].append(bench(before.replay))
-                times["library"].append(bench(after.replay))
-            print(f"-- {name}: whole step, GPU ms: " + "; ".join(
-                f"{key} " + " ".join(f"{v:.4f}" for v in values) for key, values in times.items()),
-                flush=True)
+            print(f"-- {name}: whole step, GPU ms"
+                  + _replay_rounds({"one column": before, "library": after}, lambda key: f"{key:10s}"),
+                  flush=True)
         except Exception as exc:  # noqa: BLE001
             print(f"-- {name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
         case.reset_grads()
@@ -1685,6 +1678,16 @@ def half_blocks() -> None:
         (64, (32, 6, 4, None)), (64, (32, 5, 4, 128)),
     ))
 
+
+def _replay_rounds(graphs: dict, label) -> str:
+    """GPU ms of each captured graph's replays in three interleaved rounds: a line each,
+    ``label(name)`` first."""
+    times = {name: [] for name in graphs}
+    for _ in range(3):
+        for name, graph in graphs.items():
+            times[name].append(bench(graph.replay))
+    return "".join(f"\n   {label(name)} " + " ".join(f"{v:.4f}" for v in values)
+                   for name, values in times.items())
 
 def _variant_rounds(shapes, variants: dict, reference: str, applies=None) -> None:
     """For each ``(label, normalize, q_shape, d_shape)``: the Gluon forward through
@@ -1720,12 +1723,7 @@ def _variant_rounds(shapes, variants: dict, reference: str, applies=None) -> Non
                     f"{apart:.0e} from {reference}"
                     + (" (bit for bit)" if torch.equal(out, outputs[reference]) else "")
                     + ("" if apart < 1e-5 else " PARITY FAILED"))
-        times = {name: [] for name in graphs}
-        for _ in range(3):
-            for name, graph in graphs.items():
-                times[name].append(bench(graph.replay))
-        for name, values in times.items():
-            row += f"\n   {str(name):12s} " + " ".join(f"{v:.4f}" for v in values)
+        row += _replay_rounds(graphs, lambda name: f"{str(name):12s}")
         print(row, flush=True)
         del Q, D, graphs
         torch.cuda.empty_cache()

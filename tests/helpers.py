@@ -126,3 +126,15 @@ def check_against_reference(
         lambda q, d: oracle(q, d, q_mask, d_mask, normalize=normalize, **reduction),
         Q, D, tol,
     )
+
+
+def assert_no_host_synchronization(calls):
+    """``calls()`` once (compiling what it needs), then again with any host synchronization an
+    error (CUDA only)."""
+    calls()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        calls()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

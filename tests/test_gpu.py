@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from helpers import (
     assert_backward_bitwise_reproducible,
+    assert_no_host_synchronization,
     check_against_reference,
     compiled_and_eager_step,
     leaf,
@@ -211,8 +212,8 @@ def test_training_memory_stays_near_the_floor():
 def test_no_host_synchronization_in_a_training_step(strategy):
     """Forward and backward of every dense layout never wait for the GPU: a host sync inside a
     step would stall a training loop behind whatever the GPU still has queued."""
-    q_small, d_small = leaf(torch.randn(6, 33, 128, device="cuda", dtype=torch.bfloat16)), \
-        leaf(torch.randn(9, 200, 128, device="cuda", dtype=torch.bfloat16))
+    q_small = leaf(torch.randn(6, 33, 128, device="cuda", dtype=torch.bfloat16))
+    d_small = leaf(torch.randn(9, 200, 128, device="cuda", dtype=torch.bfloat16))
     # Past the sizes where the lowmem backward builds its winner index (more launches).
     q_big = leaf(torch.randn(64, 32, 128, device="cuda", dtype=torch.bfloat16))
     d_big = leaf(torch.randn(64, 300, 128, device="cuda", dtype=torch.bfloat16))
@@ -234,13 +235,7 @@ def test_no_host_synchronization_in_a_training_step(strategy):
             maxsim(q_small, d_small)
             maxsim(q_big, d_big, normalize=True)
 
-    calls()  # compiles every kernel first
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        calls()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    assert_no_host_synchronization(calls)
 
 
 def test_pairs_and_candidates_agree_with_cross_on_gpu():

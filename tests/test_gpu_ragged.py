@@ -9,7 +9,7 @@ Bounds are ``max|out − ref| / max|ref|`` against the float64 per-segment loop:
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_backward_bitwise_reproducible, leaf
+from helpers import assert_backward_bitwise_reproducible, assert_no_host_synchronization, leaf
 from test_ragged import check_packed, loop_reference
 
 from fusedmaxsim import maxsim
@@ -117,13 +117,7 @@ def test_no_host_synchronization_when_the_maxima_are_given():
             pairs.sum().backward()
         maxsim_ragged(qs, qs)  # lengths known on the host
 
-    calls()  # compiles every kernel first
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        calls()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    assert_no_host_synchronization(calls)
 
 
 def test_a_broken_promise_scores_nan_and_the_cuda_context_survives():

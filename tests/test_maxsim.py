@@ -428,7 +428,6 @@ def test_unified_grad_d_through_column_chunks(device, layout, needs, monkeypatch
         assert Q.grad is None
 
 
-
 @pytest.mark.parametrize("cols_per_step", [1, 2, 4])
 @pytest.mark.parametrize("layout", ["cross", "candidates"])
 def test_gather_columns_a_step(device, layout, cols_per_step, monkeypatch):
@@ -448,6 +447,7 @@ def test_gather_columns_a_step(device, layout, cols_per_step, monkeypatch):
     (maxsim_ref(Q64, D64, q_mask, d_mask) * grad.double()).sum().backward()
     assert_close_to_reference(Q.grad, Q64.grad, 1e-5, "grad_Q")
     assert_close_to_reference(D.grad, D64.grad, 1e-5, "grad_D")
+
 
 @pytest.mark.parametrize("Lq", [5, 20])  # rows in one block of 16 (loaded once), or in two
 @pytest.mark.parametrize("Nq, K", [(4, 4), (3, 3)])  # 3 tiles a program, or 2 then 1
@@ -547,6 +547,29 @@ def test_chunk_splits_policy():
     cap = _launch._SPLIT_PARTIALS_MAX_BYTES // 4
     assert _launch.chunk_splits(1024, 128, cap // 1000 // 3, 1000, False) == 3
     assert _launch.chunk_splits(1024, 128, cap, 1000, False) == 1
+
+
+def test_gather_step_policy(monkeypatch):
+    """Four columns a step at 8 warps below four programs an SM, else one at the configuration's
+    warps; a gather that also scatters grad_D takes one column whatever its grid."""
+    from fusedmaxsim import _launch
+
+    monkeypatch.setattr(_launch, "_sm_count", lambda device: 132)
+    cpu = torch.device("cpu")
+    assert _launch.gather_step(32, cpu) == (4, 8)
+    assert _launch.gather_step(527, cpu) == (4, 8)
+    assert _launch.gather_step(528, cpu) == (1, None)
+    launches = []
+    monkeypatch.setattr(_launch, "launcher",
+                        lambda kernel: lambda grid, args, meta: launches.append(meta.kwargs))
+    Q, D = torch.randn(2, 7, 32), torch.randn(3, 13, 32)
+    g = torch.randn(2, 3)
+    argmax = torch.zeros(2, 3, 7, dtype=torch.int16)
+    for strategy in ("lowmem", "unified"):
+        _launch.maxsim_bwd(g, Q, D, argmax, None, None, True, True, strategy, False, "ieee")
+    gathers = [m for m in launches if "COLS_PER_STEP" in m]
+    assert {(m["COLS_PER_STEP"], m["SCATTER_GRAD_D"], m["num_warps"]) for m in gathers} == {
+        (4, False, 8), (1, True, 4)}
 
 
 @pytest.mark.parametrize("layout", ["cross", "candidates"])

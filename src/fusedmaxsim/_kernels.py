@@ -39,10 +39,10 @@ Grid mapping
   ``BLOCK_N`` tiles through :func:`_doc_max`, the one MaxSim inner loop that every layout shares.
   The ``[Lq, Ld]`` similarity tile lives only in registers.
 * ``_maxsim_bwd_gather_kernel``: program ``(i, s-block, column split)`` of the columns
-  ``[col_base, col_end)``, ``COLS_PER_STEP`` columns a step, gathers the winning document rows for
-  ``grad_Q`` (row-owned) and, in the
-  "unified" strategy, scatters ``g · Q`` rows into an fp32 ``grad_D`` buffer with atomics (the
-  buffer's column 0 is ``col_base``: large ``grad_D`` goes through it in column chunks).
+  ``[col_base, col_end)``, walked ``COLS_PER_STEP`` at a time, gathers the winning document rows
+  for ``grad_Q`` (row-owned) and, in the "unified" strategy, scatters ``g · Q`` rows into an fp32
+  ``grad_D`` buffer with atomics (the buffer's column 0 is ``col_base``: large ``grad_D`` goes
+  through it in column chunks).
 * ``_maxsim_bwd_dd_kernel``: program ``(g, j, t-blocks)`` owns tiles of ``grad_D`` and adds
   ``onehot(A == t)ᵀ @ (g · Q)`` over blocks of the group's (query, token) rows; per-query
   candidates load their rows once for several tiles; on the cross product a tile reads only the

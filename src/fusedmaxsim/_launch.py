@@ -839,9 +839,9 @@ def _dd_tiles_per_program(cfg, Q: Tensor, documents: int, Ld: int, rows_in_one_b
 
 
 # Where a gather grid is small, a program loads this many columns at once, under this many warps:
-# the fastest of 1, 2 and 4 columns at 4 or 8 warps on the H200, up to 512 programs (half the
-# time of one column at 4 warps; benchmarks/NOTES.md section 44). 48-52 registers and no local
-# memory (sm_90, triton 3.6-3.9).
+# the fastest of 1, 2 and 4 columns at 4 or 8 warps on the H200 on grids of 4-512 programs, 30-65%
+# less time than one column at 4 warps (benchmarks/NOTES.md section 44). 48-52 registers and no
+# local memory (sm_90, triton 3.6-3.9).
 _GATHER_SMALL_GRID_STEP = (4, 8)
 
 
@@ -867,9 +867,9 @@ def _launch_gather(
     normalize = q_inv is not None
     cols_per_split = _cdiv(n_cols, splits)
     splits = _cdiv(n_cols, cols_per_split)
-    rows = Nq * _cdiv(Lq, cfg.block_s)
+    row_programs = Nq * _cdiv(Lq, cfg.block_s)
     launcher(_maxsim_bwd_gather_kernel)(
-        (rows, splits),
+        (row_programs, splits),
         (
             grad_scores, Q, D,
             Q if q_inv is None else q_inv, D if d_inv is None else d_inv,
@@ -889,7 +889,7 @@ def _launch_gather(
             cfg, per_query_docs, normalize, grad_q is not None,
             grad_q is not None and splits > 1, grad_d_buffer is not None,
             # A gather that also scatters keeps one column a step (not measured otherwise).
-            (1, None) if grad_d_buffer is not None else gather_step(rows * splits, Q.device),
+            (1, None) if grad_d_buffer is not None else gather_step(row_programs * splits, Q.device),
         ),
     )
 
