@@ -428,7 +428,7 @@ def test_unified_grad_d_through_column_chunks(device, layout, needs, monkeypatch
         assert Q.grad is None
 
 
-@pytest.mark.parametrize("cols_per_step", [1, 2, 4])
+@pytest.mark.parametrize("cols_per_step", [1, 2, 4, 8])
 @pytest.mark.parametrize("layout", ["cross", "candidates"])
 def test_gather_columns_a_step(device, layout, cols_per_step, monkeypatch):
     """The gather kernel of grad_Q walks its columns ``cols_per_step`` at a time; a program's
@@ -550,13 +550,15 @@ def test_chunk_splits_policy():
 
 
 def test_gather_step_policy(monkeypatch):
-    """Four columns a step at 8 warps below four programs an SM, else one at the configuration's
-    warps; a gather that also scatters grad_D takes one column whatever its grid."""
+    """Eight columns a step at 8 warps below two programs an SM, four below four, else one at the
+    configuration's warps; a gather that also scatters grad_D takes one column whatever its grid."""
     from fusedmaxsim import _launch
 
     monkeypatch.setattr(_launch, "_sm_count", lambda device: 132)
     cpu = torch.device("cpu")
-    assert _launch.gather_step(32, cpu) == (4, 8)
+    assert _launch.gather_step(32, cpu) == (8, 8)
+    assert _launch.gather_step(263, cpu) == (8, 8)
+    assert _launch.gather_step(264, cpu) == (4, 8)
     assert _launch.gather_step(527, cpu) == (4, 8)
     assert _launch.gather_step(528, cpu) == (1, None)
     launches = []
@@ -569,7 +571,7 @@ def test_gather_step_policy(monkeypatch):
         _launch.maxsim_bwd(g, Q, D, argmax, None, None, True, True, strategy, False, "ieee")
     gathers = [m for m in launches if "COLS_PER_STEP" in m]
     assert {(m["COLS_PER_STEP"], m["SCATTER_GRAD_D"], m["num_warps"]) for m in gathers} == {
-        (4, False, 8), (1, True, 4)}
+        (8, False, 8), (1, True, 4)}
 
 
 @pytest.mark.parametrize("layout", ["cross", "candidates"])

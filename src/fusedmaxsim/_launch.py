@@ -838,11 +838,13 @@ def _dd_tiles_per_program(cfg, Q: Tensor, documents: int, Ld: int, rows_in_one_b
     return _cdiv(tiles, min(tiles, splits))
 
 
-# Where a gather grid is small, a program loads this many columns at once, under this many warps:
-# the fastest of 1, 2 and 4 columns at 4 or 8 warps on the H200 on grids of 4-512 programs, 30-65%
-# less time than one column at 4 warps (benchmarks/NOTES.md section 44). 48-52 registers and no
+# Where a gather grid is small, a program loads several columns at once, under more warps (columns,
+# warps): of 1-8 columns at 4 or 8 warps on the H200 (benchmarks/NOTES.md section 44), eight at 8
+# warps were the fastest on grids of 4-256 programs (53-77% less time than one column at 4 warps)
+# and four at 8 warps at 512 (30% less; eight: 24%). 48-52 registers at four, 100 at eight, no
 # local memory (sm_90, triton 3.6-3.9).
-_GATHER_SMALL_GRID_STEP = (4, 8)
+_GATHER_FEW_PROGRAMS_STEP = (8, 8)  # below two programs an SM
+_GATHER_SMALL_GRID_STEP = (4, 8)  # below four
 
 
 def gather_step(programs: int, device: torch.device) -> tuple[int, int | None]:
@@ -850,7 +852,10 @@ def gather_step(programs: int, device: torch.device) -> tuple[int, int | None]:
     column's two loads wait on each other; with fewer than four programs an SM too few warps run
     to cover that wait, so several columns' loads go out together. Otherwise one column a step,
     as measured before."""
-    if programs < 4 * _sm_count(device):
+    sms = _sm_count(device)
+    if programs < 2 * sms:
+        return _GATHER_FEW_PROGRAMS_STEP
+    if programs < 4 * sms:
         return _GATHER_SMALL_GRID_STEP
     return 1, None
 
