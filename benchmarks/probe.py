@@ -1525,10 +1525,10 @@ def flush_writeback() -> None:
 
 def step_timeline() -> None:
     """What the suite's median of a host-bound training step times (benchmarks/NOTES.md section
-    44): do_bench's loop (grads cleared, the 256 MB L2 flush, an
-    event, the step, an event) with the host's clock read at each event's record, so each call
-    gives the events' interval and the host's span between the two records; the same loop
-    without the flush. Medians of 200 calls, µs."""
+    44): do_bench's loop (grads cleared, the 256 MB L2 flush, an event, the step, an event) with
+    the host's clock read at each event's record, so each call gives the events' interval and the
+    host's span between the two records; the same loop without the flush. Medians of 200 calls,
+    µs."""
     import time
 
     from fusedmaxsim import benchmarking as bm
@@ -1611,7 +1611,8 @@ def gather_steps() -> None:
                 return _launch.maxsim_bwd(g, Q, D, argmax, None, None, True, False, "lowmem",
                                           True, "tf32")[0]  # fp32 grad_Q: orders compared
 
-            with _swapped(_launch, "gather_step", lambda programs, device, s=(cols, warps): s):
+            with _swapped(_launch, "gather_step",
+                          lambda programs, device, scatters, s=(cols, warps): s):
                 try:
                     outputs[(cols, warps)] = call()
                     graphs[(cols, warps)] = _captured(call)
@@ -1621,7 +1622,7 @@ def gather_steps() -> None:
         (maxsim_ref(Q64, D.double()) * g.double()).sum().backward()
         reference = outputs[(1, 4)]
         programs = q_shape[0] * -(-q_shape[1] // base.block_s)
-        picked = _launch.gather_step(programs, Q.device)
+        picked = _launch.gather_step(programs, Q.device, False)
         row = f"-- {label}: {programs} programs, the library picks {picked} (columns, warps)"
         for key, out in outputs.items():
             apart = relative_error(out, reference)
@@ -1633,7 +1634,7 @@ def gather_steps() -> None:
         del Q, D, argmax, graphs, outputs
         torch.cuda.empty_cache()
 
-    def one_column(programs, device):  # the rule before section 44
+    def one_column(programs, device, scatters):  # the rule before section 44
         return 1, None
 
     for name in ("train_small_batch", "train_kd", "train_kd_colpali", "train_colbert"):
@@ -1777,7 +1778,8 @@ if __name__ == "__main__":
                         ("three_programs", three_programs), ("few_programs", few_programs),
                         ("norms_handoff", norms_handoff), ("half_blocks", half_blocks),
                         ("doc_passes", doc_passes), ("doc_waves", doc_waves),
-                        ("flush_writeback", flush_writeback), ("step_timeline", step_timeline), ("gather_steps", gather_steps)):
+                        ("flush_writeback", flush_writeback), ("step_timeline", step_timeline),
+                        ("gather_steps", gather_steps)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()

@@ -436,7 +436,8 @@ def test_gather_columns_a_step(device, layout, cols_per_step, monkeypatch):
     reference's gradients. (A gather that also scatters grad_D always takes one.)"""
     from fusedmaxsim import _launch
 
-    monkeypatch.setattr(_launch, "gather_step", lambda programs, device: (cols_per_step, None))
+    monkeypatch.setattr(_launch, "gather_step",
+                        lambda programs, device, scatters: (cols_per_step, None))
     Q, D, q_mask, d_mask = random_problem(layout, torch.float32, device)
     Q, D = leaf(Q), leaf(D)
     with settings.use_backend("triton"):
@@ -556,11 +557,12 @@ def test_gather_step_policy(monkeypatch):
 
     monkeypatch.setattr(_launch, "_sm_count", lambda device: 132)
     cpu = torch.device("cpu")
-    assert _launch.gather_step(32, cpu) == (8, 8)
-    assert _launch.gather_step(263, cpu) == (8, 8)
-    assert _launch.gather_step(264, cpu) == (4, 8)
-    assert _launch.gather_step(527, cpu) == (4, 8)
-    assert _launch.gather_step(528, cpu) == (1, None)
+    assert _launch.gather_step(32, cpu, False) == (8, 8)
+    assert _launch.gather_step(263, cpu, False) == (8, 8)
+    assert _launch.gather_step(264, cpu, False) == (4, 8)
+    assert _launch.gather_step(527, cpu, False) == (4, 8)
+    assert _launch.gather_step(528, cpu, False) == (1, None)
+    assert _launch.gather_step(32, cpu, True) == (1, None)
     launches = []
     monkeypatch.setattr(_launch, "launcher",
                         lambda kernel: lambda grid, args, meta: launches.append(meta.kwargs))

@@ -847,11 +847,13 @@ _GATHER_FEW_PROGRAMS_STEP = (8, 8)  # below two programs an SM
 _GATHER_SMALL_GRID_STEP = (4, 8)  # below four
 
 
-def gather_step(programs: int, device: torch.device) -> tuple[int, int | None]:
+def gather_step(programs: int, device: torch.device, scatters: bool) -> tuple[int, int | None]:
     """``(columns a step, warps)`` of the gather kernel (None: the configuration's warps). A
     column's two loads wait on each other; with fewer than four programs an SM too few warps run
-    to cover that wait, so several columns' loads go out together. Otherwise one column a step,
-    as measured before."""
+    to cover that wait, so several columns' loads go out together. Otherwise, and in a gather
+    that also scatters grad_D (not measured with more), one column a step, as before."""
+    if scatters:
+        return 1, None
     sms = _sm_count(device)
     if programs < 2 * sms:
         return _GATHER_FEW_PROGRAMS_STEP
@@ -893,8 +895,7 @@ def _launch_gather(
         _gather_constants(
             cfg, per_query_docs, normalize, grad_q is not None,
             grad_q is not None and splits > 1, grad_d_buffer is not None,
-            # A gather that also scatters keeps one column a step (not measured otherwise).
-            (1, None) if grad_d_buffer is not None else gather_step(row_programs * splits, Q.device),
+            gather_step(row_programs * splits, Q.device, grad_d_buffer is not None),
         ),
     )
 
