@@ -22,7 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from fusedmaxsim._kernels import _maxsim_bwd_dd_kernel, _maxsim_fwd_kernel
+from fusedmaxsim._kernels import _maxsim_bwd_dd_kernel, _maxsim_bwd_gather_kernel, _maxsim_fwd_kernel
 from fusedmaxsim._kernels_index import _tile_counts_kernel, _tile_rows_kernel
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -30,7 +30,7 @@ ALIGNED_INTS = ("dim", "stride_q_seq", "stride_q_tok", "stride_d_grp", "stride_d
                 "stride_gd_grp", "stride_gd_col", "stride_gd_tok")
 POINTER_TYPES = {"Q": "*bf16", "D": "*bf16", "GradD": "*bf16", "Grad": "*fp32", "QInv": "*fp32",
                  "DInv": "*fp32", "Out": "*fp32", "Argmax": "*i16", "QMask": "*u8", "DMask": "*u8",
-                 "Rows": "*i32", "Counts": "*i32"}
+                 "Rows": "*i32", "Counts": "*i32", "GradQ": "*bf16"}
 
 
 def compile_sm90(kernel, constants: dict, num_warps: int, num_stages: int, maxnreg=None):
@@ -125,6 +125,19 @@ def grad_d_rows():
             *resources(compiled)
 
 
+def gather_rows():
+    """The gather of grad_Q (lowmem) at the columns a step and warps ``_launch.gather_step`` picks
+    (benchmarks/NOTES.md section 44), at every head dimension the launcher pads to."""
+    for block_k, block_s in ((64, 32), (128, 32), (128, 16), (256, 32), (512, 32)):
+        for cols, warps in ((1, 4), (4, 8), (8, 8)):
+            constants = dict(PER_QUERY_DOCS=False, NORMALIZE=False, COMPUTE_GRAD_Q=True,
+                             ATOMIC_GRAD_Q=False, SCATTER_GRAD_D=False, BLOCK_S=block_s,
+                             BLOCK_K=block_k, COLS_PER_STEP=cols)
+            compiled = compile_sm90(_maxsim_bwd_gather_kernel, constants, warps, 2)
+            yield "grad_Q gather (lowmem)", f"d = {block_k}", \
+                f"{block_s} query tokens, {cols} columns a step, {warps} warps", None, *resources(compiled)
+
+
 def index_rows():
     constants = dict(BLOCK_T=64, SCAN=1024, SCAN_Q=8, SCAN_S=128)
     for name, kernel in (("winner index counts", _tile_counts_kernel), ("winner index rows", _tile_rows_kernel)):
@@ -137,10 +150,10 @@ def main() -> None:
                          cwd=Path(__file__).resolve().parent).stdout.strip() or "unknown"
     print("# Offline compile report (sm_90)\n")
     print(f"- triton {triton.__version__}, target sm_90 (no GPU), git: {sha}")
-    print("- command: `python benchmarks/compile_report.py`; bf16 inputs, d = 128\n")
+    print("- command: `python benchmarks/compile_report.py`; bf16 inputs, d = 128 unless a row says\n")
     print("| kernel | mode | tiles | register cap | registers | local memory B/thread | SASS instructions |")
     print("|---|---|---|---|---|---|---|")
-    for row in (*forward_rows(), *grad_d_rows(), *index_rows()):
+    for row in (*forward_rows(), *grad_d_rows(), *gather_rows(), *index_rows()):
         kernel, mode, label, maxnreg, regs, stack, instructions = row
         print(f"| {kernel} | {mode} | {label} | {maxnreg or '–'} | {regs} | {stack} | {instructions} |",
               flush=True)
