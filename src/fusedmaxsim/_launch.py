@@ -842,7 +842,7 @@ def _dd_tiles_per_program(cfg, Q: Tensor, documents: int, Ld: int, rows_in_one_b
 # warps): of 1-8 columns at 4 or 8 warps on the H200 (benchmarks/NOTES.md section 44), eight at 8
 # warps were the fastest on grids of 4-256 programs (53-77% less time than one column at 4 warps)
 # and four at 8 warps at 512 (30% less; eight: 24%). 48-52 registers at four, 100 at eight, no
-# local memory (sm_90, triton 3.6-3.9).
+# local memory (sm_90, triton 3.6-3.9; benchmarks/results/offline/2026-12-01_4144326).
 _GATHER_FEW_PROGRAMS_STEP = (8, 8)  # below two programs an SM
 _GATHER_SMALL_GRID_STEP = (4, 8)  # below four
 
