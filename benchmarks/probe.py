@@ -11,7 +11,8 @@ argmax and normalize variants, and its tiles; behind section 36, 64-row query ch
 one 128-token query; behind section 38, several documents a program; behind section 41, the
 documents a program of grids a few waves long, and what the suite's L2 flush costs the call
 timed after it; behind section 44, where a host-bound training step's timed interval goes, and
-the gather kernel's columns a step. GPU times by ``triton.testing.do_bench`` (median, ms).
+the gather kernel's columns a step; behind section 45, the document-owned grad_D's row loads.
+GPU times by ``triton.testing.do_bench`` (median, ms).
 
     PYTHONPATH=src python3 benchmarks/probe.py [normalize] [kd] [smooth] [masked] [rerank] [memory] [cold]
         [small] [stages] [cold_profile] [steps] [host] [fwd_tiles] [launch] [chunks]
@@ -19,6 +20,7 @@ the gather kernel's columns a step. GPU times by ``triton.testing.do_bench`` (me
         [hopper_forward] [hopper_host] [hopper_variants] [short_query] [norms_ahead]
         [three_programs] [few_programs] [norms_handoff] [half_blocks]
         [doc_passes] [doc_waves] [flush_writeback] [step_timeline] [gather_steps]
+        [dd_rows]
 """
 
 from __future__ import annotations
@@ -1163,16 +1165,16 @@ _KERNEL_AB_SHAPES = (
 )
 
 
-def _kernel_copy(sha: str):
-    """The module ``benchmarks/hopper_forward_<sha>.py``, a copy of ``_kernels_hopper`` at
-    ``sha`` for an A/B in one process (not kept in the tree), or None after saying how to make
-    it."""
-    copy = Path(__file__).with_name(f"hopper_forward_{sha}.py")
+def _kernel_copy(sha: str, module: str = "_kernels_hopper", stem: str = "hopper_forward"):
+    """The module ``benchmarks/<stem>_<sha>.py``, a copy of the package's ``module`` at ``sha``
+    for an A/B in one process (not kept in the tree), or None after saying how to make it. It is
+    loaded as a module of the package, so that its relative imports resolve."""
+    copy = Path(__file__).with_name(f"{stem}_{sha}.py")
     if not copy.exists():
         print(f"  {copy.name} is missing: git show "
-              f"{sha}:src/fusedmaxsim/_kernels_hopper.py > benchmarks/{copy.name}")
+              f"{sha}:src/fusedmaxsim/{module}.py > benchmarks/{copy.name}")
         return None
-    spec = importlib.util.spec_from_file_location(copy.stem, copy)
+    spec = importlib.util.spec_from_file_location(f"fusedmaxsim.{copy.stem}", copy)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -1659,6 +1661,121 @@ def gather_steps() -> None:
         torch.cuda.empty_cache()
 
 
+def dd_rows() -> None:
+    """The document-owned grad_D (benchmarks/NOTES.md section 45): this tree's kernel (a row's
+    query tokens loaded without waiting for its argmax, zeroed after where it won nothing)
+    against that of ``8040645`` (the load masked by the argmax), and this tree's under other
+    tiles (8 warps; 256 rows a product under 8 warps; 1 and 3 pipeline stages): grad_D alone
+    through ``_launch.maxsim_bwd`` (lowmem, no grad_Q), each variant bit for bit with the old
+    kernel or not and against float64, GPU ms of CUDA-graph replays in three interleaved rounds;
+    then whole training steps (forward and both gradients, replayed) under the two kernels, and
+    at two large cross products lowmem under each against unified. The old kernel's copy is not
+    kept in the tree:
+    ``git show 8040645:src/fusedmaxsim/_kernels.py > benchmarks/kernels_8040645.py`` makes it."""
+    from fusedmaxsim import benchmarking as bm
+
+    before = _kernel_copy("8040645", "_kernels", "kernels")
+    if before is None:
+        return
+    _warm_gpu()
+
+    def old_kernel():
+        return _swapped(_launch, "_maxsim_bwd_dd_kernel", before._maxsim_bwd_dd_kernel)
+
+    shapes = (  # label, Q, D (4-D: per-query candidates)
+        ("train_small_batch (cross, every row scanned)", (32, 32, 128), (32, 180, 128)),
+        ("64 queries x 32 documents of 300 (cross, every row scanned)", (64, 32, 128), (32, 300, 128)),
+        ("train_kd (candidates, rows loaded once)", (64, 32, 128), (64, 32, 300, 128)),
+        ("train_kd_colpali (candidates, rows loaded once)", (32, 32, 128), (32, 16, 1030, 128)),
+        ("train_colpali's shape (cross, winner index)", (128, 128, 128), (128, 1024, 128)),
+    )
+    for label, q_shape, d_shape in shapes:
+        Q, D = _bf16(*q_shape), _bf16(*d_shape)
+        g = torch.randn(q_shape[0], d_shape[-3], device="cuda")
+        with torch.no_grad():
+            _, argmax = _launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32")
+        base = bwd_config(Lq=q_shape[1], dim=q_shape[2], elem_bytes=2, per_query_docs=len(d_shape) == 4)
+        variants = {
+            "8040645": (old_kernel, base),
+            "this tree": (contextlib.nullcontext, base),
+            "8 warps": (contextlib.nullcontext, dataclasses.replace(base, num_warps=8)),
+            "256 rows, 8 warps": (contextlib.nullcontext,
+                                  dataclasses.replace(base, block_r=256, num_warps=8)),
+            "1 stage": (contextlib.nullcontext, dataclasses.replace(base, num_stages=1)),
+            "3 stages": (contextlib.nullcontext, dataclasses.replace(base, num_stages=3)),
+        }
+        outputs, graphs = {}, {}
+        for name, (context, cfg) in variants.items():
+            def call(Q=Q, D=D, g=g, argmax=argmax):
+                return _launch.maxsim_bwd(g, Q, D, argmax, None, None, False, True, "lowmem",
+                                          True, "tf32")[1]
+
+            try:
+                with context(), forced_configs(bwd=cfg):
+                    outputs[name] = call()
+                    graphs[name] = _captured(call)
+            except Exception as exc:  # noqa: BLE001
+                print(f"   {name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        D64 = D.double().requires_grad_()
+        (maxsim_ref(Q.double(), D64) * g.double()).sum().backward()
+        reference = outputs["8040645"]
+        row = f"-- {label}: {base}"
+        for name, out in outputs.items():
+            apart = relative_error(out, reference)
+            row += (f"\n   {name}: {relative_error(out, D64.grad):.0e} from float64"
+                    + (" (bit for bit with 8040645)" if torch.equal(out, reference)
+                       else f", {apart:.0e} from 8040645") + ("" if apart < 1e-2 else " PARITY FAILED"))
+        row += _replay_rounds(graphs, lambda name: f"{name:18s}")
+        print(row, flush=True)
+        del Q, D, D64, argmax, graphs, outputs
+        torch.cuda.empty_cache()
+
+    for name in ("train_small_batch", "train_kd", "train_kd_colpali", "train_colbert"):
+        case = bm.make_case(bm.SHAPES_BY_NAME[name], "training", "cuda")
+        step = bm.make_step(bm.PROVIDERS_BY_KEY["fusedmaxsim"].build(case), case)
+
+        def training(step=step, case=case):
+            case.reset_grads()
+            step()
+
+        try:
+            with old_kernel():
+                old = _captured(training)
+            new = _captured(training)
+            print(f"-- {name}: whole step, GPU ms"
+                  + _replay_rounds({"8040645": old, "this tree": new}, lambda key: f"{key:10s}"),
+                  flush=True)
+        except Exception as exc:  # noqa: BLE001
+            print(f"-- {name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        case.reset_grads()
+        del case
+        torch.cuda.empty_cache()
+
+    # The large cross products, where ``auto`` takes unified (atomics) and lowmem reads its rows
+    # through the winner index (section 25: lowmem 2-3% slower there before this section).
+    for label, q_shape, d_shape in (("train_colpali", (128, 128, 128), (128, 1024, 128)),
+                                    ("512 x 512 ColBERT", (512, 32, 128), (512, 300, 128))):
+        Q, D = _bf16(*q_shape).requires_grad_(), _bf16(*d_shape).requires_grad_()
+        g = torch.randn(q_shape[0], d_shape[0], device="cuda")
+
+        def training(strategy, Q=Q, D=D, g=g):
+            Q.grad = D.grad = None
+            maxsim(Q, D, backward=strategy).backward(g)
+
+        graphs = {}
+        try:
+            with old_kernel():
+                graphs["lowmem, 8040645"] = _captured(lambda: training("lowmem"))
+            graphs["lowmem, this tree"] = _captured(lambda: training("lowmem"))
+            graphs["unified"] = _captured(lambda: training("unified"))
+            print(f"-- {label}: whole step, GPU ms"
+                  + _replay_rounds(graphs, lambda key: f"{key:17s}"), flush=True)
+        except Exception as exc:  # noqa: BLE001
+            print(f"-- {label}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        del Q, D, graphs
+        torch.cuda.empty_cache()
+
+
 def half_blocks() -> None:
     """A single 128-token query as two 64-row chunks, each its own program (neighbours, so the
     second reads the document's tiles from L2), with tiles small enough for three or four
@@ -1779,7 +1896,7 @@ if __name__ == "__main__":
                         ("norms_handoff", norms_handoff), ("half_blocks", half_blocks),
                         ("doc_passes", doc_passes), ("doc_waves", doc_waves),
                         ("flush_writeback", flush_writeback), ("step_timeline", step_timeline),
-                        ("gather_steps", gather_steps)):
+                        ("gather_steps", gather_steps), ("dd_rows", dd_rows)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()
