@@ -20,7 +20,7 @@ GPU times by ``triton.testing.do_bench`` (median, ms).
         [hopper_forward] [hopper_host] [hopper_variants] [short_query] [norms_ahead]
         [three_programs] [few_programs] [norms_handoff] [half_blocks]
         [doc_passes] [doc_waves] [flush_writeback] [step_timeline] [gather_steps]
-        [dd_rows]
+        [dd_rows] [dd_steps]
 """
 
 from __future__ import annotations
@@ -1664,16 +1664,12 @@ def gather_steps() -> None:
 def dd_rows() -> None:
     """The document-owned grad_D (benchmarks/NOTES.md section 45): this tree's kernel (a row's
     query tokens loaded without waiting for its argmax, zeroed after where it won nothing)
-    against that of ``8040645`` (the load masked by the argmax), and this tree's under other
-    tiles (8 warps; 256 rows a product under 8 warps; 1 and 3 pipeline stages): grad_D alone
+    against that of ``8040645`` (the load masked by the argmax), each at 1, 2 (the default) and
+    3 pipeline stages, and this tree's under 8 warps and 256 rows under 8 warps: grad_D alone
     through ``_launch.maxsim_bwd`` (lowmem, no grad_Q), each variant bit for bit with the old
-    kernel or not and against float64, GPU ms of CUDA-graph replays in three interleaved rounds;
-    then whole training steps (forward and both gradients, replayed) under the two kernels, and
-    at two large cross products lowmem under each against unified. The old kernel's copy is not
-    kept in the tree:
+    kernel or not and against float64, GPU ms of CUDA-graph replays in three interleaved rounds
+    (whole steps: ``dd_steps``). The old kernel's copy is not kept in the tree:
     ``git show 8040645:src/fusedmaxsim/_kernels.py > benchmarks/kernels_8040645.py`` makes it."""
-    from fusedmaxsim import benchmarking as bm
-
     before = _kernel_copy("8040645", "_kernels", "kernels")
     if before is None:
         return
@@ -1695,15 +1691,15 @@ def dd_rows() -> None:
         with torch.no_grad():
             _, argmax = _launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32")
         base = bwd_config(Lq=q_shape[1], dim=q_shape[2], elem_bytes=2, per_query_docs=len(d_shape) == 4)
-        variants = {
-            "8040645": (old_kernel, base),
-            "this tree": (contextlib.nullcontext, base),
-            "8 warps": (contextlib.nullcontext, dataclasses.replace(base, num_warps=8)),
-            "256 rows, 8 warps": (contextlib.nullcontext,
-                                  dataclasses.replace(base, block_r=256, num_warps=8)),
-            "1 stage": (contextlib.nullcontext, dataclasses.replace(base, num_stages=1)),
-            "3 stages": (contextlib.nullcontext, dataclasses.replace(base, num_stages=3)),
-        }
+        variants = {"8040645": (old_kernel, base), "this tree": (contextlib.nullcontext, base)}
+        for name, context in (("8040645", old_kernel), ("this tree", contextlib.nullcontext)):
+            for stages in (1, 3):
+                variants[f"{name}, {stages} st."] = (
+                    context, dataclasses.replace(base, num_stages=stages))
+        variants["this tree, 8 warps"] = (
+            contextlib.nullcontext, dataclasses.replace(base, num_warps=8))
+        variants["this tree, 256 rows, 8 warps"] = (
+            contextlib.nullcontext, dataclasses.replace(base, block_r=256, num_warps=8))
         outputs, graphs = {}, {}
         for name, (context, cfg) in variants.items():
             def call(Q=Q, D=D, g=g, argmax=argmax):
@@ -1725,10 +1721,26 @@ def dd_rows() -> None:
             row += (f"\n   {name}: {relative_error(out, D64.grad):.0e} from float64"
                     + (" (bit for bit with 8040645)" if torch.equal(out, reference)
                        else f", {apart:.0e} from 8040645") + ("" if apart < 1e-2 else " PARITY FAILED"))
-        row += _replay_rounds(graphs, lambda name: f"{name:18s}")
+        row += _replay_rounds(graphs, lambda name: f"{name:29s}")
         print(row, flush=True)
         del Q, D, D64, argmax, graphs, outputs
         torch.cuda.empty_cache()
+
+
+def dd_steps() -> None:
+    """Whole training steps (forward and both gradients, CUDA-graph replays in three interleaved
+    rounds) under the document-owned grad_D of this tree and of ``8040645``
+    (benchmarks/NOTES.md section 45; the copy as for ``dd_rows``): the suite's small training
+    shapes, then two large cross products under lowmem against unified."""
+    from fusedmaxsim import benchmarking as bm
+
+    before = _kernel_copy("8040645", "_kernels", "kernels")
+    if before is None:
+        return
+    _warm_gpu()
+
+    def old_kernel():
+        return _swapped(_launch, "_maxsim_bwd_dd_kernel", before._maxsim_bwd_dd_kernel)
 
     for name in ("train_small_batch", "train_kd", "train_kd_colpali", "train_colbert"):
         case = bm.make_case(bm.SHAPES_BY_NAME[name], "training", "cuda")
@@ -1896,7 +1908,8 @@ if __name__ == "__main__":
                         ("norms_handoff", norms_handoff), ("half_blocks", half_blocks),
                         ("doc_passes", doc_passes), ("doc_waves", doc_waves),
                         ("flush_writeback", flush_writeback), ("step_timeline", step_timeline),
-                        ("gather_steps", gather_steps), ("dd_rows", dd_rows)):
+                        ("gather_steps", gather_steps), ("dd_rows", dd_rows),
+                        ("dd_steps", dd_steps)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()
