@@ -24,6 +24,7 @@ from triton.compiler import ASTSource
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from fusedmaxsim._kernels import _maxsim_bwd_dd_kernel, _maxsim_bwd_gather_kernel, _maxsim_fwd_kernel
 from fusedmaxsim._kernels_index import _tile_counts_kernel, _tile_rows_kernel
+from fusedmaxsim._launch import _DD_SCAN_STAGES
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 ALIGNED_INTS = ("dim", "stride_q_seq", "stride_q_tok", "stride_d_grp", "stride_d_col", "stride_d_tok",
@@ -118,10 +119,12 @@ def grad_d_rows():
         constants = dict(PER_QUERY_DOCS=per_query_docs, ROWS_IN_ONE_BLOCK=rows_in_one_block,
                          WINNER_INDEX=winner_index, NORMALIZE=False, BLOCK_T=64, BLOCK_R=block_r,
                          BLOCK_K=128, DOT_PRECISION="tf32", UPCAST=False, INDEX_SCAN=1024)
-        compiled = compile_sm90(_maxsim_bwd_dd_kernel, constants, 4, 2)
+        stages = 2 if rows_in_one_block else _DD_SCAN_STAGES  # as launched
+        compiled = compile_sm90(_maxsim_bwd_dd_kernel, constants, 4, stages)
         mode = ("candidates" if per_query_docs else "cross") + (", rows once" if rows_in_one_block else "")
         mode += ", winner index" if winner_index else ""
-        yield "grad_D (lowmem)", mode, f"64-token tiles, {block_r} rows a product, 4 warps", None, \
+        yield "grad_D (lowmem)", mode, \
+            f"64-token tiles, {block_r} rows a product, 4 warps, {stages} stage{'s' * (stages > 1)}", None, \
             *resources(compiled)
 
 

@@ -11,7 +11,7 @@ argmax and normalize variants, and its tiles; behind section 36, 64-row query ch
 one 128-token query; behind section 38, several documents a program; behind section 41, the
 documents a program of grids a few waves long, and what the suite's L2 flush costs the call
 timed after it; behind section 44, where a host-bound training step's timed interval goes, and
-the gather kernel's columns a step; behind section 45, the document-owned grad_D's row loads.
+the gather kernel's columns a step; behind section 45, the document-owned grad_D's stages.
 GPU times by ``triton.testing.do_bench`` (median, ms).
 
     PYTHONPATH=src python3 benchmarks/probe.py [normalize] [kd] [smooth] [masked] [rerank] [memory] [cold]
@@ -1165,16 +1165,16 @@ _KERNEL_AB_SHAPES = (
 )
 
 
-def _kernel_copy(sha: str, module: str = "_kernels_hopper", stem: str = "hopper_forward"):
-    """The module ``benchmarks/<stem>_<sha>.py``, a copy of the package's ``module`` at ``sha``
-    for an A/B in one process (not kept in the tree), or None after saying how to make it. It is
-    loaded as a module of the package, so that its relative imports resolve."""
-    copy = Path(__file__).with_name(f"{stem}_{sha}.py")
+def _kernel_copy(sha: str):
+    """The module ``benchmarks/hopper_forward_<sha>.py``, a copy of ``_kernels_hopper`` at
+    ``sha`` for an A/B in one process (not kept in the tree), or None after saying how to make
+    it."""
+    copy = Path(__file__).with_name(f"hopper_forward_{sha}.py")
     if not copy.exists():
         print(f"  {copy.name} is missing: git show "
-              f"{sha}:src/fusedmaxsim/{module}.py > benchmarks/{copy.name}")
+              f"{sha}:src/fusedmaxsim/_kernels_hopper.py > benchmarks/{copy.name}")
         return None
-    spec = importlib.util.spec_from_file_location(f"fusedmaxsim.{copy.stem}", copy)
+    spec = importlib.util.spec_from_file_location(copy.stem, copy)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -1662,22 +1662,14 @@ def gather_steps() -> None:
 
 
 def dd_rows() -> None:
-    """The document-owned grad_D (benchmarks/NOTES.md section 45): this tree's kernel (a row's
-    query tokens loaded without waiting for its argmax, zeroed after where it won nothing)
-    against that of ``8040645`` (the load masked by the argmax), each at 1, 2 (the default) and
-    3 pipeline stages, and this tree's under 8 warps and 256 rows under 8 warps: grad_D alone
-    through ``_launch.maxsim_bwd`` (lowmem, no grad_Q), each variant bit for bit with the old
-    kernel or not and against float64, GPU ms of CUDA-graph replays in three interleaved rounds
-    (whole steps: ``dd_steps``). The old kernel's copy is not kept in the tree:
-    ``git show 8040645:src/fusedmaxsim/_kernels.py > benchmarks/kernels_8040645.py`` makes it."""
-    before = _kernel_copy("8040645", "_kernels", "kernels")
-    if before is None:
-        return
+    """The document-owned grad_D's pipeline stages (benchmarks/NOTES.md section 45): grad_D alone
+    through ``_launch.maxsim_bwd`` (lowmem, no grad_Q) with the scanning programs at the
+    launcher's one stage, at two (``8040645``'s) and at three, and under 8 warps and 256 rows
+    under 8 warps; each bit for bit with two stages or not and against float64, GPU ms of
+    CUDA-graph replays in three interleaved rounds (whole steps: ``dd_steps``). Record
+    ``2026-12-01_e422d44`` is this probe at ``e422d44``, whose kernel also loaded a row's query
+    tokens beside its argmax (not kept), against a copy of ``8040645``'s."""
     _warm_gpu()
-
-    def old_kernel():
-        return _swapped(_launch, "_maxsim_bwd_dd_kernel", before._maxsim_bwd_dd_kernel)
-
     shapes = (  # label, Q, D (4-D: per-query candidates)
         ("train_small_batch (cross, every row scanned)", (32, 32, 128), (32, 180, 128)),
         ("64 queries x 32 documents of 300 (cross, every row scanned)", (64, 32, 128), (32, 300, 128)),
@@ -1691,15 +1683,15 @@ def dd_rows() -> None:
         with torch.no_grad():
             _, argmax = _launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32")
         base = bwd_config(Lq=q_shape[1], dim=q_shape[2], elem_bytes=2, per_query_docs=len(d_shape) == 4)
-        variants = {"8040645": (old_kernel, base), "this tree": (contextlib.nullcontext, base)}
-        for name, context in (("8040645", old_kernel), ("this tree", contextlib.nullcontext)):
-            for stages in (1, 3):
-                variants[f"{name}, {stages} st."] = (
-                    context, dataclasses.replace(base, num_stages=stages))
-        variants["this tree, 8 warps"] = (
-            contextlib.nullcontext, dataclasses.replace(base, num_warps=8))
-        variants["this tree, 256 rows, 8 warps"] = (
-            contextlib.nullcontext, dataclasses.replace(base, block_r=256, num_warps=8))
+        stages = lambda n: _swapped(_launch, "_DD_SCAN_STAGES", n)  # noqa: E731
+        variants = {
+            "2 stages (8040645)": (lambda: stages(2), base),
+            "this tree": (contextlib.nullcontext, base),
+            "3 stages": (lambda: stages(3), base),
+            "8 warps": (contextlib.nullcontext, dataclasses.replace(base, num_warps=8)),
+            "256 rows, 8 warps": (contextlib.nullcontext,
+                                  dataclasses.replace(base, block_r=256, num_warps=8)),
+        }
         outputs, graphs = {}, {}
         for name, (context, cfg) in variants.items():
             def call(Q=Q, D=D, g=g, argmax=argmax):
@@ -1714,14 +1706,14 @@ def dd_rows() -> None:
                 print(f"   {name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
         D64 = D.double().requires_grad_()
         (maxsim_ref(Q.double(), D64) * g.double()).sum().backward()
-        reference = outputs["8040645"]
+        reference = outputs["2 stages (8040645)"]
         row = f"-- {label}: {base}"
         for name, out in outputs.items():
             apart = relative_error(out, reference)
             row += (f"\n   {name}: {relative_error(out, D64.grad):.0e} from float64"
-                    + (" (bit for bit with 8040645)" if torch.equal(out, reference)
-                       else f", {apart:.0e} from 8040645") + ("" if apart < 1e-2 else " PARITY FAILED"))
-        row += _replay_rounds(graphs, lambda name: f"{name:29s}")
+                    + (" (bit for bit with 2 stages)" if torch.equal(out, reference)
+                       else f", {apart:.0e} from 2 stages") + ("" if apart < 1e-2 else " PARITY FAILED"))
+        row += _replay_rounds(graphs, lambda name: f"{name:18s}")
         print(row, flush=True)
         del Q, D, D64, argmax, graphs, outputs
         torch.cuda.empty_cache()
@@ -1729,18 +1721,15 @@ def dd_rows() -> None:
 
 def dd_steps() -> None:
     """Whole training steps (forward and both gradients, CUDA-graph replays in three interleaved
-    rounds) under the document-owned grad_D of this tree and of ``8040645``
-    (benchmarks/NOTES.md section 45; the copy as for ``dd_rows``): the suite's small training
-    shapes, then two large cross products under lowmem against unified."""
+    rounds) with the document-owned grad_D's scanning programs at two stages (``8040645``) and at
+    the launcher's one (benchmarks/NOTES.md section 45): the suite's small training shapes, then
+    two large cross products under lowmem against unified."""
     from fusedmaxsim import benchmarking as bm
 
-    before = _kernel_copy("8040645", "_kernels", "kernels")
-    if before is None:
-        return
     _warm_gpu()
 
-    def old_kernel():
-        return _swapped(_launch, "_maxsim_bwd_dd_kernel", before._maxsim_bwd_dd_kernel)
+    def two_stages():
+        return _swapped(_launch, "_DD_SCAN_STAGES", 2)
 
     for name in ("train_small_batch", "train_kd", "train_kd_colpali", "train_colbert"):
         case = bm.make_case(bm.SHAPES_BY_NAME[name], "training", "cuda")
@@ -1751,11 +1740,11 @@ def dd_steps() -> None:
             step()
 
         try:
-            with old_kernel():
+            with two_stages():
                 old = _captured(training)
             new = _captured(training)
             print(f"-- {name}: whole step, GPU ms"
-                  + _replay_rounds({"8040645": old, "this tree": new}, lambda key: f"{key:10s}"),
+                  + _replay_rounds({"2 stages": old, "this tree": new}, lambda key: f"{key:10s}"),
                   flush=True)
         except Exception as exc:  # noqa: BLE001
             print(f"-- {name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
@@ -1764,7 +1753,7 @@ def dd_steps() -> None:
         torch.cuda.empty_cache()
 
     # The large cross products, where ``auto`` takes unified (atomics) and lowmem reads its rows
-    # through the winner index (section 25: lowmem 2-3% slower there before this section).
+    # through the winner index (section 25: lowmem 2-3% slower there, before section 44).
     for label, q_shape, d_shape in (("train_colpali", (128, 128, 128), (128, 1024, 128)),
                                     ("512 x 512 ColBERT", (512, 32, 128), (512, 300, 128))):
         Q, D = _bf16(*q_shape).requires_grad_(), _bf16(*d_shape).requires_grad_()
@@ -1776,8 +1765,8 @@ def dd_steps() -> None:
 
         graphs = {}
         try:
-            with old_kernel():
-                graphs["lowmem, 8040645"] = _captured(lambda: training("lowmem"))
+            with two_stages():
+                graphs["lowmem, 2 stages"] = _captured(lambda: training("lowmem"))
             graphs["lowmem, this tree"] = _captured(lambda: training("lowmem"))
             graphs["unified"] = _captured(lambda: training("unified"))
             print(f"-- {label}: whole step, GPU ms"

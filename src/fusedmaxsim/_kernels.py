@@ -589,23 +589,19 @@ def _dd_rows(
     NORMALIZE: tl.constexpr,
 ):
     """Rows ``o_r`` (where ``m_r``) of the flattened (query, query token) pairs: their winning
-    document tokens and ``g · Q`` rounded to the input dtype, 0 where a row won no token."""
+    document tokens and ``g · Q`` rounded to the input dtype."""
     o_q = (o_r // Lq).to(tl.int64)
     o_s = o_r % Lq
     idx = tl.load(Argmax + (o_q * Ncols + i_col) * Lq + o_s, mask=m_r, other=-1)
     g = tl.load(Grad + o_q * stride_g_seq + i_col * stride_g_col, mask=m_r, other=0.0).to(tl.float32)
     if NORMALIZE:
         g = g * tl.load(QInv + o_q * stride_qinv_seq + o_s * stride_qinv_tok, mask=m_r, other=0.0)
-    # Masked by the row alone, so the load goes out with the argmax's instead of waiting for it
-    # (a chain of two loads a step). A row that won no token (a masked query token, or a column
-    # with no valid token) is zeroed after: whatever it holds, a NaN included, adds nothing.
     b_q = tl.load(
         Q + o_q[:, None] * stride_q_seq + o_s[:, None] * stride_q_tok + o_k[None, :] * stride_q_dim,
-        mask=m_r[:, None] & m_k[None, :],
+        mask=(m_r & (idx >= 0))[:, None] & m_k[None, :],
         other=0.0,
     )
-    b_w = tl.where((idx >= 0)[:, None], b_q.to(tl.float32) * g[:, None], 0.0)
-    return idx, b_w.to(Q.dtype.element_ty)  # [BLOCK_R, BLOCK_K]
+    return idx, (b_q.to(tl.float32) * g[:, None]).to(Q.dtype.element_ty)  # [BLOCK_R, BLOCK_K]
 
 
 @triton.jit

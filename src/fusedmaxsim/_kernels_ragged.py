@@ -310,17 +310,16 @@ def _onehot_rows(
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """``acc [BLOCK_T, BLOCK_K] += onehot(idx == t)ᵀ @ (g · Q rows)``; ``g · Q`` is rounded to
-    the input dtype before the product (the one-hot side is exact). As in ``_dd_rows``, the rows
-    load without waiting for ``idx``, and a row that won no token is zeroed after."""
+    the input dtype before the product (the one-hot side is exact)."""
     if NORMALIZE:
         g = g * tl.load(QInv + o_row, mask=m_r, other=0.0)
     b_q = tl.load(
         Q + o_row[:, None] * stride_q_tok + o_k[None, :] * stride_q_dim,
-        mask=m_r[:, None] & m_k[None, :],
+        mask=(m_r & (idx >= 0))[:, None] & m_k[None, :],
         other=0.0,
     )
-    b_w = tl.where((idx >= 0)[:, None], b_q.to(tl.float32) * g[:, None], 0.0)
-    return acc + _dd_product(o_t, idx, b_w.to(Q.dtype.element_ty), DOT_PRECISION, UPCAST)
+    b_w = (b_q.to(tl.float32) * g[:, None]).to(Q.dtype.element_ty)  # [BLOCK_R, BLOCK_K]
+    return acc + _dd_product(o_t, idx, b_w, DOT_PRECISION, UPCAST)
 
 
 @triton.jit(

@@ -909,10 +909,21 @@ def _gather_constants(cfg, per_query_docs, normalize, grad_q, atomic_q, scatter_
     return constants(PER_QUERY_DOCS=per_query_docs, COLS_PER_STEP=cols_per_step, **meta)
 
 
+# A document-owned grad_D program that scans rows (the cross product's, with or without the
+# winner index) runs its loop unpipelined: one stage took 5-26% less time than two or three on the
+# H200 (benchmarks/NOTES.md section 45; offline, two stages spill 24 B a thread, one none). A
+# program that loads its rows once has no such loop and keeps the configuration's stages.
+_DD_SCAN_STAGES = 1
+
+
 @functools.lru_cache(maxsize=1024)
 def _dd_constants(
-    cfg, per_query_docs, rows_in_one_block, winner_index, normalize, dtype, fp32_precision
+    cfg, per_query_docs, rows_in_one_block, winner_index, normalize, dtype, fp32_precision,
+    scan_stages,
 ) -> Constants:
+    meta = owned_tile_meta(cfg, dtype, fp32_precision)
+    if not rows_in_one_block:
+        meta["num_stages"] = scan_stages
     return constants(
         PER_QUERY_DOCS=per_query_docs,
         ROWS_IN_ONE_BLOCK=rows_in_one_block,
@@ -920,7 +931,7 @@ def _dd_constants(
         INDEX_SCAN=_INDEX_SCAN,
         NORMALIZE=normalize,
         BLOCK_R=cfg.block_r,
-        **owned_tile_meta(cfg, dtype, fp32_precision),
+        **meta,
     )
 
 
@@ -951,7 +962,7 @@ def _launch_dd(
         ),
         _dd_constants(
             cfg, per_query_docs, rows_in_one_block, winner_index, normalize, Q.dtype,
-            fp32_precision,
+            fp32_precision, _DD_SCAN_STAGES,
         ),
     )
 
