@@ -11,7 +11,8 @@ argmax and normalize variants, and its tiles; behind section 36, 64-row query ch
 one 128-token query; behind section 38, several documents a program; behind section 41, the
 documents a program of grids a few waves long, and what the suite's L2 flush costs the call
 timed after it; behind section 44, where a host-bound training step's timed interval goes, and
-the gather kernel's columns a step; behind section 45, the document-owned grad_D's stages.
+the gather kernel's columns a step; behind section 45, the document-owned grad_D's stages and
+``auto``'s backward for large cross products.
 GPU times by ``triton.testing.do_bench`` (median, ms).
 
     PYTHONPATH=src python3 benchmarks/probe.py [normalize] [kd] [smooth] [masked] [rerank] [memory] [cold]
@@ -20,7 +21,7 @@ GPU times by ``triton.testing.do_bench`` (median, ms).
         [hopper_forward] [hopper_host] [hopper_variants] [short_query] [norms_ahead]
         [three_programs] [few_programs] [norms_handoff] [half_blocks]
         [doc_passes] [doc_waves] [flush_writeback] [step_timeline] [gather_steps]
-        [dd_rows] [dd_steps]
+        [dd_rows] [dd_steps] [large_cross]
 """
 
 from __future__ import annotations
@@ -1777,6 +1778,48 @@ def dd_steps() -> None:
         torch.cuda.empty_cache()
 
 
+def large_cross() -> None:
+    """``auto``'s backward for in-batch (cross-product) training above the host-bound size
+    (benchmarks/NOTES.md section 45): lowmem (grad_Q gathered, grad_D document-owned through the
+    winner index) against unified (fp32 atomics) at five shapes from 2^34 to 2^40 multiply-adds:
+    each step's peak memory above the inputs and do_bench median (eager, host included), then
+    GPU ms of CUDA-graph replays in three interleaved rounds, and the gradients' distance."""
+    _warm_gpu()
+    shapes = (
+        ("train_colbert", (128, 32, 128), (128, 300, 128)),
+        ("256 x 256 ColBERT", (256, 32, 128), (256, 300, 128)),
+        ("train_colpali", (128, 128, 128), (128, 1024, 128)),
+        ("512 x 512 ColBERT", (512, 32, 128), (512, 300, 128)),
+        ("256 x 256 ColPali", (256, 128, 128), (256, 1024, 128)),
+    )
+    for label, q_shape, d_shape in shapes:
+        Q, D = _bf16(*q_shape).requires_grad_(), _bf16(*d_shape).requires_grad_()
+        g = torch.randn(q_shape[0], d_shape[0], device="cuda")
+        macs = q_shape[0] * q_shape[1] * d_shape[0] * d_shape[1] * q_shape[2]
+        row = f"-- {label} (2^{macs.bit_length() - 1} multiply-adds)"
+        graphs, grads = {}, {}
+        try:
+            for strategy in ("lowmem", "unified"):
+                peak, ms = step_peak_and_ms(Q, D, g, strategy)
+                row += f"\n   {strategy:8s} peak {peak:6.1f} MiB above the inputs, eager {ms:.4f} ms"
+                maxsim(Q, D, backward=strategy).backward(g)
+                grads[strategy] = (Q.grad, D.grad)
+                Q.grad = D.grad = None
+
+                def training(strategy=strategy):
+                    Q.grad = D.grad = None
+                    maxsim(Q, D, backward=strategy).backward(g)
+
+                graphs[strategy] = _captured(training)
+            row += "".join(f"\n   grad_{name} lowmem against unified: {relative_error(a, b):.0e}"
+                           for name, a, b in zip("QD", grads["lowmem"], grads["unified"]))
+            row += _replay_rounds(graphs, lambda key: f"{key:8s}")
+        except Exception as exc:  # noqa: BLE001
+            row += f"\n   {type(exc).__name__}: {str(exc)[:200]}"
+        print(row, flush=True)
+        del Q, D, graphs, grads
+        torch.cuda.empty_cache()
+
 def half_blocks() -> None:
     """A single 128-token query as two 64-row chunks, each its own program (neighbours, so the
     second reads the document's tiles from L2), with tiles small enough for three or four
@@ -1898,7 +1941,7 @@ if __name__ == "__main__":
                         ("doc_passes", doc_passes), ("doc_waves", doc_waves),
                         ("flush_writeback", flush_writeback), ("step_timeline", step_timeline),
                         ("gather_steps", gather_steps), ("dd_rows", dd_rows),
-                        ("dd_steps", dd_steps)):
+                        ("dd_steps", dd_steps), ("large_cross", large_cross)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()
