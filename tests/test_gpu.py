@@ -101,7 +101,7 @@ def test_lowmem_is_bitwise_reproducible_on_gpu():
         pytest.param((128, 128, 128), (128, 1024, 128), id="colpali-128x128"),
     ],
 )
-@pytest.mark.parametrize("strategy", ["auto", "lowmem"])  # lowmem at colpali: the winner index
+@pytest.mark.parametrize("strategy", ["unified", "lowmem"])  # lowmem at colpali: the winner index
 def test_large_shapes(q_shape, d_shape, strategy):
     """The float64 reference grid would not fit (128·128·128·1024 doubles = 17 GB): it is built a
     few queries at a time, and its gradients summed over the slices."""

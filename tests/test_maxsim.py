@@ -240,14 +240,18 @@ def test_normalize_zero_and_huge_tokens(backend, device, grad):
 def test_auto_strategy_rule():
     from fusedmaxsim._ops import resolve_strategy
 
-    def auto(Nq, Ncols, Lq, Ld, dim, per_query_docs=False):
+    def auto(Nq, Ncols, Lq, Ld, dim, per_query_docs=False, sixteen_bit=True):
         return resolve_strategy(
-            "auto", per_query_docs=per_query_docs, Nq=Nq, Ncols=Ncols, Lq=Lq, Ld=Ld, dim=dim
+            "auto", per_query_docs=per_query_docs, Nq=Nq, Ncols=Ncols, Lq=Lq, Ld=Ld, dim=dim,
+            sixteen_bit=sixteen_bit,
         )
 
     assert auto(32, 32, 32, 180, 128) == "lowmem"  # host-bound: no fp32 buffer to fill and cast
-    assert auto(128, 128, 32, 300, 128) == "unified"  # many queries share each document
+    assert auto(128, 128, 32, 300, 128) == "unified"  # 2^34: fewer launches than the winner index
     assert auto(128, 128, 32, 300, 128, per_query_docs=True) == "lowmem"
+    assert auto(256, 256, 32, 300, 128) == "lowmem"  # 2^36: GPU-bound, lowmem as fast
+    assert auto(128, 128, 128, 1024, 128) == "lowmem"  # train_colpali, 2^38
+    assert auto(128, 128, 128, 1024, 128, sixteen_bit=False) == "unified"  # fp32: exact adds
     assert resolve_strategy("unified", per_query_docs=True, Nq=1, Ncols=1, Lq=1, Ld=1, dim=1) == "unified"
 
 

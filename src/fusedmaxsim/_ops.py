@@ -192,17 +192,28 @@ def refuse_nondeterministic(strategy: str) -> None:
 # (benchmarks/NOTES.md, section 9).
 HOST_BOUND_MACS = 1 << 32
 
+# From this many multiply-adds up, a cross product's training step with 16-bit inputs is bound by
+# the GPU, and there "lowmem" (through the winner index) is about as fast as "unified" and
+# bitwise reproducible: on the H200 its steps took 9% less GPU time than unified's at 2^36, 1-6%
+# less at 2^38 and 2% more at 2^40, at the same peak memory (benchmarks/NOTES.md section 45).
+# Below it (down to HOST_BOUND_MACS) unified's fewer launches decide. fp32 inputs keep unified:
+# lowmem's one-hot products run at ``fp32_precision`` (TF32 by default), unified adds in fp32.
+LOWMEM_CROSS_MACS = 1 << 36
+
 
 def resolve_strategy(
-    strategy: str, *, per_query_docs: bool, Nq: int, Ncols: int, Lq: int, Ld: int, dim: int
+    strategy: str, *, per_query_docs: bool, Nq: int, Ncols: int, Lq: int, Ld: int, dim: int,
+    sixteen_bit: bool = False,
 ) -> str:
     """The backward strategy for ``auto``, and the determinism guard for ``unified``."""
     deterministic = torch.are_deterministic_algorithms_enabled()
     if strategy == "auto":
-        # Measured on the H200 (benchmarks/NOTES.md): the atomic scatter is 2-8x faster when many
-        # queries share each document; per-query candidates have no such sharing, and there the
-        # document-owned products win. Small problems go by host time.
-        if deterministic or per_query_docs or Nq * Ncols * Lq * Ld * dim <= HOST_BOUND_MACS:
+        # Measured on the H200 (benchmarks/NOTES.md): per-query candidates share no document, and
+        # there the document-owned products win; small problems go by host time; in between,
+        # unified's atomic scatter, with fewer launches than lowmem's winner index.
+        macs = Nq * Ncols * Lq * Ld * dim
+        if (deterministic or per_query_docs or macs <= HOST_BOUND_MACS
+                or (sixteen_bit and macs >= LOWMEM_CROSS_MACS)):
             return "lowmem"
         return "unified"
     refuse_nondeterministic(strategy)
@@ -282,7 +293,7 @@ def _grads(ctx, grad_scores: Tensor, traced: bool) -> tuple[Tensor | None, Tenso
     d_mask = optional[-1] if ctx.tau else None
     strategy = resolve_strategy(
         ctx.strategy, per_query_docs=D.dim() == 4, Nq=Q.shape[0], Ncols=D.shape[-3], Lq=Q.shape[1],
-        Ld=D.shape[-2], dim=D.shape[-1],
+        Ld=D.shape[-2], dim=D.shape[-1], sixteen_bit=Q.element_size() == 2,
     )
     bwd = maxsim_bwd if traced or torch.compiler.is_compiling() else maxsim_bwd_impl
     grad_type = torch.float64 if Q.dtype == torch.float64 else torch.float32
