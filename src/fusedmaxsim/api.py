@@ -21,14 +21,14 @@ Semantics shared by every function here
 * Gradients come in the input dtype, and only those that are needed are computed. The argmax is
   saved only when a gradient will be needed (nothing under ``no_grad`` / ``inference_mode``), as
   int16 while ``Ld < 32768`` and int32 beyond.
-* ``backward=``: ``"unified"`` (one pass, fp32 atomics for ``grad_D``: the fastest when many queries
-  share each document; past 32 MiB its fp32 buffer holds a fifth of ``grad_D`` at a time, column
-  chunk after column chunk), ``"lowmem"`` (every gradient row
-  owned by one program: no atomics, bitwise reproducible, gradients written directly in the input
-  dtype), ``"auto"`` or ``None``: lowmem for per-query candidates, for small problems
-  (``Nq·Nd·Lq·Ld·d <= 2**32``, where the host's time decides) and under
-  ``torch.use_deterministic_algorithms(True)``, else unified (the rule comes from measurements,
-  ``benchmarks/NOTES.md``). The PyTorch path is always deterministic.
+* ``backward=``: ``"unified"`` (one pass, fp32 atomics for ``grad_D``: the fewest launches; past
+  32 MiB its fp32 buffer holds a fifth of ``grad_D`` at a time, column chunk after column chunk),
+  ``"lowmem"`` (every gradient row owned by one program: no atomics, bitwise reproducible,
+  gradients written directly in the input dtype), ``"auto"`` or ``None``: lowmem for per-query
+  candidates, for small problems (``Nq·Nd·Lq·Ld·d <= 2**32``, where the host's time decides), for
+  16-bit cross products from ``2**36`` multiply-adds up (bound by the GPU, where lowmem is as
+  fast) and under ``torch.use_deterministic_algorithms(True)``, else unified (the rule comes from
+  measurements, ``benchmarks/NOTES.md``). The PyTorch path is always deterministic.
 * ``reduction="smoothmax"`` replaces the max over document tokens by the smooth max
   ``tau · log Σ_t exp(s_t / tau)`` over the valid ones (colpali-engine's ``use_smooth_max``;
   ``tau=0.1`` by default). It tends to the max as ``tau → 0`` and to ``max + tau·log(#ties)`` at
