@@ -1581,6 +1581,18 @@ def step_timeline() -> None:
         torch.cuda.empty_cache()
 
 
+def _backward_inputs(q_shape, d_shape) -> tuple:
+    """Random bf16 ``Q`` and ``D`` of these shapes (4-D ``D``: per-query candidates), an fp32
+    ``grad_scores``, the forward's argmax, and the backward's tiles as the launcher picks them:
+    ``(Q, D, g, argmax, cfg)``, for the probes that time one backward kernel alone."""
+    Q, D = _bf16(*q_shape), _bf16(*d_shape)
+    g = torch.randn(q_shape[0], d_shape[-3], device="cuda")
+    with torch.no_grad():
+        _, argmax = _launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32")
+    cfg = bwd_config(Lq=q_shape[1], dim=q_shape[2], elem_bytes=2, per_query_docs=len(d_shape) == 4)
+    return Q, D, g, argmax, cfg
+
+
 def gather_steps() -> None:
     """The gather kernel's columns a step (benchmarks/NOTES.md section 44) on grids of few
     programs: an fp32 grad_Q alone through ``_launch.maxsim_bwd`` (lowmem: the gather kernel
@@ -1589,8 +1601,6 @@ def gather_steps() -> None:
     interleaved rounds; then the whole training step's GPU time (forward and both gradients,
     replayed) at the suite's small training shapes under one column a step and under the
     library's pick, in interleaved rounds."""
-    from fusedmaxsim import benchmarking as bm
-
     _warm_gpu()
     shapes = (  # label, Q, D (4-D: per-query candidates)
         ("train_small_batch (32 programs)", (32, 32, 128), (32, 180, 128)),
@@ -1603,11 +1613,7 @@ def gather_steps() -> None:
     )
     variants = [(1, 4), (2, 4), (4, 4), (4, 8), (8, 8)]
     for label, q_shape, d_shape in shapes:
-        Q, D = _bf16(*q_shape), _bf16(*d_shape)
-        g = torch.randn(q_shape[0], d_shape[-3], device="cuda")
-        with torch.no_grad():
-            _, argmax = _launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32")
-        base = bwd_config(Lq=q_shape[1], dim=q_shape[2], elem_bytes=2, per_query_docs=len(d_shape) == 4)
+        Q, D, g, argmax, base = _backward_inputs(q_shape, d_shape)
         outputs, graphs = {}, {}
         for cols, warps in variants:
             def call(Q=Q, D=D, g=g, argmax=argmax):
@@ -1640,6 +1646,16 @@ def gather_steps() -> None:
     def one_column(programs, device, scatters):  # the rule before section 44
         return 1, None
 
+    _small_training_steps(lambda: _swapped(_launch, "gather_step", one_column), "one column",
+                          "library")
+
+
+def _small_training_steps(before, before_label: str, after_label: str = "this tree") -> None:
+    """Whole steps (forward and both gradients, CUDA-graph replays in three interleaved rounds)
+    at the suite's small training shapes, captured inside the context ``before()`` against this
+    tree's."""
+    from fusedmaxsim import benchmarking as bm
+
     for name in ("train_small_batch", "train_kd", "train_kd_colpali", "train_colbert"):
         case = bm.make_case(bm.SHAPES_BY_NAME[name], "training", "cuda")
         step = bm.make_step(bm.PROVIDERS_BY_KEY["fusedmaxsim"].build(case), case)
@@ -1649,17 +1665,22 @@ def gather_steps() -> None:
             step()
 
         try:
-            with _swapped(_launch, "gather_step", one_column):
-                before = _captured(training)
-            after = _captured(training)
+            with before():
+                old = _captured(training)
+            new = _captured(training)
             print(f"-- {name}: whole step, GPU ms"
-                  + _replay_rounds({"one column": before, "library": after}, lambda key: f"{key:10s}"),
+                  + _replay_rounds({before_label: old, after_label: new}, lambda key: f"{key:10s}"),
                   flush=True)
         except Exception as exc:  # noqa: BLE001
             print(f"-- {name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
         case.reset_grads()
         del case
         torch.cuda.empty_cache()
+
+
+def _scan_stages(stages: int):
+    """A context in which the document-owned grad_D's row-scanning programs run at ``stages``."""
+    return _swapped(_launch, "_DD_SCAN_STAGES", stages)
 
 
 def dd_rows() -> None:
@@ -1679,16 +1700,11 @@ def dd_rows() -> None:
         ("train_colpali's shape (cross, winner index)", (128, 128, 128), (128, 1024, 128)),
     )
     for label, q_shape, d_shape in shapes:
-        Q, D = _bf16(*q_shape), _bf16(*d_shape)
-        g = torch.randn(q_shape[0], d_shape[-3], device="cuda")
-        with torch.no_grad():
-            _, argmax = _launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32")
-        base = bwd_config(Lq=q_shape[1], dim=q_shape[2], elem_bytes=2, per_query_docs=len(d_shape) == 4)
-        stages = lambda n: _swapped(_launch, "_DD_SCAN_STAGES", n)  # noqa: E731
+        Q, D, g, argmax, base = _backward_inputs(q_shape, d_shape)
         variants = {
-            "2 stages (8040645)": (lambda: stages(2), base),
+            "2 stages (8040645)": (lambda: _scan_stages(2), base),
             "this tree": (contextlib.nullcontext, base),
-            "3 stages": (lambda: stages(3), base),
+            "3 stages": (lambda: _scan_stages(3), base),
             "8 warps": (contextlib.nullcontext, dataclasses.replace(base, num_warps=8)),
             "256 rows, 8 warps": (contextlib.nullcontext,
                                   dataclasses.replace(base, block_r=256, num_warps=8)),
@@ -1725,33 +1741,8 @@ def dd_steps() -> None:
     rounds) with the document-owned grad_D's scanning programs at two stages (``8040645``) and at
     the launcher's one (benchmarks/NOTES.md section 45): the suite's small training shapes, then
     two large cross products under lowmem against unified."""
-    from fusedmaxsim import benchmarking as bm
-
     _warm_gpu()
-
-    def two_stages():
-        return _swapped(_launch, "_DD_SCAN_STAGES", 2)
-
-    for name in ("train_small_batch", "train_kd", "train_kd_colpali", "train_colbert"):
-        case = bm.make_case(bm.SHAPES_BY_NAME[name], "training", "cuda")
-        step = bm.make_step(bm.PROVIDERS_BY_KEY["fusedmaxsim"].build(case), case)
-
-        def training(step=step, case=case):
-            case.reset_grads()
-            step()
-
-        try:
-            with two_stages():
-                old = _captured(training)
-            new = _captured(training)
-            print(f"-- {name}: whole step, GPU ms"
-                  + _replay_rounds({"2 stages": old, "this tree": new}, lambda key: f"{key:10s}"),
-                  flush=True)
-        except Exception as exc:  # noqa: BLE001
-            print(f"-- {name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-        case.reset_grads()
-        del case
-        torch.cuda.empty_cache()
+    _small_training_steps(lambda: _scan_stages(2), "2 stages")
 
     # The large cross products, where ``auto`` takes unified (atomics) and lowmem reads its rows
     # through the winner index (section 25: lowmem 2-3% slower there, before section 44).
@@ -1766,7 +1757,7 @@ def dd_steps() -> None:
 
         graphs = {}
         try:
-            with two_stages():
+            with _scan_stages(2):
                 graphs["lowmem, 2 stages"] = _captured(lambda: training("lowmem"))
             graphs["lowmem, this tree"] = _captured(lambda: training("lowmem"))
             graphs["unified"] = _captured(lambda: training("unified"))
@@ -1806,7 +1797,7 @@ def large_cross() -> None:
                 grads[strategy] = (Q.grad, D.grad)
                 Q.grad = D.grad = None
 
-                def training(strategy=strategy):
+                def training(strategy=strategy, Q=Q, D=D, g=g):
                     Q.grad = D.grad = None
                     maxsim(Q, D, backward=strategy).backward(g)
 
