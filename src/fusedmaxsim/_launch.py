@@ -911,9 +911,9 @@ def _gather_constants(cfg, per_query_docs, normalize, grad_q, atomic_q, scatter_
 
 # A document-owned grad_D program that scans rows (the cross product's, with or without the
 # winner index, and per-query candidates longer than a product's rows) runs its loop unpipelined:
-# one stage took 5-26% less time than two or three on the H200 (benchmarks/NOTES.md section 45;
-# offline, two stages spill 24 B a thread, one none). A program that loads its rows once has no
-# such loop and keeps the configuration's stages.
+# one stage took 5-26% less time than two or three on the H200 (benchmarks/NOTES.md section 45).
+# Offline (sm_90, triton 3.6-3.9), the full scan spills 8-80 B a thread at two stages and nothing
+# at one. A program that loads its rows once has no such loop and keeps the configuration's stages.
 _DD_SCAN_STAGES = 1
 
 
