@@ -21,7 +21,7 @@ GPU times by ``triton.testing.do_bench`` (median, ms).
         [hopper_forward] [hopper_host] [hopper_variants] [short_query] [norms_ahead]
         [three_programs] [few_programs] [norms_handoff] [half_blocks]
         [doc_passes] [doc_waves] [flush_writeback] [step_timeline] [gather_steps]
-        [dd_rows] [dd_steps] [large_cross]
+        [dd_rows] [dd_steps] [large_cross] [ragged_dd]
 """
 
 from __future__ import annotations
@@ -1769,6 +1769,65 @@ def dd_steps() -> None:
         torch.cuda.empty_cache()
 
 
+def ragged_dd() -> None:
+    """The packed layouts' document-owned grad_D (lowmem) at one stage against two
+    (benchmarks/NOTES.md section 45): whole training steps of ``maxsim_varlen`` (every query
+    against every document) and ``score_pairs_packed`` (a pair list) under ``backward="lowmem"``,
+    bf16, lengths drawn as a training batch's, CUDA-graph replays in three interleaved rounds,
+    with each variant's grad_D bit for bit against two stages or not."""
+    from fusedmaxsim.ragged import maxsim_varlen, score_pairs_packed
+
+    _warm_gpu()
+    generator = torch.Generator().manual_seed(0)
+
+    def lengths(n, low, high):
+        return torch.randint(low, high + 1, (n,), generator=generator).tolist()
+
+    def offsets(lens):
+        return torch.tensor([0, *lens], device="cuda").cumsum(0).to(torch.int32)
+
+    for label, n_q, n_d, q_len, d_len, n_pairs in (
+        ("varlen 32 queries of 20-32 x 32 documents of 100-180", 32, 32, (20, 32), (100, 180), 0),
+        ("varlen 128 queries of 20-32 x 128 documents of 150-300", 128, 128, (20, 32), (150, 300), 0),
+        ("pairs: 2048 of 64 queries of 20-32 x 2048 documents of 150-300", 64, 2048, (20, 32),
+         (150, 300), 2048),
+    ):
+        lq, ld = lengths(n_q, *q_len), lengths(n_d, *d_len)
+        Q = _bf16(sum(lq), 128).requires_grad_()
+        D = _bf16(sum(ld), 128).requires_grad_()
+        cu_q, cu_d = offsets(lq), offsets(ld)
+        pq = torch.randint(0, n_q, (n_pairs,), generator=generator).cuda()
+        pd = torch.arange(n_pairs, device="cuda") % n_d
+
+        def score():
+            if n_pairs:
+                return score_pairs_packed(Q, D, cu_q, cu_d, pq, pd, max_seqlen_q=max(lq),
+                                          max_seqlen_d=max(ld), backward="lowmem")
+            return maxsim_varlen(Q, D, cu_q, cu_d, max(lq), max(ld), backward="lowmem")
+
+        g = torch.randn(score().shape, device="cuda")
+
+        def training():
+            Q.grad = D.grad = None
+            score().backward(g)
+
+        grads, graphs = {}, {}
+        try:
+            for name, context in (("2 stages", lambda: _scan_stages(2)),
+                                  ("this tree", contextlib.nullcontext)):
+                with context():
+                    training()
+                    grads[name] = D.grad.clone()
+                    graphs[name] = _captured(training)
+            same = torch.equal(grads["2 stages"], grads["this tree"])
+            print(f"-- {label}: whole step, GPU ms; grad_D "
+                  + ("bit for bit with 2 stages" if same else "DIFFERS from 2 stages")
+                  + _replay_rounds(graphs, lambda key: f"{key:10s}"), flush=True)
+        except Exception as exc:  # noqa: BLE001
+            print(f"-- {label}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        del Q, D, graphs, grads
+        torch.cuda.empty_cache()
+
 def large_cross() -> None:
     """``auto``'s backward for in-batch (cross-product) training above the host-bound size
     (benchmarks/NOTES.md section 45): lowmem (grad_Q gathered, grad_D document-owned through the
@@ -1932,7 +1991,8 @@ if __name__ == "__main__":
                         ("doc_passes", doc_passes), ("doc_waves", doc_waves),
                         ("flush_writeback", flush_writeback), ("step_timeline", step_timeline),
                         ("gather_steps", gather_steps), ("dd_rows", dd_rows),
-                        ("dd_steps", dd_steps), ("large_cross", large_cross)):
+                        ("dd_steps", dd_steps), ("large_cross", large_cross),
+                        ("ragged_dd", ragged_dd)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()
