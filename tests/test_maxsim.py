@@ -580,6 +580,48 @@ def test_gather_step_policy(monkeypatch):
         (8, False, 8), (1, True, 4)}
 
 
+def test_grad_d_scans_run_at_one_stage(monkeypatch):
+    """The document-owned grad_D's programs that scan their rows in a loop (cross product;
+    candidates longer than a product's rows) launch at one pipeline stage; those that load their
+    rows once keep the configuration's stages (benchmarks/NOTES.md section 45)."""
+    from fusedmaxsim import _launch
+
+    launches = []
+    monkeypatch.setattr(_launch, "launcher",
+                        lambda kernel: lambda grid, args, meta: launches.append(meta.kwargs))
+    cfg = BwdConfig(16, 32, 16, 32, 4, 2)
+    with forced_configs(bwd=cfg):
+        for lq, d_shape in ((7, (3, 13, 32)), (7, (2, 3, 13, 32)), (20, (2, 3, 13, 32))):
+            Q, D = torch.randn(2, lq, 32), torch.randn(d_shape)
+            g = torch.randn(2, 3)
+            argmax = torch.zeros(2, 3, lq, dtype=torch.int16)
+            _launch.maxsim_bwd(g, Q, D, argmax, None, None, False, True, "lowmem", False, "ieee")
+    grad_d = [(m["PER_QUERY_DOCS"], m["ROWS_IN_ONE_BLOCK"], m["num_stages"])
+              for m in launches if "ROWS_IN_ONE_BLOCK" in m]
+    assert grad_d == [(False, False, 1), (True, True, 2), (True, False, 1)]
+
+
+def test_auto_backward_follows_the_dtype_at_large_cross_products(monkeypatch):
+    """``auto`` passes the input's width to the rule: with its thresholds moved down to these
+    sizes, a 16-bit cross product takes lowmem and an fp32 one unified (benchmarks/NOTES.md
+    section 45)."""
+    from fusedmaxsim import _ops
+
+    monkeypatch.setattr(_ops, "HOST_BOUND_MACS", 0)
+    monkeypatch.setattr(_ops, "LOWMEM_CROSS_MACS", 1)
+    seen = []
+    original = _ops.maxsim_bwd_impl
+
+    def spy(*args):
+        seen.append(args[9])  # strategy
+        return original(*args)
+
+    monkeypatch.setattr(_ops, "maxsim_bwd_impl", spy)
+    for dtype in (torch.float16, torch.float32):
+        Q, D = leaf(torch.randn(2, 5, 16).to(dtype)), leaf(torch.randn(3, 6, 16).to(dtype))
+        maxsim(Q, D).sum().backward()
+    assert seen == ["lowmem", "unified"]
+
 @pytest.mark.parametrize("layout", ["cross", "candidates"])
 def test_query_batches_beyond_the_grid_go_in_slices(device, layout, monkeypatch):
     """A query batch larger than the grid's second axis is launched in slices of queries (and, for

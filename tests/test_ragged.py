@@ -333,6 +333,35 @@ def test_lowmem_backward_is_bitwise_reproducible(backend, fn):
     assert_backward_bitwise_reproducible(backward_of, Q, D)
 
 
+@pytest.mark.parametrize("fn", ["varlen", "pairs"])
+def test_lowmem_grad_d_scans_at_one_stage(fn, monkeypatch):
+    """The packed document-owned grad_D scans its rows in a loop in every program: it launches at
+    the dense scans' one stage, whatever the configuration's (benchmarks/NOTES.md section 45)."""
+    from fusedmaxsim import _launch_ragged
+
+    launches = []
+    real = _launch_ragged.launcher
+
+    def spy(kernel):
+        def launch(grid, args, meta):
+            launches.append((kernel, meta.kwargs))
+            real(kernel)(grid, args, meta)
+
+        return launch
+
+    monkeypatch.setattr(_launch_ragged, "launcher", spy)
+    Q, D = leaf(packed(Q_LENGTHS)), leaf(packed(D_LENGTHS))
+    with settings.use_backend("triton"), forced_configs(bwd=BwdConfig(16, 32, 16, 64, 4, 2)):
+        if fn == "varlen":
+            out = maxsim_varlen(Q, D, offsets(Q_LENGTHS), offsets(D_LENGTHS), backward="lowmem")
+        else:
+            out = score_pairs_packed(Q, D, offsets(Q_LENGTHS), offsets(D_LENGTHS),
+                                     torch.tensor(PAIRS[0]), torch.tensor(PAIRS[1]), backward="lowmem")
+        out.sum().backward()
+    stages = [meta["num_stages"] for kernel, meta in launches
+              if kernel is _launch_ragged._maxsim_ragged_bwd_dd_kernel]
+    assert stages == [1]
+
 def test_deterministic_mode_picks_lowmem_and_refuses_unified(device):
     Q, D = leaf(packed(Q_LENGTHS).to(device)), leaf(packed(D_LENGTHS).to(device))
     cu_q, cu_d = offsets(Q_LENGTHS).to(device), offsets(D_LENGTHS).to(device)
