@@ -1775,58 +1775,57 @@ def ragged_dd() -> None:
     against every document) and ``score_pairs_packed`` (a pair list) under ``backward="lowmem"``,
     bf16, lengths drawn as a training batch's, CUDA-graph replays in three interleaved rounds,
     with each variant's grad_D bit for bit against two stages or not."""
-    from fusedmaxsim.ragged import maxsim_varlen, score_pairs_packed
-
     _warm_gpu()
     generator = torch.Generator().manual_seed(0)
-
-    def lengths(n, low, high):
-        return torch.randint(low, high + 1, (n,), generator=generator).tolist()
-
-    def offsets(lens):
-        return torch.tensor([0, *lens], device="cuda").cumsum(0).to(torch.int32)
-
     for label, n_q, n_d, q_len, d_len, n_pairs in (
         ("varlen 32 queries of 20-32 x 32 documents of 100-180", 32, 32, (20, 32), (100, 180), 0),
         ("varlen 128 queries of 20-32 x 128 documents of 150-300", 128, 128, (20, 32), (150, 300), 0),
         ("pairs: 2048 of 64 queries of 20-32 x 2048 documents of 150-300", 64, 2048, (20, 32),
          (150, 300), 2048),
     ):
-        lq, ld = lengths(n_q, *q_len), lengths(n_d, *d_len)
-        Q = _bf16(sum(lq), 128).requires_grad_()
-        D = _bf16(sum(ld), 128).requires_grad_()
-        cu_q, cu_d = offsets(lq), offsets(ld)
+        lq = torch.randint(q_len[0], q_len[1] + 1, (n_q,), generator=generator).tolist()
+        ld = torch.randint(d_len[0], d_len[1] + 1, (n_d,), generator=generator).tolist()
         pq = torch.randint(0, n_q, (n_pairs,), generator=generator).cuda()
-        pd = torch.arange(n_pairs, device="cuda") % n_d
-
-        def score():
-            if n_pairs:
-                return score_pairs_packed(Q, D, cu_q, cu_d, pq, pd, max_seqlen_q=max(lq),
-                                          max_seqlen_d=max(ld), backward="lowmem")
-            return maxsim_varlen(Q, D, cu_q, cu_d, max(lq), max(ld), backward="lowmem")
-
-        g = torch.randn(score().shape, device="cuda")
-
-        def training():
-            Q.grad = D.grad = None
-            score().backward(g)
-
-        grads, graphs = {}, {}
-        try:
-            for name, context in (("2 stages", lambda: _scan_stages(2)),
-                                  ("this tree", contextlib.nullcontext)):
-                with context():
-                    training()
-                    grads[name] = D.grad.clone()
-                    graphs[name] = _captured(training)
-            same = torch.equal(grads["2 stages"], grads["this tree"])
-            print(f"-- {label}: whole step, GPU ms; grad_D "
-                  + ("bit for bit with 2 stages" if same else "DIFFERS from 2 stages")
-                  + _replay_rounds(graphs, lambda key: f"{key:10s}"), flush=True)
-        except Exception as exc:  # noqa: BLE001
-            print(f"-- {label}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-        del Q, D, graphs, grads
+        _ragged_dd_rounds(label, lq, ld, pq, torch.arange(n_pairs, device="cuda") % n_d)
         torch.cuda.empty_cache()
+
+
+def _ragged_dd_rounds(label: str, lq: list, ld: list, pq: torch.Tensor, pd: torch.Tensor) -> None:
+    """One shape of ``ragged_dd``: queries and documents of lengths ``lq`` and ``ld``, scored
+    against each other, or as the pairs ``(pq, pd)`` where there are any."""
+    from fusedmaxsim.ragged import maxsim_varlen, score_pairs_packed
+
+    Q = _bf16(sum(lq), 128).requires_grad_()
+    D = _bf16(sum(ld), 128).requires_grad_()
+    cu_q, cu_d = (torch.tensor([0, *lens], device="cuda").cumsum(0).to(torch.int32)
+                  for lens in (lq, ld))
+
+    def score():
+        if pq.numel():
+            return score_pairs_packed(Q, D, cu_q, cu_d, pq, pd, max_seqlen_q=max(lq),
+                                      max_seqlen_d=max(ld), backward="lowmem")
+        return maxsim_varlen(Q, D, cu_q, cu_d, max(lq), max(ld), backward="lowmem")
+
+    g = torch.randn(score().shape, device="cuda")
+
+    def training():
+        Q.grad = D.grad = None
+        score().backward(g)
+
+    grads, graphs = {}, {}
+    try:
+        for name, context in (("2 stages", lambda: _scan_stages(2)),
+                              ("this tree", contextlib.nullcontext)):
+            with context():
+                training()
+                grads[name] = D.grad.clone()
+                graphs[name] = _captured(training)
+        same = torch.equal(grads["2 stages"], grads["this tree"])
+        print(f"-- {label}: whole step, GPU ms; grad_D "
+              + ("bit for bit with 2 stages" if same else "DIFFERS from 2 stages")
+              + _replay_rounds(graphs, lambda key: f"{key:10s}"), flush=True)
+    except Exception as exc:  # noqa: BLE001
+        print(f"-- {label}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
 
 def large_cross() -> None:
     """``auto``'s backward for in-batch (cross-product) training above the host-bound size

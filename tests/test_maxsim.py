@@ -622,6 +622,7 @@ def test_auto_backward_follows_the_dtype_at_large_cross_products(monkeypatch):
         maxsim(Q, D).sum().backward()
     assert seen == ["lowmem", "unified"]
 
+
 @pytest.mark.parametrize("layout", ["cross", "candidates"])
 def test_query_batches_beyond_the_grid_go_in_slices(device, layout, monkeypatch):
     """A query batch larger than the grid's second axis is launched in slices of queries (and, for

@@ -362,6 +362,7 @@ def test_lowmem_grad_d_scans_at_one_stage(fn, monkeypatch):
               if kernel is _launch_ragged._maxsim_ragged_bwd_dd_kernel]
     assert stages == [1]
 
+
 def test_deterministic_mode_picks_lowmem_and_refuses_unified(device):
     Q, D = leaf(packed(Q_LENGTHS).to(device)), leaf(packed(D_LENGTHS).to(device))
     cu_q, cu_d = offsets(Q_LENGTHS).to(device), offsets(D_LENGTHS).to(device)

@@ -275,16 +275,19 @@ def gather_meta(cfg, *, normalize: bool, grad_q: bool, atomic_q: bool, scatter_d
     )
 
 
-def owned_tile_meta(cfg, dtype: torch.dtype, fp32_precision: str) -> dict:
+def owned_tile_meta(
+    cfg, dtype: torch.dtype, fp32_precision: str, stages: int | None = None
+) -> dict:
     """The constexprs and launch options of the kernels that own ``grad_D`` token tiles and build
-    them with products (the document-owned backwards, dense and packed, and the smooth max's)."""
+    them with products (the document-owned backwards, dense and packed, and the smooth max's);
+    ``stages`` replaces the configuration's pipeline stages (the row scans' ``_DD_SCAN_STAGES``)."""
     return dict(
         BLOCK_T=cfg.block_t,
         BLOCK_K=cfg.block_k,
         DOT_PRECISION=_dot_precision(dtype, fp32_precision),
         UPCAST=_upcast(dtype),
         num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_stages=cfg.num_stages if stages is None else stages,
     )
 
 
@@ -922,9 +925,6 @@ def _dd_constants(
     cfg, per_query_docs, rows_in_one_block, winner_index, normalize, dtype, fp32_precision,
     scan_stages,
 ) -> Constants:
-    meta = owned_tile_meta(cfg, dtype, fp32_precision)
-    if not rows_in_one_block:
-        meta["num_stages"] = scan_stages
     return constants(
         PER_QUERY_DOCS=per_query_docs,
         ROWS_IN_ONE_BLOCK=rows_in_one_block,
@@ -932,7 +932,7 @@ def _dd_constants(
         INDEX_SCAN=_INDEX_SCAN,
         NORMALIZE=normalize,
         BLOCK_R=cfg.block_r,
-        **meta,
+        **owned_tile_meta(cfg, dtype, fp32_precision, None if rows_in_one_block else scan_stages),
     )
 
 

@@ -240,10 +240,6 @@ def ragged_bwd(
             n_queries, n_docs, rows_q, rows_d, layout.max_q, n_tblocks, dim,
             *stride_g, *Q.stride(), *grad_d.stride(),
         )
-        # Every program scans its rows in a loop: unpipelined, as the dense kernel's scans
-        # (benchmarks/NOTES.md section 45).
-        meta = owned_tile_meta(cfg, Q.dtype, fp32_precision)
-        meta["num_stages"] = _launch._DD_SCAN_STAGES
         _run(
             _maxsim_ragged_bwd_dd_kernel,
             (n_docs * n_tblocks,),
@@ -251,6 +247,8 @@ def ragged_bwd(
             PAIRS=pairs,
             NORMALIZE=normalize,
             BLOCK_R=block_r,
-            **meta,
+            # Every program scans its rows in a loop: unpipelined, as the dense kernel's scans
+            # (benchmarks/NOTES.md section 45).
+            **owned_tile_meta(cfg, Q.dtype, fp32_precision, _launch._DD_SCAN_STAGES),
         )
     return grad_q, grad_d
