@@ -3,7 +3,9 @@ GPU needed: registers, spills, shared memory, and whether the SASS keeps one pro
 while the previous tile's max runs (benchmarks/NOTES.md section 30). Run it under each Triton
 release the package supports:
 
-    python3 benchmarks/compile_hopper.py
+    python3 benchmarks/compile_hopper.py [argmax]
+
+(``argmax``: only the variants of the argmax forward.)
 
 Each line: the tiles, then `overlap` when the loop waits with one product outstanding
 (`WARPGROUP.DEPBAR.LE gsb0, 0x1`) and `SERIALIZED` when every product is waited for right after
@@ -25,7 +27,7 @@ from compile_report import dump  # noqa: E402
 
 from fusedmaxsim import _kernels_hopper, _launch  # noqa: E402
 
-POINTERS = {"Q": "*bf16", "Out": "*fp32"}
+POINTERS = {"Q": "*bf16", "Out": "*fp32", "Argmax": "*i16"}
 
 
 def _descriptor_type(desc) -> str:
@@ -38,7 +40,8 @@ def _descriptor_type(desc) -> str:
 
 def compile_forward(lq_tile: int, queries_per_block: int, block_n: int, stages: int, dim: int = 128,
                     normalize: bool = False, warps: int = 4, tiles_first: bool = False,
-                    max_registers: int | None = None, docs_per_program: int = 1):
+                    max_registers: int | None = None, docs_per_program: int = 1,
+                    save_argmax: bool = False):
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -50,7 +53,7 @@ def compile_forward(lq_tile: int, queries_per_block: int, block_n: int, stages: 
     kernel = _kernels_hopper._maxsim_fwd_overlap_kernel
     constants = _launch.hopper_constexprs(torch.bfloat16, lq_tile, queries_per_block, block_n,
                                           stages, dim, warps, normalize, tiles_first,
-                                          docs_per_program)
+                                          docs_per_program, save_argmax)
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constants:
@@ -110,8 +113,18 @@ def main() -> None:
                  (False, 32, 4, 64, 3, 4, False, None, 16), (True, 32, 4, 32, 4, 4, False, 168, 8),
                  (False, 128, 1, 64, 4, 4, True, None, 2), (True, 128, 1, 64, 4, 4, True, None, 8),
                  (False, 32, 2, 32, 6, 4, True, None, 8), (True, 32, 2, 32, 4, 4, True, 168, 2)]
-    for normalize, lq_tile, qpb, block_n, stages, warps, tiles_first, cap, docs in variants:
-        label = (f"{'normalize' if normalize else 'scores'}, rows {lq_tile}x{qpb}, "
+    variants = [(*variant, False) for variant in variants]
+    # The argmax forward (section 42): the tile sets its training shapes dispatch.
+    argmax = [(False, 128, 1, 64, 4, 4, False, None, 1, True),
+              (False, 128, 1, 64, 6, 8, False, None, 1, True),
+              (False, 32, 4, 64, 3, 4, False, None, 1, True),
+              (False, 32, 4, 64, 3, 4, False, None, 8, True),
+              (False, 32, 2, 32, 6, 4, True, None, 1, True),
+              (False, 128, 1, 32, 5, 4, False, 168, 1, True)]
+    variants = argmax if sys.argv[1:] == ["argmax"] else variants + argmax
+    for normalize, lq_tile, qpb, block_n, stages, warps, tiles_first, cap, docs, save in variants:
+        label = (f"{'normalize' if normalize else 'argmax' if save else 'scores'}, "
+                 f"rows {lq_tile}x{qpb}, "
                  f"{block_n}-token tiles, {stages} stages, {warps} warps"
                  f"{', tiles first' if tiles_first else ''}"
                  f"{f', at most {cap} registers' if cap else ''}"
@@ -119,7 +132,7 @@ def main() -> None:
         try:
             compiled = compile_forward(lq_tile, qpb, block_n, stages, normalize=normalize,
                                        warps=warps, tiles_first=tiles_first, max_registers=cap,
-                                       docs_per_program=docs)
+                                       docs_per_program=docs, save_argmax=save)
             print(f"  {label}: {report(compiled)}", flush=True)
         except Exception as exc:  # noqa: BLE001 (a release whose Gluon cannot build it: say so)
             print(f"  {label}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)

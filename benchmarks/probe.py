@@ -10,9 +10,10 @@ document-owned grad_D through the winner index; behind sections 30-35: the Gluon
 argmax and normalize variants, and its tiles; behind section 36, 64-row query chunks for
 one 128-token query; behind section 38, several documents a program; behind section 41, the
 documents a program of grids a few waves long, and what the suite's L2 flush costs the call
-timed after it; behind section 44, where a host-bound training step's timed interval goes, and
-the gather kernel's columns a step; behind section 45, the document-owned grad_D's stages and
-``auto``'s backward for large cross products.
+timed after it; behind sections 42 and 46, the argmax forward in Gluon; behind section 44,
+where a host-bound training step's timed interval goes, and the gather kernel's columns a step;
+behind section 45, the document-owned grad_D's stages and ``auto``'s backward for large cross
+products.
 GPU times by ``triton.testing.do_bench`` (median, ms).
 
     PYTHONPATH=src python3 benchmarks/probe.py [normalize] [kd] [smooth] [masked] [rerank] [memory] [cold]
@@ -21,7 +22,7 @@ GPU times by ``triton.testing.do_bench`` (median, ms).
         [hopper_forward] [hopper_host] [hopper_variants] [short_query] [norms_ahead]
         [three_programs] [few_programs] [norms_handoff] [half_blocks]
         [doc_passes] [doc_waves] [flush_writeback] [step_timeline] [gather_steps]
-        [dd_rows] [dd_steps] [large_cross] [ragged_dd]
+        [dd_rows] [dd_steps] [large_cross] [ragged_dd] [hopper_argmax]
 """
 
 from __future__ import annotations
@@ -1972,6 +1973,65 @@ def norms_handoff() -> None:
     }, reference="8570ab9")
 
 
+def hopper_argmax() -> None:
+    """The training forward (scores and argmax) through the Gluon kernel's coded running max
+    (benchmarks/NOTES.md section 42) against the Triton kernel's, in one process: GPU ms of
+    CUDA-graph replays and of whole training steps (forward and backward, do_bench), scores
+    against float64 and each other, the argmax's agreement (and, where they differ, how far
+    apart the two tokens' similarities are in float64), the gradients against each other."""
+    _warm_gpu()
+    shapes = (("train_colpali", (128, 128, 128), (128, 1024, 128), torch.bfloat16),
+              ("train_colpali_fp16", (128, 128, 128), (128, 1024, 128), torch.float16),
+              ("colpali 256 x 256", (256, 128, 128), (256, 1024, 128), torch.bfloat16),
+              ("train_colbert", (128, 32, 128), (128, 300, 128), torch.bfloat16),
+              ("colbert 512 x 512", (512, 32, 128), (512, 300, 128), torch.bfloat16))
+    for label, q_shape, d_shape, dtype in shapes:
+        Q = torch.randn(q_shape, device="cuda", dtype=dtype)
+        D = torch.randn(d_shape, device="cuda", dtype=dtype)
+        g = torch.randn(q_shape[0], d_shape[0], device="cuda")
+        outputs, graphs, steps, grads = {}, {}, {}, {}
+        for name, on in (("gluon", True), ("triton", False)):
+            saved = _launch.HOPPER_ARGMAX
+            _launch.HOPPER_ARGMAX = on
+            try:
+                def forward():
+                    return _launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32")
+                outputs[name] = forward()
+                graphs[name] = _captured(forward)
+                Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
+
+                def step(Qg=Qg, Dg=Dg):
+                    maxsim(Qg, Dg).backward(g)
+                step()
+                grads[name] = (Qg.grad.float(), Dg.grad.float())
+                steps[name] = [do_bench(step, warmup=10, rep=50, grad_to_none=[Qg, Dg])
+                               for _ in range(3)]
+            finally:
+                _launch.HOPPER_ARGMAX = saved
+        (s_gl, a_gl), (s_tr, a_tr) = outputs["gluon"], outputs["triton"]
+        ref = maxsim_ref(Q.double(), D[:16].double())
+        differ = (a_gl != a_tr).nonzero()
+        gap = 0.0
+        for i, j, s_tok in differ[:2000].tolist():
+            q = Q[i, s_tok].double()
+            v_gl = (q * D[j, int(a_gl[i, j, s_tok])].double()).sum()
+            v_tr = (q * D[j, int(a_tr[i, j, s_tok])].double()).sum()
+            gap = max(gap, float((v_gl - v_tr).abs() / v_tr.abs().clamp_min(1e-30)))
+        print(f"-- {label}: scores {relative_error(s_gl[:, :16], ref):.0e} (gluon) / "
+              f"{relative_error(s_tr[:, :16], ref):.0e} (triton) from float64, "
+              f"{relative_error(s_gl, s_tr):.0e} apart; argmax differs at {len(differ)} of "
+              f"{a_gl.numel()} rows (float64 gap at most {gap:.1e}); gradients "
+              f"{relative_error(grads['gluon'][0], grads['triton'][0]):.0e} / "
+              f"{relative_error(grads['gluon'][1], grads['triton'][1]):.0e} apart", flush=True)
+        rounds = {name: [] for name in graphs}
+        for _ in range(3):
+            for name, graph in graphs.items():
+                rounds[name].append(bench(graph.replay))
+        for name in graphs:
+            print(f"   {name:7s} forward " + " ".join(f"{v:.4f}" for v in rounds[name])
+                  + "   step " + " ".join(f"{v:.4f}" for v in steps[name]), flush=True)
+
+
 if __name__ == "__main__":
     wanted = set(sys.argv[1:]) or {"normalize", "kd", "smooth"}
     for name, probe in (("normalize", normalize_sweep), ("kd", kd_split), ("smooth", smooth_vs_naive),
@@ -1991,7 +2051,7 @@ if __name__ == "__main__":
                         ("flush_writeback", flush_writeback), ("step_timeline", step_timeline),
                         ("gather_steps", gather_steps), ("dd_rows", dd_rows),
                         ("dd_steps", dd_steps), ("large_cross", large_cross),
-                        ("ragged_dd", ragged_dd)):
+                        ("ragged_dd", ragged_dd), ("hopper_argmax", hopper_argmax)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()

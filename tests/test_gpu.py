@@ -486,12 +486,142 @@ def test_hopper_forward_without_a_descriptor_template(monkeypatch, normalize):
                               BOUNDS[torch.bfloat16][0], "scores")
 
 
+_ARGMAX_TILE_SETS = ("_HOPPER_TILES", "_HOPPER_PACKED_TILES", "_HOPPER_FEW_PROGRAMS_TILES",
+                     "_HOPPER_SHORT_TILES")
+_ARGMAX_SHAPES = {
+    **_TILE_SHAPES,
+    "Ld1": ((5, 130, 128), (7, 1, 128)),
+    # 16 tiles of 64 tokens, the most a pass can code
+    "one-long-query": ((1, 128, 128), (23, 1024, 128)),
+}
+
+
+def _check_hopper_argmax(cfg, Q, D) -> None:
+    """The Gluon forward with the argmax: scores of float64 within the dtype's bound and
+    Triton's within 16 units in the last place, every argmax written (poisoned output) and
+    inside its document, each winner's float64 similarity the row's maximum to fp32 rounding
+    and 16 units in the last place, a NaN in a document making its column NaN and no other."""
+    from fusedmaxsim import _launch
+
+    Nq, Lq, _ = Q.shape
+    Nd, Ld, _ = D.shape
+    scores = torch.full((Nq, Nd), float("nan"), device="cuda")
+    argmax = torch.full((Nq, Nd, Lq), -7, dtype=torch.int16, device="cuda")
+    _launch.launch_fwd_hopper(cfg, Q, D, scores, False, argmax)
+    assert_close_to_reference(scores, maxsim_ref(Q.double(), D.double()), BOUNDS[Q.dtype][0],
+                              "scores")
+    saved = _launch.HOPPER_KERNEL
+    _launch.HOPPER_KERNEL = False
+    try:
+        want, _ = _launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32")
+    finally:
+        _launch.HOPPER_KERNEL = saved
+    torch.testing.assert_close(scores, want, rtol=1e-5, atol=1e-5)
+    assert ((argmax >= 0) & (argmax < Ld)).all()
+    sims = torch.einsum("isk,jtk->ijst", Q.double(), D.double())
+    best = sims.amax(-1)
+    won = sims.gather(-1, argmax.long().unsqueeze(-1)).squeeze(-1)
+    assert ((best - won) <= 1e-5 * best.abs() + 1e-5).all()
+    D = D.clone()
+    D[1, D.shape[1] // 2, 3] = float("nan")
+    _launch.launch_fwd_hopper(cfg, Q, D, scores, False, argmax)
+    assert scores[:, 1].isnan().all() and not scores[:, [0, 2]].isnan().any()
+    assert ((argmax >= 0) & (argmax < Ld)).all()
+
+
+@hopper_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(
+    "tile_set,shape",
+    [
+        (tile_set, shape)
+        for tile_set in _ARGMAX_TILE_SETS
+        for shape in _ARGMAX_SHAPES
+        if not (tile_set == "_HOPPER_FEW_PROGRAMS_TILES" and shape == "one-short-query")
+        # 32 tiles of 32 tokens: more than a pass can code
+        and not (tile_set == "_HOPPER_SHORT_TILES" and shape == "one-long-query")
+    ],
+)
+def test_hopper_argmax_forward_under_every_tile_set(monkeypatch, tile_set, shape, dtype):
+    """The training forward in Gluon (the argmax in the running max's low bits) under each tile
+    set, on the shapes its loop treats apart."""
+    from fusedmaxsim import _launch
+
+    tiles = getattr(_launch, tile_set)
+    monkeypatch.setattr(_launch, "hopper_tiles", lambda *args: tiles)
+    Q, D, cfg = _hopper_inputs(*_ARGMAX_SHAPES[shape], False, dtype)
+    _check_hopper_argmax(cfg, Q, D)
+
+
+@hopper_only
+@pytest.mark.parametrize("docs", [2, 3, 16])
+@pytest.mark.parametrize("shape", list(_DOC_PASS_SHAPES))
+def test_hopper_argmax_forward_streams_several_documents_a_program(monkeypatch, docs, shape):
+    """The argmax of each document of a program's passes lands in that document's column."""
+    from fusedmaxsim import _launch
+
+    monkeypatch.setattr(_launch, "HOPPER_DOCS_PER_PROGRAM", docs)
+    Q, D, cfg = _hopper_inputs(*_DOC_PASS_SHAPES[shape], False)
+    _check_hopper_argmax(cfg, Q, D)
+
+
+@hopper_only
+def test_hopper_argmax_ties_go_to_the_lowest_token_where_the_max_is_not_negative():
+    """Documents whose tokens are one token repeated (every similarity of a row tied, across
+    tiles and columns): the winner is token 0 wherever the maximum is 0 or more; the zero
+    document (all similarities 0) included."""
+    from fusedmaxsim import _launch
+
+    Q, D, cfg = _hopper_inputs((4, 128, 128), (6, 1, 128), False)
+    D = D.expand(-1, 1000, -1).contiguous()
+    D[5] = 0.0
+    scores = torch.full((4, 6), float("nan"), device="cuda")
+    argmax = torch.full((4, 6, 128), -7, dtype=torch.int16, device="cuda")
+    _launch.launch_fwd_hopper(cfg, Q, D, scores, False, argmax)
+    value = torch.einsum("isk,jk->ijs", Q.double(), D[:, 0].double())
+    assert (argmax[value >= 0] == 0).all()
+    assert (argmax[:, 5] == 0).all()
+    assert ((argmax >= 0) & (argmax < 1000)).all()
+
+
+@hopper_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_hopper_argmax_forward_trains(monkeypatch, dtype):
+    """``maxsim``'s training step through the Gluon forward: scores and both gradients of
+    float64 within the dtype's bounds (random grad_output, and the stride-0 one of
+    ``sum().backward()``), the same as through the Triton forward but for near-ties."""
+    from fusedmaxsim import _launch
+
+    calls = []
+    launch = _launch.launch_fwd_hopper
+    monkeypatch.setattr(_launch, "launch_fwd_hopper", lambda *args: calls.append(1) or launch(*args))
+    monkeypatch.setattr(_launch, "HOPPER_MIN_MACS", 0)
+    Q = torch.randn(37, 32, 128, device="cuda", dtype=dtype)
+    D = torch.randn(53, 300, 128, device="cuda", dtype=dtype)
+    g = torch.randn(37, 53, device="cuda")
+    Qd, Dd = leaf(Q.double()), leaf(D.double())
+    maxsim_ref(Qd, Dd).backward(g.double())
+    for grad_out in (g, None):
+        Ql, Dl = leaf(Q.clone()), leaf(D.clone())
+        out = maxsim(Ql, Dl)
+        assert calls
+        (out.backward(grad_out) if grad_out is not None else out.sum().backward())
+        if grad_out is None:
+            Qd.grad = Dd.grad = None
+            maxsim_ref(Qd, Dd).sum().backward()
+        assert_close_to_reference(out, maxsim_ref(Q.double(), D.double()), BOUNDS[dtype][0],
+                                  "scores")
+        assert_close_to_reference(Ql.grad, Qd.grad, BOUNDS[dtype][1], "grad_Q")
+        assert_close_to_reference(Dl.grad, Dd.grad, BOUNDS[dtype][1], "grad_D")
+
+
 @hopper_only
 def test_hopper_forward_is_what_the_dispatch_runs_where_it_applies(monkeypatch):
     """``maxsim`` under no_grad takes the Gluon forward for unmasked 16-bit cross products, with
     or without normalization, a single short query and a grid of fewer programs than SMs
-    included, and the Triton kernel for masks, the smooth max, per-query candidates and training
-    (the argmax saved); each result matches float64."""
+    included, and the Triton kernel for masks, the smooth max and per-query candidates; in
+    training (the argmax saved) the Gluon forward where a pass's tiles fit its codes; each
+    result matches float64."""
     from fusedmaxsim import _launch
 
     calls = []
@@ -527,5 +657,10 @@ def test_hopper_forward_is_what_the_dispatch_runs_where_it_applies(monkeypatch):
         assert_close_to_reference(out, ref(), 2e-2, name)
     for normalize in (False, True):
         calls.clear()
-        maxsim(leaf(Q.clone()), D, normalize=normalize)  # training: the forward saves the argmax
-        assert not calls
+        # Training: the forward saves the argmax, in Gluon where the pass's tiles fit its codes;
+        # normalizing, with the norms computed before the kernel, on Triton's.
+        maxsim(leaf(Q.clone()), D, normalize=normalize)
+        assert bool(calls) == (not normalize)
+    calls.clear()
+    maxsim(leaf(Q.clone()), D.repeat(1, 8, 1))  # 19 tiles of 64 tokens: more than the codes
+    assert not calls

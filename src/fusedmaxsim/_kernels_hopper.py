@@ -81,6 +81,9 @@ try:  # Gluon is experimental; without it (or on CPU) the Triton kernel serves e
     # The CTA barrier: `thread_barrier` up to triton 3.6, `barrier` after.
     _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
     AVAILABLE = True
+    # Document tiles a pass can number in the low bits of the argmax forward's running max.
+    TILE_CODE_BITS = 4
+    TILE_CODES = gl.constexpr(1 << TILE_CODE_BITS)
 except Exception:  # noqa: BLE001 (any import failure means: not available)
     AVAILABLE = False
 
@@ -104,13 +107,51 @@ if AVAILABLE:
         return 1.0 / gl.maximum(gl.sqrt(gl.sum(eights, axis=1)), 1e-12)
 
     @gluon.jit
+    def _coded(acc, code):
+        """``acc`` with ``code`` in its low ``TILE_CODE_BITS`` bits: ``(acc & -16) | code``, one
+        ``lop3`` an element. The running max of coded values (one ``max`` an element, as the
+        plain forward's) keeps, of each element's values equal but in those bits, the one of
+        the highest code where they are 0 or more and of the lowest where they are negative.
+
+        Inline PTX so that the coding takes the product's own registers: any temporary ptxas
+        may place in a product's registers, as it did for a fold written with integer ops,
+        serializes every product (C7515; section 42)."""
+        gl.static_assert(TILE_CODES == 16)
+        return gl.inline_asm_elementwise(
+            "lop3.b32 $0, $1, -16, $2, 0xea;", "=r,r,r", [acc, code], dtype=gl.float32,
+            is_pure=True, pack=1)
+
+    @gluon.jit
+    def _argmax_combine(value_a, col_a, value_b, col_b):
+        """The larger coded value (NaN first), the lower column among equal ones."""
+        take_a = (value_a > value_b) | ((value_a == value_b) & (col_a < col_b)) \
+            | (value_a != value_a)
+        return gl.where(take_a, value_a, value_b), gl.where(take_a, col_a, col_b)
+
+    @gluon.jit
+    def _decoded_row_max(run_max, o_c, Ld):
+        """Each row's max over the pass and its document token, from the coded running max:
+        the value with its code bits cleared (NaN kept), the token from the winning column and
+        the tile its code names (kept inside the document, which only a NaN row can leave)."""
+        BLOCK_N: gl.constexpr = run_max.shape[1]
+        layout: gl.constexpr = run_max.type.layout
+        cols = gl.zeros(run_max.shape, gl.int32, layout) + gl.expand_dims(o_c, 0)
+        best, col = gl.reduce((run_max, cols), 1, _argmax_combine)
+        bits = best.to(gl.int32, bitcast=True)
+        value = gl.where(best != best, best,
+                         (bits & ~(TILE_CODES - 1)).to(gl.float32, bitcast=True))
+        token = (TILE_CODES - 1 - (bits & (TILE_CODES - 1))) * BLOCK_N + col
+        return value, gl.minimum(gl.maximum(token, 0), Ld - 1)
+
+    @gluon.jit
     def _complete(acc, inv_smem, run_max, d_desc, bars, d_smem, doc_row, has_next, done, t,
                   n_tiles, Ld, o_c, NORMALIZE: gl.constexpr, MASK_TAIL: gl.constexpr,
-                  ACROSS_DOCS: gl.constexpr):
+                  ACROSS_DOCS: gl.constexpr, SAVE_ARGMAX: gl.constexpr):
         """Tile ``t``'s product has completed: refill its slot, (with ``NORMALIZE``) scale its
         columns by the tile's inverse norms (from ``inv_smem``), and fold it into the running
-        max (columns from ``Ld`` on masked where ``MASK_TAIL``). With ``ACROSS_DOCS`` the
-        refills run on into the next document (at ``doc_row + Ld``) where ``has_next``."""
+        max (columns from ``Ld`` on masked where ``MASK_TAIL``; with ``SAVE_ARGMAX`` the coded
+        values of :func:`_coded`). With ``ACROSS_DOCS`` the refills run on into the
+        next document (at ``doc_row + Ld``) where ``has_next``."""
         NUM_STAGES: gl.constexpr = d_smem.shape[0]
         BLOCK_N: gl.constexpr = d_smem.shape[1]
         slot = (done + t) % NUM_STAGES
@@ -129,6 +170,8 @@ if AVAILABLE:
         if NORMALIZE:
             inv = inv_smem.index(slot).load(gl.SliceLayout(0, acc.type.layout))
             acc = acc * gl.expand_dims(inv, 0)
+        if SAVE_ARGMAX:  # coded before the mask: -inf with code bits would be a NaN
+            acc = _coded(acc, TILE_CODES - 1 - t)
         if MASK_TAIL:
             acc = gl.where(gl.expand_dims(t * BLOCK_N + o_c < Ld, 0), acc, float("-inf"))
         return _max_nan(run_max, acc)
@@ -191,10 +234,10 @@ if AVAILABLE:
     @gluon.jit
     def _pass(q_smem, d_smem, inv_smem, bars, d_desc, zero, doc_row, has_next, done, n_tiles, Ld,
               o_c, NORMALIZE: gl.constexpr, TILE_LOAD_LAYOUT: gl.constexpr,
-              ACROSS_DOCS: gl.constexpr):
+              ACROSS_DOCS: gl.constexpr, SAVE_ARGMAX: gl.constexpr):
         """The query chunk in ``q_smem`` against the document at ``doc_row``, its ``n_tiles``
         tiles already requested (tile ``t`` as the program's ``done + t``): the element-wise
-        running max of their similarities."""
+        running max of their similarities (with ``SAVE_ARGMAX``, of their coded values)."""
         mma: gl.constexpr = zero.type.layout
         run_max = gl.full(zero.shape, float("-inf"), gl.float32, mma)
         # Two products alternate in fixed registers, `acc_a` and `acc_b`: one in flight while
@@ -211,13 +254,13 @@ if AVAILABLE:
             acc_a = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
             run_max = _complete(acc_a, inv_smem, run_max, d_desc, bars, d_smem, doc_row,
                                 has_next, done, t - 1, n_tiles, Ld, o_c, NORMALIZE, False,
-                                ACROSS_DOCS)
+                                ACROSS_DOCS, SAVE_ARGMAX)
             acc_a = _issue(q_smem, d_smem, inv_smem, bars, acc_a, done + t + 1, NORMALIZE,
                            TILE_LOAD_LAYOUT)
             acc_b = warpgroup_mma_wait(num_outstanding=1, deps=(acc_b,))
             run_max = _complete(acc_b, inv_smem, run_max, d_desc, bars, d_smem, doc_row,
                                 has_next, done, t, n_tiles, Ld, o_c, NORMALIZE, False,
-                                ACROSS_DOCS)
+                                ACROSS_DOCS, SAVE_ARGMAX)
             t += 2
         # The last tile may run past the document: its columns from Ld on are masked.
         if t < n_tiles:
@@ -226,22 +269,29 @@ if AVAILABLE:
             before_last = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
             run_max = _complete(before_last, inv_smem, run_max, d_desc, bars, d_smem, doc_row,
                                 has_next, done, t - 1, n_tiles, Ld, o_c, NORMALIZE, False,
-                                ACROSS_DOCS)
+                                ACROSS_DOCS, SAVE_ARGMAX)
             last = warpgroup_mma_wait(num_outstanding=0, deps=(pending,))
         else:
             last = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a,))
         return _complete(last, inv_smem, run_max, d_desc, bars, d_smem, doc_row, has_next, done,
-                         n_tiles - 1, n_tiles, Ld, o_c, NORMALIZE, True, ACROSS_DOCS)
+                         n_tiles - 1, n_tiles, Ld, o_c, NORMALIZE, True, ACROSS_DOCS, SAVE_ARGMAX)
 
     @gluon.jit
-    def _row_scores(run_max, q_inv, chunk, o_r, o_query, Nq, Lq, LQ_TILE: gl.constexpr,
-                    NORMALIZE: gl.constexpr):
+    def _row_scores(run_max, q_inv, Argmax, doc, chunk, o_r, o_query, o_c, Nq, Ncols, Lq, Ld,
+                    LQ_TILE: gl.constexpr, NORMALIZE: gl.constexpr, SAVE_ARGMAX: gl.constexpr):
         """Each row's max over the pass (times its inverse norm with ``NORMALIZE``), 0 for rows
-        past the query or the batch."""
-        row_max = gl.reduce(run_max, 1, _max_nan)
+        past the query or the batch; with ``SAVE_ARGMAX`` each row's token is stored to
+        ``Argmax[query, doc, token of the query]``."""
+        o_s = chunk + o_r % LQ_TILE
+        m_row = (o_query < Nq) & (o_s < Lq)
+        if SAVE_ARGMAX:
+            row_max, token = _decoded_row_max(run_max, o_c, Ld)
+            gl.store(Argmax + (o_query.to(gl.int64) * Ncols + doc) * Lq + o_s,
+                     token.to(Argmax.dtype.element_ty), mask=m_row)
+        else:
+            row_max = gl.reduce(run_max, 1, _max_nan)
         if NORMALIZE:
             row_max = row_max * q_inv
-        m_row = (o_query < Nq) & (chunk + o_r % LQ_TILE < Lq)
         return gl.where(m_row, row_max, 0.0)
 
     @gluon.jit
@@ -259,6 +309,7 @@ if AVAILABLE:
         Q,
         d_desc,
         Out,
+        Argmax,
         Nq,
         Ncols,
         Lq,
@@ -273,6 +324,7 @@ if AVAILABLE:
         BLOCK_K: gl.constexpr,
         NUM_STAGES: gl.constexpr,
         NORMALIZE: gl.constexpr,
+        SAVE_ARGMAX: gl.constexpr,
         TILES_FIRST: gl.constexpr,
         DOCS_PER_PROGRAM: gl.constexpr,
         Q_SMEM_LAYOUT: gl.constexpr,
@@ -329,10 +381,10 @@ if AVAILABLE:
                 if not TILES_FIRST:
                     _fill_ring(d_desc, bars, d_smem, doc_row, done, n_tiles)
                 run_max = _pass(q_smem, d_smem, inv_smem, bars, d_desc, zero, doc_row, False, done,
-                                n_tiles, Ld, o_c, NORMALIZE, TILE_LOAD_LAYOUT, False)
+                                n_tiles, Ld, o_c, NORMALIZE, TILE_LOAD_LAYOUT, False, SAVE_ARGMAX)
                 done += n_tiles
-                row_sums += _row_scores(run_max, q_inv, chunk, o_r, o_query, Nq, Lq, LQ_TILE,
-                                        NORMALIZE)
+                row_sums += _row_scores(run_max, q_inv, Argmax, i_col, chunk, o_r, o_query, o_c,
+                                        Nq, Ncols, Lq, Ld, LQ_TILE, NORMALIZE, SAVE_ARGMAX)
             out = Out + i_split.to(gl.int64) * stride_out_split + i_col
             _store_block_scores(row_sums, out, Ncols, Nq, i_blk, o_r, LQ_TILE, QUERIES_PER_BLOCK)
         else:
@@ -349,10 +401,10 @@ if AVAILABLE:
             for k in range(n_docs):
                 run_max = _pass(q_smem, d_smem, inv_smem, bars, d_desc, zero, doc_row + k * Ld,
                                 k + 1 < n_docs, done, n_tiles, Ld, o_c, NORMALIZE,
-                                TILE_LOAD_LAYOUT, True)
+                                TILE_LOAD_LAYOUT, True, SAVE_ARGMAX)
                 done += n_tiles
-                row_scores = _row_scores(run_max, q_inv, 0, o_r, o_query, Nq, Lq, LQ_TILE,
-                                         NORMALIZE)
+                row_scores = _row_scores(run_max, q_inv, Argmax, i_col + k, 0, o_r, o_query, o_c,
+                                         Nq, Ncols, Lq, Ld, LQ_TILE, NORMALIZE, SAVE_ARGMAX)
                 _store_block_scores(row_scores, Out + i_col + k, Ncols, Nq, i_blk, o_r, LQ_TILE,
                                     QUERIES_PER_BLOCK)
 

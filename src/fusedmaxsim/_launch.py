@@ -452,6 +452,19 @@ def hopper_forward_applies(cfg, Q: Tensor, D: Tensor) -> bool:
     )
 
 
+# The Gluon forward with the argmax (NOTES.md section 42): on or off, for the tests and probes.
+HOPPER_ARGMAX = os.environ.get("FUSEDMAXSIM_HOPPER_ARGMAX", "1") != "0"
+
+
+def hopper_argmax_applies(cfg, Nq: int, Lq: int, Ncols: int, Ld: int, device: torch.device) -> bool:
+    """Whether the Gluon forward can save the argmax of this call: a pass's document tiles fit
+    the codes the running max carries in its low bits (``_kernels_hopper.TILE_CODES``)."""
+    if not HOPPER_ARGMAX:
+        return False
+    tiles = hopper_call_tiles(cfg, False, Nq, Lq, Ncols, Ld, _sm_count(device))[0]
+    return _cdiv(Ld, tiles[0]) <= _kernels_hopper.TILE_CODES.value
+
+
 def _block_rows(cfg) -> int:
     return cfg.lq_tile * cfg.queries_per_block
 
@@ -603,6 +616,7 @@ def hopper_docs_per_program(
 def hopper_constexprs(
     torch_dtype: torch.dtype, lq_tile: int, queries_per_block: int, block_n: int, stages: int,
     dim: int, warps: int, normalize: bool, tiles_first: bool = False, docs_per_program: int = 1,
+    save_argmax: bool = False,
 ) -> dict:
     """The Gluon forward's constexprs and ``num_warps`` for these tiles (the launcher's and the
     offline compile's, ``benchmarks/compile_hopper.py``)."""
@@ -610,7 +624,7 @@ def hopper_constexprs(
         torch_dtype, lq_tile * queries_per_block, block_n, dim, warps)
     return dict(
         LQ_TILE=lq_tile, QUERIES_PER_BLOCK=queries_per_block, BLOCK_N=block_n, BLOCK_K=dim,
-        NUM_STAGES=stages, NORMALIZE=normalize, TILES_FIRST=tiles_first,
+        NUM_STAGES=stages, NORMALIZE=normalize, SAVE_ARGMAX=save_argmax, TILES_FIRST=tiles_first,
         DOCS_PER_PROGRAM=docs_per_program, Q_SMEM_LAYOUT=q_layout,
         MMA_LAYOUT=mma_layout, Q_LOAD_LAYOUT=q_load_layout, TILE_LOAD_LAYOUT=tile_load_layout,
         num_warps=warps,
@@ -652,6 +666,7 @@ def documents_beyond_l2(D: Tensor) -> bool:
 def _hopper_plan(
     torch_dtype: torch.dtype, lq_tile: int, queries_per_block: int, dim: int, normalize: bool,
     tiles: tuple[int, int, int, int | None], tiles_first: bool = False, docs_per_program: int = 1,
+    save_argmax: bool = False,
 ):
     """What a Gluon launch needs besides its tensors, built once per tile set and looked up by
     plain values (hashing the layouts' dataclasses on every launch cost microseconds of host
@@ -662,23 +677,30 @@ def _hopper_plan(
     cap = {} if max_registers is None else {"maxnreg": max_registers}
     consts = constants(**hopper_constexprs(
         torch_dtype, lq_tile, queries_per_block, block_n, stages, dim, warps, normalize,
-        tiles_first, docs_per_program), **cap)
+        tiles_first, docs_per_program, save_argmax), **cap)
     return block_n, consts, _descriptor_template(torch_dtype, block_n, dim, d_layout), d_layout
 
 
-def launch_fwd_hopper(cfg, Q: Tensor, D: Tensor, scores: Tensor, normalize: bool = False) -> None:
-    """The inference forward through ``_kernels_hopper`` (the caller checked
-    :func:`hopper_forward_applies`), query chunks split over programs as in :func:`_launch_fwd`;
-    with ``normalize``, of normalized tokens with their norms computed from the tiles; a block
-    of fewer than 64 query rows padded to 64 (:func:`hopper_block`)."""
+def launch_fwd_hopper(
+    cfg, Q: Tensor, D: Tensor, scores: Tensor, normalize: bool = False, argmax: Tensor | None = None
+) -> None:
+    """The forward through ``_kernels_hopper`` (the caller checked
+    :func:`hopper_forward_applies`, and with ``argmax`` :func:`hopper_argmax_applies`), query
+    chunks split over programs as in :func:`_launch_fwd`; with ``normalize``, of normalized
+    tokens with their norms computed from the tiles; a block of fewer than 64 query rows padded
+    to 64 (:func:`hopper_block`); with ``argmax``, each row's winning token written there."""
     Nq, Lq, dim = Q.shape
     Ncols, Ld = D.shape[0], D.shape[1]
     if Q.stride(-1) != 1:
         Q = Q.contiguous()
     tiles, qpb, splits, docs = hopper_call_tiles(
         cfg, normalize, Nq, Lq, Ncols, Ld, _sm_count(Q.device))
+    save_argmax = argmax is not None
+    if not save_argmax:
+        argmax = _no_argmax(Q.device, torch.int16)
     block_n, consts, template, d_layout = _hopper_plan(
-        Q.dtype, cfg.lq_tile, qpb, dim, normalize, tiles, documents_beyond_l2(D), docs)
+        Q.dtype, cfg.lq_tile, qpb, dim, normalize, tiles, documents_beyond_l2(D), docs,
+        save_argmax)
     if template is None:  # a Triton release whose descriptor is not a plain dataclass
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -692,8 +714,8 @@ def launch_fwd_hopper(cfg, Q: Tensor, D: Tensor, scores: Tensor, normalize: bool
         q = _take(Q, rows)
         kernel(
             (_cdiv(Ncols, docs) * splits, _cdiv(q.shape[0], qpb)),
-            (q, d_desc, out, q.shape[0], Ncols, Lq, Ld, splits, stride_out_split, q.stride(0),
-             q.stride(1)),
+            (q, d_desc, out, argmax if rows is None or not save_argmax else argmax[rows],
+             q.shape[0], Ncols, Lq, Ld, splits, stride_out_split, q.stride(0), q.stride(1)),
             consts,
         )
 
@@ -748,10 +770,10 @@ def maxsim_fwd(
         q_inv = q_inv.contiguous()
     if d_inv is not None:
         d_inv = d_inv.contiguous()
-    # The Gluon forward's variants: scores, and scores of normalized tokens with their norms from
-    # the tiles; not the argmax, masks, precomputed norms or the smooth max.
-    hopper_variant = not (save_argmax or qm is not None or dm is not None or q_inv is not None
-                          or tau)
+    # The Gluon forward's variants: scores, scores of normalized tokens with their norms from
+    # the tiles, and scores with the argmax where a pass's tiles fit the codes; not masks,
+    # precomputed norms or the smooth max.
+    hopper_variant = not (qm is not None or dm is not None or q_inv is not None or tau)
     if (
         HOPPER_KERNEL and hopper_variant and not _configs.is_forced()
         and Nq * Lq * Ncols * Ld * dim >= HOPPER_MIN_MACS
@@ -759,9 +781,10 @@ def maxsim_fwd(
         # beat the Triton kernel's (longdoc 0.0567 against 0.0661 ms, record
         # 2026-12-01_acb15e4).
         and hopper_forward_applies(cfg, Q, D)
+        and (not save_argmax or hopper_argmax_applies(cfg, Nq, Lq, Ncols, Ld, device))
     ):
         try:
-            launch_fwd_hopper(cfg, Q, D, scores, norm_from_tiles)
+            launch_fwd_hopper(cfg, Q, D, scores, norm_from_tiles, argmax if save_argmax else None)
             return scores, argmax
         except Exception as exc:  # noqa: BLE001 (Gluon is experimental: any failure to build)
             _hopper_kernel_failed(exc)
