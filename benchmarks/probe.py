@@ -31,10 +31,12 @@ import contextlib
 import dataclasses
 import importlib.util
 import io
+import math
 import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -1975,8 +1977,9 @@ def norms_handoff() -> None:
 
 def hopper_argmax() -> None:
     """The training forward (scores and argmax) through the Gluon kernel's coded running max
-    (benchmarks/NOTES.md section 42) against the Triton kernel's, in one process: GPU ms of
-    CUDA-graph replays and of whole training steps (forward and backward, do_bench), scores
+    (benchmarks/NOTES.md sections 42 and 46) against the Triton kernel's, in one process: GPU ms
+    of CUDA-graph replays, the host's µs to issue one, and whole training steps (forward and
+    backward, do_bench), scores
     against float64 and each other, the argmax's agreement (and, where they differ, how far
     apart the two tokens' similarities are in float64), the gradients against each other."""
     _warm_gpu()
@@ -1989,18 +1992,19 @@ def hopper_argmax() -> None:
         Q = torch.randn(q_shape, device="cuda", dtype=dtype)
         D = torch.randn(d_shape, device="cuda", dtype=dtype)
         g = torch.randn(q_shape[0], d_shape[0], device="cuda")
-        outputs, graphs, steps, grads = {}, {}, {}, {}
+        outputs, graphs, steps, grads, host_us = {}, {}, {}, {}, {}
         for name, on in (("gluon", True), ("triton", False)):
             saved = _launch.HOPPER_ARGMAX
             _launch.HOPPER_ARGMAX = on
             try:
-                def forward():
+                def forward(Q=Q, D=D):
                     return _launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32")
                 outputs[name] = forward()
                 graphs[name] = _captured(forward)
+                host_us[name] = _host_us_a_call(forward)
                 Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
 
-                def step(Qg=Qg, Dg=Dg):
+                def step(Qg=Qg, Dg=Dg, g=g):
                     maxsim(Qg, Dg).backward(g)
                 step()
                 grads[name] = (Qg.grad.float(), Dg.grad.float())
@@ -2029,7 +2033,22 @@ def hopper_argmax() -> None:
                 rounds[name].append(bench(graph.replay))
         for name in graphs:
             print(f"   {name:7s} forward " + " ".join(f"{v:.4f}" for v in rounds[name])
-                  + "   step " + " ".join(f"{v:.4f}" for v in steps[name]), flush=True)
+                  + "   step " + " ".join(f"{v:.4f}" for v in steps[name])
+                  + f"   host µs a forward {host_us[name]:.1f}", flush=True)
+
+
+def _host_us_a_call(call, calls: int = 100) -> float:
+    """The host's time to issue one call (the best of five runs of ``calls`` calls issued back
+    to back, each run synchronized before it starts)."""
+    best = math.inf
+    for _ in range(5):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    torch.cuda.synchronize()
+    return best
 
 
 if __name__ == "__main__":

@@ -500,7 +500,9 @@ def _check_hopper_argmax(cfg, Q, D) -> None:
     """The Gluon forward with the argmax: scores of float64 within the dtype's bound and
     Triton's within 16 units in the last place, every argmax written (poisoned output) and
     inside its document, each winner's float64 similarity the row's maximum to fp32 rounding
-    and 16 units in the last place, a NaN in a document making its column NaN and no other."""
+    and 16 units in the last place, a NaN in a document making its column NaN and no other, and
+    an infinite similarity making its column's scores not finite (NaN where the tile's code is
+    not 0: section 46)."""
     from fusedmaxsim import _launch
 
     Nq, Lq, _ = Q.shape
@@ -526,6 +528,12 @@ def _check_hopper_argmax(cfg, Q, D) -> None:
     D[1, D.shape[1] // 2, 3] = float("nan")
     _launch.launch_fwd_hopper(cfg, Q, D, scores, False, argmax)
     assert scores[:, 1].isnan().all() and not scores[:, [0, 2]].isnan().any()
+    assert ((argmax >= 0) & (argmax < Ld)).all()
+    Q = Q.clone()
+    Q[..., 3] = Q[..., 3].abs() + 1  # every similarity with the infinite token is +inf
+    D[1, D.shape[1] // 2, 3] = float("inf")
+    _launch.launch_fwd_hopper(cfg, Q, D, scores, False, argmax)
+    assert not scores[:, 1].isfinite().any() and scores[:, [0, 2]].isfinite().all()
     assert ((argmax >= 0) & (argmax < Ld)).all()
 
 
@@ -566,10 +574,11 @@ def test_hopper_argmax_forward_streams_several_documents_a_program(monkeypatch, 
 
 
 @hopper_only
-def test_hopper_argmax_ties_go_to_the_lowest_token_where_the_max_is_not_negative():
+def test_hopper_argmax_ties_follow_the_sign_of_the_max():
     """Documents whose tokens are one token repeated (every similarity of a row tied, across
-    tiles and columns): the winner is token 0 wherever the maximum is 0 or more; the zero
-    document (all similarities 0) included."""
+    tiles and columns): the winner is token 0 wherever the maximum is 0 or more, the zero
+    document (all similarities 0) included; where it is negative, the first token of the last
+    tile (the coded values of a negative similarity order their codes the other way)."""
     from fusedmaxsim import _launch
 
     Q, D, cfg = _hopper_inputs((4, 128, 128), (6, 1, 128), False)
@@ -580,6 +589,10 @@ def test_hopper_argmax_ties_go_to_the_lowest_token_where_the_max_is_not_negative
     _launch.launch_fwd_hopper(cfg, Q, D, scores, False, argmax)
     value = torch.einsum("isk,jk->ijs", Q.double(), D[:, 0].double())
     assert (argmax[value >= 0] == 0).all()
+    block_n = _launch.hopper_call_tiles(cfg, False, 4, 128, 6, 1000,
+                                        _launch._sm_count(Q.device))[0][0]
+    assert (value < 0).any()
+    assert (argmax[value < 0] == (1000 - 1) // block_n * block_n).all()
     assert (argmax[:, 5] == 0).all()
     assert ((argmax >= 0) & (argmax < 1000)).all()
 

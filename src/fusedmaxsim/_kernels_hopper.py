@@ -3,15 +3,26 @@ previous tile's max.
 
 Math
 ----
-The inference forward of ``_kernels._maxsim_fwd_kernel`` without masks, the argmax or the
-smooth max, with or without normalization (the norms from the tiles, ``NORMALIZE``): the same
-products, norms and maxima (a chunk's row sums may be added in another order, so scores can
-differ from Triton's in the last bit)::
+The forward of ``_kernels._maxsim_fwd_kernel`` without masks or the smooth max, with or without
+normalization (the norms from the tiles, ``NORMALIZE``) or, without it, the argmax
+(``SAVE_ARGMAX``): the same products, norms and maxima (a chunk's row sums may be added in
+another order, so scores can differ from Triton's in the last bit)::
 
     S[i, j, s, t] = <Q[i, s], D[j, t]>            (fp32 accumulation of 16-bit inputs)
     score[i, j]   = Σ_s max_t S[i, j, s, t]
     NORMALIZE:      Σ_s inv(Q[i, s]) · max_t S[i, j, s, t] · inv(D[j, t]),
                     inv(x) = 1 / max(‖x‖, 1e-12) in fp32 from the 16-bit tokens
+    SAVE_ARGMAX:    A[i, j, s] = the winning t, from coded similarities (below)
+
+The argmax without a third register tile (benchmarks/NOTES.md sections 42 and 46): each product
+of pass tile ``p`` (at most ``TILE_CODES`` tiles a pass) is coded as ``(S & -16) | (15 - p)`` on
+its fp32 bits, and the running max folds the coded values with the same one ``max`` an element
+as the scores alone. The end of a pass reduces each row over the columns (the larger coded
+value, the lower column among equal ones) and decodes the tile. So the max loses its four low
+bits (scores within ~2e-6 relative of the Triton kernel's), and among similarities equal but in
+those bits (16 units in the last place) the winner is the earliest tile's where they are 0 or
+more and the last tile's where they are negative (float order reverses on the sign); exact ties
+inside a tile go to the lower token.
 
 Why a second kernel
 -------------------
@@ -52,9 +63,13 @@ Caveats
   to the Triton kernel.
 * Two ``[BLOCK_M, BLOCK_N]`` fp32 products live at once (the one in flight and the one being
   folded), beside the running max: ``BLOCK_N`` stays at 32-64.
-* No argmax: with it this loop ran slower than the Triton kernel under every tile, stage and
-  warp count measured (benchmarks/NOTES.md sections 30-31): its longer fold, not the wait for
-  the product, sets the pace.
+* The argmax as a third register tile beside the running max ran slower than the Triton kernel
+  under every tile, stage and warp count measured (benchmarks/NOTES.md sections 30-31), and so
+  did a fold of five instructions an element (section 42): the fold, not the wait for the
+  product, sets the pace. The coded fold is two (a ``lop3``, then the ``max``).
+* With ``SAVE_ARGMAX``, an infinite similarity coded with a nonzero code is a NaN: a row whose
+  max would be +inf (an infinite input, or an fp32 overflow) scores NaN, unless that similarity
+  lies in a pass's sixteenth tile (code 0). A NaN row's token is a column of its first tile.
 * One warp group (4 warps), except on grids of at most one program an SM, where two warp
   groups split a 128-row block (19-27% faster there, slower on larger grids; sections 31 and
   34).
@@ -125,7 +140,7 @@ if AVAILABLE:
     def _argmax_combine(value_a, col_a, value_b, col_b):
         """The larger coded value (NaN first), the lower column among equal ones."""
         take_a = (value_a > value_b) | ((value_a == value_b) & (col_a < col_b)) \
-            | (value_a != value_a)
+            | (value_a != value_a)  # noqa: PLR0124 (the NaN test)
         return gl.where(take_a, value_a, value_b), gl.where(take_a, col_a, col_b)
 
     @gluon.jit
@@ -138,7 +153,7 @@ if AVAILABLE:
         cols = gl.zeros(run_max.shape, gl.int32, layout) + gl.expand_dims(o_c, 0)
         best, col = gl.reduce((run_max, cols), 1, _argmax_combine)
         bits = best.to(gl.int32, bitcast=True)
-        value = gl.where(best != best, best,
+        value = gl.where(best != best, best,  # noqa: PLR0124 (the NaN test)
                          (bits & ~(TILE_CODES - 1)).to(gl.float32, bitcast=True))
         token = (TILE_CODES - 1 - (bits & (TILE_CODES - 1))) * BLOCK_N + col
         return value, gl.minimum(gl.maximum(token, 0), Ld - 1)

@@ -7,7 +7,8 @@ timed on the same inputs in the same process, so the numbers compare like with l
   (their anchors travel with the records as the numbers to beat). ``quick`` is a set of small
   shapes that run in seconds on a CPU.
 * **Parity gate.** Before a provider is timed on a (shape, mode), its scores and gradients are
-  compared with the float64 oracle ``fusedmaxsim.reference.maxsim_ref`` on the same inputs. A
+  compared with the float64 oracle ``fusedmaxsim.reference.maxsim_ref`` on the same inputs
+  (scores in the max norm, gradients in the Frobenius norm: see ``GRAD_TOL``). A
   fast but wrong kernel is recorded as failed and is never timed, so it can never win. The
   naive baselines are timed even when bf16 rounding puts them outside the tolerance: they are
   the yardstick, not contenders.
@@ -59,9 +60,17 @@ FLOOR_TARGET_MIN_MS = 0.050    # ... where the floor is at least this long
 TINY_FLOOR_MS = 0.010          # below this floor a call is all overhead: hold it to a wall budget
 TARGET_WALL_US = {"inference": 30.0, "training": 100.0}
 
-# Parity tolerances: max|out - ref| / max|ref| against float64, by input dtype.
+# Parity tolerances against float64. Scores: max|out - ref| / max|ref|, by input dtype.
 SCORE_TOL = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-2}
-GRAD_TOL = {"bfloat16": 3e-2, "float16": 1e-2, "float32": 1e-2}
+# Gradients: ‖out - ref‖ / ‖ref‖ (Frobenius), every dtype. A near-tie of the max decided otherwise
+# than in float64 (two similarities within fp32 rounding of each other, or within the 16 units in
+# the last place of the Gluon training forward's coded max) sends a whole query token's gradient
+# to another document token, which the max norm reports as an error the size of a gradient row
+# however few such tokens there are; the Frobenius norm weighs how many. 1e-2 (the bound of the
+# GPU tests' large shapes) is about a hundred such decisions among train_colpali's two million,
+# so a kernel that gets even a small share of its maxima wrong is still refused (NOTES.md section
+# 46). The max-norm error is recorded beside it (`grad_q_rel_err`, `grad_d_rel_err`).
+GRAD_TOL = 1e-2
 
 # Largest float64 grid block the reference builds at once (elements): keeps the oracle of the
 # biggest shapes within a few GiB while staying exact (see reference_outputs).
@@ -486,22 +495,37 @@ def rel_err(x: torch.Tensor | None, ref: torch.Tensor) -> float:
     return diff / scale if scale > 0 else diff
 
 
+def fro_err(x: torch.Tensor | None, ref: torch.Tensor) -> float:
+    """``‖x - ref‖ / ‖ref‖`` (Frobenius); infinite for a missing or non-finite result."""
+    if x is None:
+        return math.inf
+    if tuple(x.shape) != tuple(ref.shape):
+        raise ValueError(f"output shape {tuple(x.shape)}, expected {tuple(ref.shape)}")
+    diff = torch.linalg.vector_norm(x.detach().double() - ref).item()
+    if not math.isfinite(diff):
+        return math.inf
+    scale = torch.linalg.vector_norm(ref).item()
+    return diff / scale if scale > 0 else diff
+
+
 def check_parity(out: torch.Tensor, grads, ref: Reference, case: Case) -> dict:
-    """Relative errors against the oracle and whether they are within tolerance."""
+    """Relative errors against the oracle and whether they are within tolerance: scores in the
+    max norm, gradients in the Frobenius norm (see :data:`GRAD_TOL`; their max-norm errors are
+    recorded too)."""
     dtype = case.shape.dtype
     result = {"score_rel_err": rel_err(out, ref.scores), "score_tol": SCORE_TOL[dtype]}
     problems = []
     if not result["score_rel_err"] <= SCORE_TOL[dtype]:
         problems.append(f"score rel err {result['score_rel_err']:.2e} > {SCORE_TOL[dtype]:.0e}")
     if case.training:
-        result["grad_tol"] = GRAD_TOL[dtype]
+        result["grad_tol"] = GRAD_TOL
         for name, got, want in (("grad_q", grads[0], ref.grad_q), ("grad_d", grads[1], ref.grad_d)):
-            err = rel_err(got, want)
-            result[f"{name}_rel_err"] = err
+            result[f"{name}_rel_err"] = rel_err(got, want)
+            err = result[f"{name}_fro_err"] = fro_err(got, want)
             if got is None:
                 problems.append(f"no {name}")
-            elif not err <= GRAD_TOL[dtype]:
-                problems.append(f"{name} rel err {err:.2e} > {GRAD_TOL[dtype]:.0e}")
+            elif not err <= GRAD_TOL:
+                problems.append(f"{name} Frobenius rel err {err:.2e} > {GRAD_TOL:.0e}")
     result["parity_ok"] = not problems
     result["parity_problems"] = "; ".join(problems) or None
     return result
@@ -690,7 +714,8 @@ def floor_ms(shape: Shape, mode: str, ceilings: dict | None) -> float | None:
 
 RECORD_KEYS = (
     "shape", "mode", "provider", "role", "status", "error",
-    "score_rel_err", "grad_q_rel_err", "grad_d_rel_err", "score_tol", "grad_tol", "parity_ok",
+    "score_rel_err", "grad_q_rel_err", "grad_d_rel_err", "grad_q_fro_err", "grad_d_fro_err",
+    "score_tol", "grad_tol", "parity_ok",
     "warmup_call_s", "ms", "p20_ms", "p80_ms", "round_ms", "wall_us", "wall_iters",
     "tflops", "floor_ms", "pct_floor", "peak_mib",
 )
@@ -1403,7 +1428,8 @@ def _suite_markdown(suite: dict) -> list:
                    f"{_num(geo.get('speedup_vs_naive'), '{:.2f}×')} against naive "
                    f"({geo.get('n_speedup_vs_naive', 0)} shapes).")]
 
-    lines += ["", "## Accuracy (relative error against float64: scores / gradients)", ""]
+    lines += ["", ("## Accuracy (relative error against float64: scores / gradients, max norm "
+                   "(Frobenius norm))"), ""]
     rows = []
     for (shape, mode), recs in by_item.items():
         cells = []
@@ -1413,12 +1439,17 @@ def _suite_markdown(suite: dict) -> list:
                 cells.append("–")
                 continue
             grad = max(filter(None, [r["grad_q_rel_err"], r["grad_d_rel_err"]]), default=None)
-            text = _err(r["score_rel_err"]) + (f" / {_err(grad)}" if mode == "training" else "")
+            fro = max(filter(None, [r.get("grad_q_fro_err"), r.get("grad_d_fro_err")]),
+                      default=None)
+            text = _err(r["score_rel_err"]) + (f" / {_err(grad)} ({_err(fro)})"
+                                               if mode == "training" else "")
             cells.append(text + ("" if r["parity_ok"] else " ✗"))
         rows.append([shape, MODE_LABELS[mode], *cells])
     lines += _table(["shape", "mode", *[p.label for p in providers]], rows)
-    lines += ["", ("✗: outside the tolerance (scores 2e-2 bf16 / 5e-3 fp16 / 1e-2 fp32; "
-                   "gradients 3e-2 bf16 / 1e-2 fp16 and fp32).")]
+    lines += ["", ("✗: outside the tolerance (scores in the max norm 2e-2 bf16 / 5e-3 fp16 / "
+                   f"1e-2 fp32; gradients in the Frobenius norm {GRAD_TOL:.0e}; a near-tie of the "
+                   "max decided otherwise than in float64 moves a whole gradient row, which the "
+                   "max norm reports at that row's size).")]
 
     problems = [r for r in records if r["status"] in ("failed", "skipped") and r["error"]]
     if problems:
