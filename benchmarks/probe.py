@@ -43,7 +43,7 @@ import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from fusedmaxsim import _launch, maxsim  # noqa: E402
+from fusedmaxsim import _launch, maxsim, settings  # noqa: E402
 from fusedmaxsim._kernels import _maxsim_fwd_kernel  # noqa: E402
 from fusedmaxsim._configs import BwdConfig, FwdConfig, bwd_config, forced_configs, fwd_config  # noqa: E402
 from fusedmaxsim.reference import maxsim_ref  # noqa: E402
@@ -1994,9 +1994,7 @@ def hopper_argmax() -> None:
         g = torch.randn(q_shape[0], d_shape[0], device="cuda")
         outputs, graphs, steps, grads, host_us = {}, {}, {}, {}, {}
         for name, on in (("gluon", True), ("triton", False)):
-            saved = _launch.HOPPER_ARGMAX
-            _launch.HOPPER_ARGMAX = on
-            try:
+            with settings.use_exact_ties(not on):
                 def forward(Q=Q, D=D):
                     return _launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32")
                 outputs[name] = forward()
@@ -2010,8 +2008,6 @@ def hopper_argmax() -> None:
                 grads[name] = (Qg.grad.float(), Dg.grad.float())
                 steps[name] = [do_bench(step, warmup=10, rep=50, grad_to_none=[Qg, Dg])
                                for _ in range(3)]
-            finally:
-                _launch.HOPPER_ARGMAX = saved
         (s_gl, a_gl), (s_tr, a_tr) = outputs["gluon"], outputs["triton"]
         ref = maxsim_ref(Q.double(), D[:16].double())
         differ = (a_gl != a_tr).nonzero()

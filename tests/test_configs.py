@@ -43,6 +43,32 @@ def test_every_candidate_computes_the_same_scores(device):
                 torch.testing.assert_close(maxsim(Q, D), ref, rtol=1e-5, atol=1e-5)
 
 
+def test_exact_ties_setting(monkeypatch):
+    """Off by default; the setter, the scoped manager (restoring what was there) and the
+    environment; while on, the Gluon training forward never applies."""
+    from fusedmaxsim import _launch
+
+    assert settings.exact_ties() is False
+    with settings.use_exact_ties():
+        assert settings.exact_ties() is True
+        assert not _launch.hopper_argmax_applies(None, 128, 128, 128, 1024, torch.device("cpu"))
+        with settings.use_exact_ties(False):
+            assert settings.exact_ties() is False
+        assert settings.exact_ties() is True
+    assert settings.exact_ties() is False
+    settings.set_exact_ties(True)
+    assert settings.exact_ties() is True
+    settings.set_exact_ties(None)
+    monkeypatch.setenv("FUSEDMAXSIM_EXACT_TIES", "1")
+    settings.reload()
+    try:
+        assert settings.exact_ties() is True
+    finally:
+        monkeypatch.delenv("FUSEDMAXSIM_EXACT_TIES")
+        settings.reload()
+    assert settings.exact_ties() is False
+
+
 def test_autotune_setting(monkeypatch):
     assert settings.autotune() is False
     settings.set_autotune(True)

@@ -677,3 +677,6 @@ def test_hopper_forward_is_what_the_dispatch_runs_where_it_applies(monkeypatch):
     calls.clear()
     maxsim(leaf(Q.clone()), D.repeat(1, 8, 1))  # 19 tiles of 64 tokens: more than the codes
     assert not calls
+    with settings.use_exact_ties():  # exact ties asked for: the Triton kernel's argmax
+        maxsim(leaf(Q.clone()), D)
+    assert not calls

@@ -452,14 +452,12 @@ def hopper_forward_applies(cfg, Q: Tensor, D: Tensor) -> bool:
     )
 
 
-# The Gluon forward with the argmax (NOTES.md section 42): on or off, for the tests and probes.
-HOPPER_ARGMAX = os.environ.get("FUSEDMAXSIM_HOPPER_ARGMAX", "1") != "0"
-
-
 def hopper_argmax_applies(cfg, Nq: int, Lq: int, Ncols: int, Ld: int, device: torch.device) -> bool:
-    """Whether the Gluon forward can save the argmax of this call: a pass's document tiles fit
-    the codes the running max carries in its low bits (``_kernels_hopper.TILE_CODES``)."""
-    if not HOPPER_ARGMAX:
+    """Whether the Gluon forward can save the argmax of this call: ties need not be exact
+    (``settings.exact_ties``: its coded max decides near-ties by tile, NOTES.md section 46) and
+    a pass's document tiles fit the codes the running max carries in its low bits
+    (``_kernels_hopper.TILE_CODES``)."""
+    if settings.exact_ties():
         return False
     tiles = hopper_call_tiles(cfg, False, Nq, Lq, Ncols, Ld, _sm_count(device))[0]
     return _cdiv(Ld, tiles[0]) <= _kernels_hopper.TILE_CODES.value
