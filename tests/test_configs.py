@@ -43,9 +43,9 @@ def test_every_candidate_computes_the_same_scores(device):
                 torch.testing.assert_close(maxsim(Q, D), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_exact_ties_setting(monkeypatch):
-    """Off by default; the setter, the scoped manager (restoring what was there) and the
-    environment; while on, the Gluon training forward never applies."""
+def test_exact_ties_setting():
+    """Off by default; the scoped manager restores what was there; while on, the Gluon training
+    forward never applies."""
     from fusedmaxsim import _launch
 
     assert settings.exact_ties() is False
@@ -56,32 +56,25 @@ def test_exact_ties_setting(monkeypatch):
             assert settings.exact_ties() is False
         assert settings.exact_ties() is True
     assert settings.exact_ties() is False
-    settings.set_exact_ties(True)
-    assert settings.exact_ties() is True
-    settings.set_exact_ties(None)
-    monkeypatch.setenv("FUSEDMAXSIM_EXACT_TIES", "1")
-    settings.reload()
-    try:
-        assert settings.exact_ties() is True
-    finally:
-        monkeypatch.delenv("FUSEDMAXSIM_EXACT_TIES")
-        settings.reload()
-    assert settings.exact_ties() is False
 
 
-def test_autotune_setting(monkeypatch):
-    assert settings.autotune() is False
-    settings.set_autotune(True)
-    assert settings.autotune() is True
-    settings.set_autotune(None)
-    monkeypatch.setenv("FUSEDMAXSIM_AUTOTUNE", "1")
+@pytest.mark.parametrize("name,env", [("autotune", "FUSEDMAXSIM_AUTOTUNE"),
+                                      ("exact_ties", "FUSEDMAXSIM_EXACT_TIES")])
+def test_boolean_setting(monkeypatch, name, env):
+    """Off by default, on through its setter or its environment variable, back with ``None``."""
+    getter, setter = getattr(settings, name), getattr(settings, f"set_{name}")
+    assert getter() is False
+    setter(True)
+    assert getter() is True
+    setter(None)
+    monkeypatch.setenv(env, "1")
     settings.reload()
     try:
-        assert settings.autotune() is True
+        assert getter() is True
     finally:
-        monkeypatch.delenv("FUSEDMAXSIM_AUTOTUNE")
+        monkeypatch.delenv(env)
         settings.reload()
-    assert settings.autotune() is False
+    assert getter() is False
 
 
 @pytest.mark.parametrize("Lq,bucket", [(1, 16), (7, 16), (32, 32), (33, 64), (100, 128), (1030, 2048)])

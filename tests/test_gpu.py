@@ -373,18 +373,16 @@ _TILE_SHAPES = {
 }
 
 
+def _tile_cases(tile_sets, shapes, *skipped) -> list:
+    """(tile set, shape) pairs but those skipped, and (as for any forward) the two-warp-group
+    tiles on the padded short query: two warp groups split 128 rows, its block has 64."""
+    skipped = {("_HOPPER_FEW_PROGRAMS_TILES", "one-short-query"), *skipped}
+    return [(t, s) for t in tile_sets for s in shapes if (t, s) not in skipped]
+
+
 @hopper_only
 @pytest.mark.parametrize("normalize", [False, True], ids=["scores", "normalize"])
-@pytest.mark.parametrize(
-    "tile_set,shape",
-    [
-        (tile_set, shape)
-        for tile_set in _TILE_SETS
-        for shape in _TILE_SHAPES
-        # Two warp groups split 128 rows; a padded short query's block has 64.
-        if not (tile_set == "_HOPPER_FEW_PROGRAMS_TILES" and shape == "one-short-query")
-    ],
-)
+@pytest.mark.parametrize("tile_set,shape", _tile_cases(_TILE_SETS, _TILE_SHAPES))
 def test_hopper_forward_under_every_tile_set(monkeypatch, tile_set, shape, normalize):
     """Each tile set the dispatch can take (document tile, stages, warps, register cap), forced
     onto the shapes its loop treats apart, plain and normalizing."""
@@ -541,14 +539,8 @@ def _check_hopper_argmax(cfg, Q, D) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize(
     "tile_set,shape",
-    [
-        (tile_set, shape)
-        for tile_set in _ARGMAX_TILE_SETS
-        for shape in _ARGMAX_SHAPES
-        if not (tile_set == "_HOPPER_FEW_PROGRAMS_TILES" and shape == "one-short-query")
-        # 32 tiles of 32 tokens: more than a pass can code
-        and not (tile_set == "_HOPPER_SHORT_TILES" and shape == "one-long-query")
-    ],
+    # 32 tiles of 32 tokens: more than a pass can code
+    _tile_cases(_ARGMAX_TILE_SETS, _ARGMAX_SHAPES, ("_HOPPER_SHORT_TILES", "one-long-query")),
 )
 def test_hopper_argmax_forward_under_every_tile_set(monkeypatch, tile_set, shape, dtype):
     """The training forward in Gluon (the argmax in the running max's low bits) under each tile

@@ -95,22 +95,30 @@ def torch_block_bytes() -> int:
     return int(value)
 
 
+def _flag(name: str, env: str) -> bool:
+    value = _overrides.get(name)
+    if value is None:
+        value = _environment.get(env, "0").strip().lower() in ("1", "true", "yes")
+    return bool(value)
+
+
+def _set_flag(name: str, value: bool | None) -> None:
+    _resolved.clear()
+    if value is None:
+        _overrides.pop(name, None)
+    else:
+        _overrides[name] = bool(value)
+
+
 def autotune() -> bool:
     """Whether the forward times candidate tiles on its first call per shape class (off by default:
     the analytical choice compiles one kernel; a sweep compiles several and costs seconds)."""
-    value = _overrides.get("autotune")
-    if value is None:
-        value = _environment.get("FUSEDMAXSIM_AUTOTUNE", "0").strip().lower() in ("1", "true", "yes")
-    return bool(value)
+    return _flag("autotune", "FUSEDMAXSIM_AUTOTUNE")
 
 
 def set_autotune(value: bool | None) -> None:
     """Turn the autotuning on or off; ``None`` returns to ``FUSEDMAXSIM_AUTOTUNE``."""
-    _resolved.clear()
-    if value is None:
-        _overrides.pop("autotune", None)
-    else:
-        _overrides["autotune"] = bool(value)
+    _set_flag("autotune", value)
 
 
 def exact_ties() -> bool:
@@ -118,19 +126,12 @@ def exact_ties() -> bool:
     token among equal similarities, the larger of two that differ in their last bits). Off by
     default: on Hopper GPUs the Gluon training forward then decides among similarities within 16
     units in the last place of each other by their tile (README, Semantics), 12-15% faster."""
-    value = _overrides.get("exact_ties")
-    if value is None:
-        value = _environment.get("FUSEDMAXSIM_EXACT_TIES", "0").strip().lower() in ("1", "true", "yes")
-    return bool(value)
+    return _flag("exact_ties", "FUSEDMAXSIM_EXACT_TIES")
 
 
 def set_exact_ties(value: bool | None) -> None:
     """Exact ties on or off; ``None`` returns to ``FUSEDMAXSIM_EXACT_TIES``."""
-    _resolved.clear()
-    if value is None:
-        _overrides.pop("exact_ties", None)
-    else:
-        _overrides["exact_ties"] = bool(value)
+    _set_flag("exact_ties", value)
 
 
 def _set(name: str, value: object, check) -> None:
