@@ -22,6 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from fusedmaxsim._configs import bwd_config
 from fusedmaxsim._kernels import _maxsim_bwd_dd_kernel, _maxsim_bwd_gather_kernel, _maxsim_fwd_kernel
 from fusedmaxsim._kernels_index import _tile_counts_kernel, _tile_rows_kernel
 from fusedmaxsim._launch import _DD_SCAN_STAGES
@@ -119,7 +120,9 @@ def grad_d_rows():
         constants = dict(PER_QUERY_DOCS=per_query_docs, ROWS_IN_ONE_BLOCK=rows_in_one_block,
                          WINNER_INDEX=winner_index, NORMALIZE=False, BLOCK_T=64, BLOCK_R=block_r,
                          BLOCK_K=128, DOT_PRECISION="tf32", UPCAST=False, INDEX_SCAN=1024)
-        stages = 2 if rows_in_one_block else _DD_SCAN_STAGES  # as launched
+        # As launched: a program that loads its rows once keeps its configuration's stages.
+        stages = (bwd_config(Lq=block_r, dim=128, elem_bytes=2, per_query_docs=True).num_stages
+                  if rows_in_one_block else _DD_SCAN_STAGES)
         compiled = compile_sm90(_maxsim_bwd_dd_kernel, constants, 4, stages)
         mode = ("candidates" if per_query_docs else "cross") + (", rows once" if rows_in_one_block else "")
         mode += ", winner index" if winner_index else ""

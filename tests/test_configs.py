@@ -51,7 +51,7 @@ def test_exact_ties_setting():
     assert settings.exact_ties() is False
     with settings.use_exact_ties():
         assert settings.exact_ties() is True
-        assert not _launch.hopper_argmax_applies(None, 128, 128, 128, 1024, torch.device("cpu"))
+        assert not _launch.hopper_argmax_applies(_launch._HOPPER_TILES, 1024)
         with settings.use_exact_ties(False):
             assert settings.exact_ties() is False
         assert settings.exact_ties() is True

@@ -452,15 +452,12 @@ def hopper_forward_applies(cfg, Q: Tensor, D: Tensor) -> bool:
     )
 
 
-def hopper_argmax_applies(cfg, Nq: int, Lq: int, Ncols: int, Ld: int, device: torch.device) -> bool:
-    """Whether the Gluon forward can save the argmax of this call: ties need not be exact
-    (``settings.exact_ties``: its coded max decides near-ties by tile, NOTES.md section 46) and
-    a pass's document tiles fit the codes the running max carries in its low bits
-    (``_kernels_hopper.TILE_CODES``)."""
-    if settings.exact_ties():
-        return False
-    tiles = hopper_call_tiles(cfg, False, Nq, Lq, Ncols, Ld, _sm_count(device))[0]
-    return _cdiv(Ld, tiles[0]) <= _kernels_hopper.TILE_CODES.value
+def hopper_argmax_applies(tiles: tuple, Ld: int) -> bool:
+    """Whether the Gluon forward, on the call's ``tiles`` (:func:`hopper_call_tiles`), can save
+    the argmax: ties need not be exact (``settings.exact_ties``: its coded max decides near-ties
+    by tile, NOTES.md section 46) and a pass's document tiles fit the codes the running max
+    carries in its low bits (``_kernels_hopper.TILE_CODES``)."""
+    return not settings.exact_ties() and _cdiv(Ld, tiles[0]) <= _kernels_hopper.TILE_CODES.value
 
 
 def _block_rows(cfg) -> int:
@@ -680,18 +677,20 @@ def _hopper_plan(
 
 
 def launch_fwd_hopper(
-    cfg, Q: Tensor, D: Tensor, scores: Tensor, normalize: bool = False, argmax: Tensor | None = None
+    cfg, Q: Tensor, D: Tensor, scores: Tensor, normalize: bool = False,
+    argmax: Tensor | None = None, call_tiles: tuple | None = None,
 ) -> None:
     """The forward through ``_kernels_hopper`` (the caller checked
     :func:`hopper_forward_applies`, and with ``argmax`` :func:`hopper_argmax_applies`), query
     chunks split over programs as in :func:`_launch_fwd`; with ``normalize``, of normalized
     tokens with their norms computed from the tiles; a block of fewer than 64 query rows padded
-    to 64 (:func:`hopper_block`); with ``argmax``, each row's winning token written there."""
+    to 64 (:func:`hopper_block`); with ``argmax``, each row's winning token written there.
+    ``call_tiles``: :func:`hopper_call_tiles` of this call, where the caller has it already."""
     Nq, Lq, dim = Q.shape
     Ncols, Ld = D.shape[0], D.shape[1]
     if Q.stride(-1) != 1:
         Q = Q.contiguous()
-    tiles, qpb, splits, docs = hopper_call_tiles(
+    tiles, qpb, splits, docs = call_tiles or hopper_call_tiles(
         cfg, normalize, Nq, Lq, Ncols, Ld, _sm_count(Q.device))
     save_argmax = argmax is not None
     if not save_argmax:
@@ -779,13 +778,15 @@ def maxsim_fwd(
         # beat the Triton kernel's (longdoc 0.0567 against 0.0661 ms, record
         # 2026-12-01_acb15e4).
         and hopper_forward_applies(cfg, Q, D)
-        and (not save_argmax or hopper_argmax_applies(cfg, Nq, Lq, Ncols, Ld, device))
     ):
-        try:
-            launch_fwd_hopper(cfg, Q, D, scores, norm_from_tiles, argmax if save_argmax else None)
-            return scores, argmax
-        except Exception as exc:  # noqa: BLE001 (Gluon is experimental: any failure to build)
-            _hopper_kernel_failed(exc)
+        call_tiles = hopper_call_tiles(cfg, norm_from_tiles, Nq, Lq, Ncols, Ld, _sm_count(device))
+        if not save_argmax or hopper_argmax_applies(call_tiles[0], Ld):
+            try:
+                launch_fwd_hopper(cfg, Q, D, scores, norm_from_tiles,
+                                  argmax if save_argmax else None, call_tiles)
+                return scores, argmax
+            except Exception as exc:  # noqa: BLE001 (Gluon is experimental: any failure to build)
+                _hopper_kernel_failed(exc)
     operands = (
         Q, D, qm, dm, q_inv, d_inv, scores, argmax, save_argmax, fp32_precision, norm_from_tiles, tau
     )
