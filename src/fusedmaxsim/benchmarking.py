@@ -496,16 +496,16 @@ def rel_err(x: torch.Tensor | None, ref: torch.Tensor) -> float:
 
 
 def fro_err(x: torch.Tensor | None, ref: torch.Tensor) -> float:
-    """``‖x - ref‖ / ‖ref‖`` (Frobenius); infinite for a missing or non-finite result."""
+    """``‖x - ref‖ / ‖ref‖`` (:func:`fusedmaxsim.testing.relative_error_fro`); infinite for a
+    missing or non-finite result."""
+    from fusedmaxsim.testing import relative_error_fro
+
     if x is None:
         return math.inf
     if tuple(x.shape) != tuple(ref.shape):
         raise ValueError(f"output shape {tuple(x.shape)}, expected {tuple(ref.shape)}")
-    diff = torch.linalg.vector_norm(x.detach().double() - ref).item()
-    if not math.isfinite(diff):
-        return math.inf
-    scale = torch.linalg.vector_norm(ref).item()
-    return diff / scale if scale > 0 else diff
+    err = relative_error_fro(x, ref)
+    return err if math.isfinite(err) else math.inf
 
 
 def check_parity(out: torch.Tensor, grads, ref: Reference, case: Case) -> dict:
