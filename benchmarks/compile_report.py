@@ -145,10 +145,10 @@ def gather_rows():
 
 
 def index_rows():
-    constants = dict(BLOCK_T=64, SCAN=1024, SCAN_Q=8, SCAN_S=128)
+    constants = dict(BLOCK_T=64, SCAN=1024, SCAN_Q=8, SCAN_S=128, TILES=4)
     for name, kernel in (("winner index counts", _tile_counts_kernel), ("winner index rows", _tile_rows_kernel)):
         compiled = compile_sm90(kernel, constants, 4, 1)
-        yield name, "cross", "64-token tiles, steps of 8 queries x 128 tokens, 4 warps", None, *resources(compiled)
+        yield name, "cross", "four 64-token tiles a scan, steps of 8 queries x 128 tokens, 4 warps", None, *resources(compiled)
 
 
 def main() -> None:

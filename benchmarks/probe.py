@@ -47,7 +47,7 @@ from fusedmaxsim import _launch, maxsim, settings  # noqa: E402
 from fusedmaxsim._kernels import _maxsim_fwd_kernel  # noqa: E402
 from fusedmaxsim._configs import BwdConfig, FwdConfig, bwd_config, forced_configs, fwd_config  # noqa: E402
 from fusedmaxsim.reference import maxsim_ref  # noqa: E402
-from fusedmaxsim.testing import relative_error  # noqa: E402
+from fusedmaxsim.testing import relative_error, relative_error_fro  # noqa: E402
 
 
 def _bf16(*shape) -> torch.Tensor:
@@ -784,7 +784,7 @@ def winner_index() -> None:
         saved = _launch._index_constants
         row_index = "   index variants (scan entries, stages):"
         for scan, stages in ((1024, 1), (1024, 2), (1024, 3), (4096, 1), (4096, 3), (256, 2)):
-            _launch._index_constants = lambda bt, st, scan=scan, stages=stages: saved(bt, st, scan, stages)
+            _launch._index_constants = lambda bt, st, scan=scan, stages=stages, tiles=1: saved(bt, st, scan, stages, tiles)
             row_index += f" {scan}/{stages} {bench(lambda: _launch._winner_index(argmax, 0, nd, base.block_t, buffers)):.4f}"
         _launch._index_constants = saved
         print(row_index, flush=True)
@@ -2047,6 +2047,165 @@ def _host_us_a_call(call, calls: int = 100) -> float:
     return best
 
 
+def backward_parts() -> None:
+    """Where the lowmem backward of the large cross products goes (benchmarks/NOTES.md section
+    47): GPU ms of CUDA-graph replays of the argmax forward, grad_Q alone, the winner index
+    alone (both launches, all columns), the indexed grad_D given the index, and the whole
+    backward, three interleaved rounds each."""
+    _warm_gpu()
+    shapes = (("train_colpali", 128, 128, 128, 1024), ("colbert 512 x 512", 512, 32, 512, 300))
+    for name, nq, lq, nd, ld in shapes:
+        Q, D = _bf16(nq, lq, 128), _bf16(nd, ld, 128)
+        g = torch.randn(nq, nd, device="cuda")
+        _, argmax = _launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32")
+        cfg = bwd_config(Lq=lq, dim=128, elem_bytes=2)
+        n_tiles = -(-ld // cfg.block_t)
+        buffers = _launch._winner_index_buffers(Q, nd, n_tiles)
+        grad_d = torch.empty_like(D)
+        _launch._winner_index(argmax, 0, nd, cfg.block_t, buffers)
+
+        def bwd(need_q=True, need_d=True):
+            return _launch.maxsim_bwd(g, Q, D, argmax, None, None, need_q, need_d, "lowmem",
+                                      False, "tf32")
+
+        parts = {
+            "forward with argmax": lambda: _launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32"),
+            "grad_Q alone": lambda: bwd(need_d=False),
+            "index alone": lambda: _launch._winner_index(argmax, 0, nd, cfg.block_t, buffers),
+            "indexed grad_D alone": lambda: _launch._launch_dd(
+                cfg, g, Q, None, argmax, grad_d, False, "tf32", 0, nd, *buffers),
+            "grad_D with its index": lambda: bwd(need_q=False),
+            "whole backward": bwd,
+        }
+        graphs = {label: _captured(fn) for label, fn in parts.items()}
+        print(f"-- {name} (index of {nd} columns in one chunk; the library chunks it by "
+              f"{_launch._winner_index_cols(Q, nd, n_tiles, grad_d)}):"
+              + _replay_rounds(graphs, lambda label: f"{label:22s}"), flush=True)
+        del graphs, buffers, grad_d, argmax
+        torch.cuda.empty_cache()
+
+
+def backward_once() -> None:
+    """One lowmem backward at train_colpali's shape after one warm-up, for a kernel profiler
+    (``ncu -k regex:'_tile_|_maxsim_bwd' ... probe.py backward_once``)."""
+    Q, D = _bf16(128, 128, 128), _bf16(128, 1024, 128)
+    g = torch.randn(128, 128, device="cuda")
+    _, argmax = _launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32")
+    for _ in range(2):
+        _launch.maxsim_bwd(g, Q, D, argmax, None, None, True, True, "lowmem", False, "tf32")
+    torch.cuda.synchronize()
+
+
+def _kernels_before(sha: str):
+    """``(kernels, index kernels)``: ``_kernels`` and ``_kernels_index`` as at ``sha``, from
+    ``benchmarks/_kernels_<sha>.py`` and ``benchmarks/_kernels_index_<sha>.py`` (not kept in the
+    tree), or None after saying how to make them."""
+    index_copy = Path(__file__).with_name(f"_kernels_index_{sha}.py")
+    kernels_copy = Path(__file__).with_name(f"_kernels_{sha}.py")
+    if not (index_copy.exists() and kernels_copy.exists()):
+        print(f"  missing: git show {sha}:src/fusedmaxsim/_kernels_index.py > benchmarks/{index_copy.name}; "
+              f"git show {sha}:src/fusedmaxsim/_kernels.py | sed -e 's/^from \\._configs/from "
+              f"fusedmaxsim._configs/' -e 's/^from \\._kernels_index/from {index_copy.stem}/' "
+              f"> benchmarks/{kernels_copy.name}")
+        return None
+    return importlib.import_module(kernels_copy.stem), importlib.import_module(index_copy.stem)
+
+
+@contextlib.contextmanager
+def _grad_d_kernels_of(kernels, index_kernels):
+    """The lowmem grad_D and the winner index launched with these modules' kernels, one token
+    tile a scan of the index (the kernels before section 47 take no ``TILES``)."""
+    saved_constants = _launch._index_constants
+
+    def constants_before(block_t, scan_tokens, scan=_launch._INDEX_SCAN, num_stages=1, tiles=1):
+        return _launch.constants(BLOCK_T=block_t, SCAN=scan, SCAN_Q=max(1, scan // scan_tokens),
+                                 SCAN_S=scan_tokens, num_warps=4, num_stages=num_stages)
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_swapped(_launch, "_maxsim_bwd_dd_kernel", kernels._maxsim_bwd_dd_kernel))
+        stack.enter_context(_swapped(_launch, "_tile_counts_kernel", index_kernels._tile_counts_kernel))
+        stack.enter_context(_swapped(_launch, "_tile_rows_kernel", index_kernels._tile_rows_kernel))
+        stack.enter_context(_swapped(_launch, "_index_tiles", lambda *args, **kwargs: 1))
+        stack.enter_context(_swapped(_launch, "_index_constants", constants_before))
+        yield
+    assert _launch._index_constants is saved_constants
+
+
+def grad_d_ab() -> None:
+    """The lowmem backward of large cross products with this tree's winner index (four token
+    tiles a scan) and indexed grad_D (rows a block ahead, ``g`` in the one-hot) against those of
+    ``310a2a3`` (benchmarks/NOTES.md section 47), in one process: the index bit for bit, grad_D
+    against float64 and against the old one, bitwise repeatability, GPU ms of CUDA-graph replays
+    (the index alone, grad_D with its index, the whole backward, the whole training step) in three
+    interleaved rounds."""
+    before = _kernels_before("310a2a3")
+    if before is None:
+        return
+    _warm_gpu()
+    shapes = (("train_colpali", 128, 128, 128, 1024), ("colbert 512 x 512", 512, 32, 512, 300),
+              ("train_colbert", 128, 32, 128, 300), ("colpali 256 x 256", 256, 128, 256, 1024))
+    variants = {"310a2a3": lambda: _grad_d_kernels_of(*before),
+                "this tree": contextlib.nullcontext,
+                "two tiles a scan": lambda: _swapped(_launch, "_INDEX_TILES", 2)}
+    for name, nq, lq, nd, ld in shapes:
+        Q, D = _bf16(nq, lq, 128), _bf16(nd, ld, 128)
+        g = torch.randn(nq, nd, device="cuda")
+        _, argmax = _launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32")
+        cfg = bwd_config(Lq=lq, dim=128, elem_bytes=2)
+        n_tiles = -(-ld // cfg.block_t)
+        Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
+
+        def bwd(need_q=True, need_d=True):
+            return _launch.maxsim_bwd(g, Q, D, argmax, None, None, need_q, need_d, "lowmem",
+                                      False, "tf32")
+
+        def step():
+            Qg.grad = Dg.grad = None
+            maxsim(Qg, Dg, backward="lowmem").backward(g)
+
+        indexes, grads, graphs = {}, {}, {}
+        for variant, context in variants.items():
+            with context():
+                buffers = _launch._winner_index_buffers(Q, nd, n_tiles)
+                rows, counts = _launch._winner_index(argmax, 0, nd, cfg.block_t, buffers)
+                indexes[variant] = (rows.clone(), counts.clone())
+                grads[variant] = bwd(need_q=False)[1]
+                repeatable = torch.equal(grads[variant], bwd(need_q=False)[1])
+                for part, fn in (("index alone", lambda b=buffers: _launch._winner_index(
+                                     argmax, 0, nd, cfg.block_t, b)),
+                                 ("grad_D with its index", lambda: bwd(need_q=False)),
+                                 ("whole backward", bwd), ("training step", step)):
+                    graphs[f"{variant:16s} {part}"] = _captured(fn)
+            print(f"   {variant}: grad_D bitwise repeatable {repeatable}", flush=True)
+        ref_d = _grad_d_reference(Q[:, :, :], D[:16], g[:, :16], argmax[:, :16])
+        row = f"-- {name}:"
+        for variant, (rows, counts) in indexes.items():
+            same_counts = torch.equal(counts, indexes["310a2a3"][1])
+            same_rows = all(torch.equal(rows[c, :int(counts[c].sum())],
+                                        indexes["310a2a3"][0][c, :int(counts[c].sum())])
+                            for c in range(nd))
+            row += (f"\n   {variant}: index {'bit for bit' if same_counts and same_rows else 'DIFFERS'}"
+                    f" from 310a2a3's; grad_D {relative_error_fro(grads[variant][:16], ref_d):.1e}"
+                    f" from float64 (Frobenius), {relative_error_fro(grads[variant], grads['310a2a3']):.1e}"
+                    f" from 310a2a3's")
+        print(row + _replay_rounds(graphs, lambda key: key), flush=True)
+        del graphs, Q, D, Qg, Dg, argmax, grads, indexes
+        torch.cuda.empty_cache()
+
+
+def _grad_d_reference(Q, D, g, argmax):
+    """grad_D of the first documents in float64 from the argmax the kernels read (so that a
+    near-tie decided otherwise in float64 does not count as an error of the backward)."""
+    Nq, Lq, _ = Q.shape
+    grad = torch.zeros(D.shape, dtype=torch.float64, device=D.device)
+    won = argmax.long()  # [Nq, Nd, Lq]
+    weighted = g.double()[:, :, None, None] * Q.double()[:, None, :, :]  # [Nq, Nd, Lq, d]
+    for j in range(D.shape[0]):
+        valid = won[:, j] >= 0
+        grad[j].index_add_(0, won[:, j][valid], weighted[:, j][valid])
+    return grad
+
+
 if __name__ == "__main__":
     wanted = set(sys.argv[1:]) or {"normalize", "kd", "smooth"}
     for name, probe in (("normalize", normalize_sweep), ("kd", kd_split), ("smooth", smooth_vs_naive),
@@ -2066,7 +2225,8 @@ if __name__ == "__main__":
                         ("flush_writeback", flush_writeback), ("step_timeline", step_timeline),
                         ("gather_steps", gather_steps), ("dd_rows", dd_rows),
                         ("dd_steps", dd_steps), ("large_cross", large_cross),
-                        ("ragged_dd", ragged_dd), ("hopper_argmax", hopper_argmax)):
+                        ("ragged_dd", ragged_dd), ("hopper_argmax", hopper_argmax), ("backward_parts", backward_parts),
+                        ("backward_once", backward_once), ("grad_d_ab", grad_d_ab)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()

@@ -38,7 +38,11 @@ def expected_index(argmax: torch.Tensor, col_base: int, n_cols: int, block_t: in
     (9, 11, 4, 40, 16, 1, 2),  # 99 rows in several steps; columns past column 0
     (1, 1, 2, 1, 16, 0, 2),    # one row, one token
 ])
-def test_index_groups_each_column_by_tile_in_scan_order(device, Nq, Lq, Ncols, Ld, block_t, col_base, n_cols):
+@pytest.mark.parametrize("tiles_a_scan", [1, 2, 4])  # 4 and 3 tiles: whole and partial groups
+def test_index_groups_each_column_by_tile_in_scan_order(
+    device, Nq, Lq, Ncols, Ld, block_t, col_base, n_cols, tiles_a_scan, monkeypatch
+):
+    monkeypatch.setattr(_launch, "_INDEX_TILES", tiles_a_scan)
     argmax = torch.randint(-1, Ld, (Nq, Ncols, Lq), device=device, dtype=torch.int16)
     argmax[:, :, 0] = Ld - 1  # the last token, won by many rows
     n_tiles = -(-Ld // block_t)
@@ -59,6 +63,15 @@ def test_index_of_columns_without_winners(device):
     assert counts.tolist() == [[0, 0], [0, 20], [0, 0]]
     assert rows[1].tolist() == expected_index(argmax.cpu(), 1, 1, 4, 2)[0][0].tolist()
     assert sorted(rows[1].tolist()) == list(range(20))
+
+
+def test_index_scans_one_tile_at_a_time_where_its_fields_could_overflow():
+    """Four tiles share an int64 in 16-bit fields, whose per-slot counts take one a step."""
+    assert _launch._index_tiles(16, 128, 128, 128, scan=1024) == 4
+    assert _launch._index_tiles(3, 128, 128, 128, scan=1024) == 4
+    assert _launch._index_tiles(2, 128, 128, 128, scan=1024) == 2
+    assert _launch._index_tiles(16, (1 << 16) * 8 - 8, 128, 128, scan=1024) == 4  # 2^16 - 1 steps
+    assert _launch._index_tiles(16, (1 << 16) * 8, 128, 128, scan=1024) == 1
 
 
 # Interpreter tiles: 16-token grad_D tiles, so 29 and 77 tokens span several; 16 rows a product.
@@ -94,6 +107,19 @@ def test_lowmem_grad_d_through_the_index(device, dtype, Nq, Lq, Nd, Ld, chunks, 
     assert_close_to_reference(grad_q, clean_q.grad, bound, "grad_Q")
     assert_close_to_reference(grad_d, clean_d.grad, bound, "grad_D")
     assert torch.all(grad_d[0] == 0)  # the fully masked document
+
+
+def test_fp16_grad_d_takes_a_loss_scaled_gradient(device):
+    """A gradient scaler's ``g`` can pass fp16's largest value (65504) where ``g · Q`` does not:
+    fp16 rows are weighted before the product, not through ``g`` in the one-hot."""
+    Q = (torch.randn(3, 7, 64, device=device) / 100).half()
+    D = (torch.randn(4, 40, 64, device=device) / 100).half()
+    grad = 1e5 * torch.randn(3, 4, device=device)
+    grad_q, grad_d = gradients(Q, D, None, None, grad)
+    q, d = leaf(Q.double()), leaf(D.double())
+    maxsim_ref(q, d).backward(grad.double())
+    assert_close_to_reference(grad_d, d.grad, 1e-2, "grad_D")
+    assert_close_to_reference(grad_q, q.grad, 1e-2, "grad_Q")
 
 
 def test_chunks_of_the_index_change_no_bit(device, monkeypatch):

@@ -47,8 +47,9 @@ Grid mapping
   ``onehot(A == t)ᵀ @ (g · Q)`` over blocks of the group's (query, token) rows; per-query
   candidates load their rows once for several tiles; on the cross product a tile reads only the
   rows that won one of its tokens, through the winner index of ``_kernels_index``. No atomics:
-  bitwise reproducible. ``g · Q`` is rounded to the input dtype before the product, an error of
-  the same size as writing the gradient in that dtype.
+  bitwise reproducible. Each row's weight ``g`` (bf16, fp32) or ``g · Q`` (fp16) is rounded to
+  the input dtype before the product, an error of the same size as writing the gradient in that
+  dtype.
 * ``_drain_chunk_kernel``: casts a finished column chunk of that buffer into ``grad_D`` and
   clears it for the next chunk.
 * ``_inverse_norm_kernel``: program = a block of token rows; ``1 / max(‖x‖, eps)`` in fp32, each
@@ -589,7 +590,7 @@ def _dd_rows(
     NORMALIZE: tl.constexpr,
 ):
     """Rows ``o_r`` (where ``m_r``) of the flattened (query, query token) pairs: their winning
-    document tokens and ``g · Q`` rounded to the input dtype."""
+    document tokens, their weights ``g`` (fp32) and their query rows (zero where no token won)."""
     o_q = (o_r // Lq).to(tl.int64)
     o_s = o_r % Lq
     idx = tl.load(Argmax + (o_q * Ncols + i_col) * Lq + o_s, mask=m_r, other=-1)
@@ -601,15 +602,25 @@ def _dd_rows(
         mask=(m_r & (idx >= 0))[:, None] & m_k[None, :],
         other=0.0,
     )
-    return idx, (b_q.to(tl.float32) * g[:, None]).to(Q.dtype.element_ty)  # [BLOCK_R, BLOCK_K]
+    return idx, g, b_q  # [BLOCK_R], [BLOCK_R], [BLOCK_R, BLOCK_K]
 
 
 @triton.jit
-def _dd_product(o_t, idx, b_w, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """``onehot(idx == t)ᵀ @ b_w`` for the tokens ``o_t``: the one-hot is built transposed,
-    ``[BLOCK_T, BLOCK_R]``, so the product needs no layout shuffle."""
-    onehot_t = tl.where(o_t[:, None] == idx[None, :], 1.0, 0.0).to(b_w.dtype)
-    return _dot(onehot_t, b_w, DOT_PRECISION, UPCAST)
+def _dd_product(o_t, idx, g, b_q, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``onehot(idx == t)ᵀ @ (g · Q)`` for the tokens ``o_t``, the one-hot built transposed,
+    ``[BLOCK_T, BLOCK_R]``, so that the product needs no layout shuffle. bf16 and fp32 rows: each
+    row's ``g`` stands in the one-hot in place of 1 (rounded to the input dtype: bf16 has fp32's
+    range), and the query rows go to the product as loaded, with no pass over them. fp16 rows:
+    ``g · Q`` rounded to fp16 with an exact one-hot, since a loss-scaled ``g`` (65536 · g under
+    a gradient scaler) can pass fp16's largest value where ``g · Q`` does not."""
+    match = o_t[:, None] == idx[None, :]
+    if b_q.dtype == tl.float16:
+        weights = tl.where(match, 1.0, 0.0).to(tl.float16)
+        rows = (b_q.to(tl.float32) * g[:, None]).to(tl.float16)
+    else:
+        weights = tl.where(match, g[None, :], 0.0).to(b_q.dtype)
+        rows = b_q
+    return _dot(weights, rows, DOT_PRECISION, UPCAST)
 
 
 @triton.jit(do_not_specialize=["Nq", "Ncols", "Lq", "Ld", "tiles_per_program", "col_base"])
@@ -653,8 +664,8 @@ def _maxsim_bwd_dd_kernel(
     """Document-owned ``grad_D``: ``grad_D[g, j, t-tile] = onehot(A == t)ᵀ @ (g · Q)`` over rows.
 
     The rows are the group's (query, query token) pairs, flattened so that one product covers
-    ``BLOCK_R`` of them whatever the query length. ``g · Q`` is rounded to the input dtype
-    before the product (the one-hot side is exact). A program writes ``tiles_per_program``
+    ``BLOCK_R`` of them whatever the query length; :func:`_dd_product` says what is rounded to
+    the input dtype before the product. A program writes ``tiles_per_program``
     consecutive token tiles; with ``ROWS_IN_ONE_BLOCK`` (per-query candidates, ``Lq <= BLOCK_R``)
     it loads its rows once for all of them. With ``WINNER_INDEX`` (the cross product) a tile
     reads only the rows that won one of its tokens, in the index's order (``_kernels_index``):
@@ -681,7 +692,7 @@ def _maxsim_bwd_dd_kernel(
     p_out = GradD + i_grp * stride_gd_grp + i_col * stride_gd_col + o_k[None, :] * stride_gd_dim
 
     if ROWS_IN_ONE_BLOCK:  # loaded once, for every tile of the program
-        idx, b_w = _dd_rows(
+        idx, g, b_q = _dd_rows(
             Grad, Q, QInv, Argmax, r_lo + o_block, r_lo + o_block < r_hi, i_col, Ncols, Lq, o_k,
             m_k, stride_g_seq, stride_g_col, stride_q_seq, stride_q_tok, stride_q_dim,
             stride_qinv_seq, stride_qinv_tok, NORMALIZE,
@@ -689,12 +700,16 @@ def _maxsim_bwd_dd_kernel(
     for i_tb in range(tb_lo, tb_hi):
         o_t = i_tb * BLOCK_T + tl.arange(0, BLOCK_T)
         if ROWS_IN_ONE_BLOCK:
-            acc = _dd_product(o_t, idx, b_w, DOT_PRECISION, UPCAST)
+            acc = _dd_product(o_t, idx, g, b_q, DOT_PRECISION, UPCAST)
         else:
             if WINNER_INDEX:
+                p_rows = Rows + pid * Nq * Lq
                 p_counts = Counts + pid * tl.cdiv(Ld, BLOCK_T)
                 e_lo = tile_start(p_counts, i_tb, INDEX_SCAN)
                 e_hi = e_lo + tl.load(p_counts + i_tb)
+                # The next block's row numbers are requested a block ahead, so that each block
+                # waits on one load's latency (its rows) instead of two in a chain.
+                o_r_next = tl.load(p_rows + e_lo + o_block, mask=e_lo + o_block < e_hi, other=0)
             else:
                 e_lo, e_hi = r_lo, r_hi
             acc = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
@@ -702,15 +717,16 @@ def _maxsim_bwd_dd_kernel(
                 o_e = e0 + o_block
                 m_e = o_e < e_hi
                 if WINNER_INDEX:
-                    o_r = tl.load(Rows + pid * Nq * Lq + o_e, mask=m_e, other=0)
+                    o_r = o_r_next
+                    o_r_next = tl.load(p_rows + o_e + BLOCK_R, mask=o_e + BLOCK_R < e_hi, other=0)
                 else:
                     o_r = o_e
-                idx, b_w = _dd_rows(
+                idx, g, b_q = _dd_rows(
                     Grad, Q, QInv, Argmax, o_r, m_e, i_col, Ncols, Lq, o_k, m_k,
                     stride_g_seq, stride_g_col, stride_q_seq, stride_q_tok, stride_q_dim,
                     stride_qinv_seq, stride_qinv_tok, NORMALIZE,
                 )
-                acc += _dd_product(o_t, idx, b_w, DOT_PRECISION, UPCAST)
+                acc += _dd_product(o_t, idx, g, b_q, DOT_PRECISION, UPCAST)
         tl.store(p_out + o_t[:, None] * stride_gd_tok, acc.to(GradD.dtype.element_ty),
                  mask=(o_t < Ld)[:, None] & m_k[None, :])
 

@@ -19,26 +19,38 @@ backward built on it, is bitwise reproducible.
 
 Grid mapping
 ------------
-Both kernels run over ``(column of the chunk, token tile)``; columns ``[col_base, col_base +
-n_cols)`` of the argmax, index column 0 being ``col_base``. Each program scans its column's
-rows in steps of ``SCAN_Q`` queries by ``SCAN_S`` query tokens (the argmax of one column is
-``Nq · Lq`` int16, read from L2 once per tile):
+Both kernels run over ``(column of the chunk, group of TILES consecutive token tiles)``; columns
+``[col_base, col_base + n_cols)`` of the argmax, index column 0 being ``col_base``. Each program
+scans its column's rows once, in steps of ``SCAN_Q`` queries by ``SCAN_S`` query tokens (the
+argmax of one column is ``Nq · Lq`` int16, read from L2 once per group), and handles the matches
+of all its tiles at once: each entry's match is a one in its tile's 16-bit field of an int64, so
+that one sum counts, and one prefix sum ranks, the rows of up to four tiles:
 
-* ``_tile_counts_kernel``: ``Counts[j, k]``.
-* ``_tile_rows_kernel``: ``S_k`` from the counts before it, then the rows of tile ``k`` compacted
-  in order (an exclusive prefix sum of the matches of each step gives their places).
+* ``_tile_counts_kernel``: ``Counts[j, k]`` of the group's tiles (the fields summed per entry
+  slot over the steps, then over the slots once).
+* ``_tile_rows_kernel``: each tile's ``S_k`` from the counts before it, then its rows compacted
+  in order (an exclusive prefix sum of the packed matches of each step gives their places).
 
 Caveats
 -------
 * ``BLOCK_T`` must be the tile of the ``grad_D`` kernel that reads the index.
-* The work is ``Ld / BLOCK_T`` scans of each column's argmax: small next to the products it
-  saves, which were ``Ld / BLOCK_T`` times those of the rows.
+* The fields hold 16 bits: a step of at most ``2^16 - 1`` entries, and, for more than one tile a
+  program, fewer than ``2^16`` steps a column (``Nq · Lq < 2^16 · SCAN``); the launcher takes
+  one tile a program beyond that.
+* The work is ``Ld / (BLOCK_T · TILES)`` scans of each column's argmax: small next to the
+  products it saves, which were ``Ld / BLOCK_T`` times those of the rows.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+# A step's matches of one tile are counted in a 16-bit field of an int64, four tiles to it: a step
+# holds at most 2^16 - 1 rows, and a counting slot gains at most one a step (the launcher keeps a
+# column's steps below 2^16).
+FIELD_BITS = tl.constexpr(16)
+FIELD_MASK = tl.constexpr(0xFFFF)
 
 
 @triton.jit
@@ -67,34 +79,61 @@ def tile_start(p_counts, tile, SCAN: tl.constexpr):
     return start
 
 
+@triton.jit
+def _packed_matches(won, tile0, TILES: tl.constexpr):
+    """Each entry's match among tiles ``[tile0, tile0 + TILES)`` as a one in the 16-bit field of
+    its tile in an int64 (0 where it won none of them), and that field's shift."""
+    k = won - tile0
+    hit = (k >= 0) & (k < TILES)
+    shift = tl.where(hit, k, 0).to(tl.int64) * FIELD_BITS
+    return tl.where(hit, tl.full(won.shape, 1, tl.int64) << shift, 0), shift
+
+
 @triton.jit(do_not_specialize=["Nq", "Ncols", "Lq", "n_tiles", "col_base"])
 def _tile_counts_kernel(
     Argmax, Counts, Nq, Ncols, Lq, n_tiles, col_base,
     BLOCK_T: tl.constexpr, SCAN: tl.constexpr, SCAN_Q: tl.constexpr, SCAN_S: tl.constexpr,
+    TILES: tl.constexpr,
 ):
     j = tl.program_id(0).to(tl.int64)
-    tile = tl.program_id(1)
-    count = 0
+    tile0 = tl.program_id(1) * TILES
+    # Per entry slot, the matches of every step in its fields; the slots are added up once.
+    slots = tl.zeros([SCAN_Q * SCAN_S], tl.int64)
     for s0 in range(0, Lq, SCAN_S):
         for i0 in range(0, Nq, SCAN_Q):
             _, won = _won_tiles(Argmax, i0, s0, Nq, Lq, col_base + j, Ncols, BLOCK_T, SCAN_Q, SCAN_S)
-            count += tl.sum((won == tile).to(tl.int32))
-    tl.store(Counts + j * n_tiles + tile, count)
+            slots += _packed_matches(won, tile0, TILES)[0]
+    if TILES == 1:  # one tile: the slots' counts need no field (as many steps as a column has)
+        tl.store(Counts + j * n_tiles + tile0, tl.sum(slots).to(tl.int32))
+    else:
+        for f in tl.static_range(TILES):
+            count = tl.sum((slots >> (f * FIELD_BITS)) & FIELD_MASK)
+            tl.store(Counts + j * n_tiles + tile0 + f, count.to(tl.int32), mask=tile0 + f < n_tiles)
 
 
 @triton.jit(do_not_specialize=["Nq", "Ncols", "Lq", "n_tiles", "col_base"])
 def _tile_rows_kernel(
     Argmax, Counts, Rows, Nq, Ncols, Lq, n_tiles, col_base,
     BLOCK_T: tl.constexpr, SCAN: tl.constexpr, SCAN_Q: tl.constexpr, SCAN_S: tl.constexpr,
+    TILES: tl.constexpr,
 ):
     j = tl.program_id(0).to(tl.int64)
-    tile = tl.program_id(1)
-    place = tile_start(Counts + j * n_tiles, tile, SCAN)
+    tile0 = tl.program_id(1) * TILES
+    p_counts = Counts + j * n_tiles
+    o_f = tl.arange(0, TILES)
+    # Where each of the group's tiles places its next row: its start, then the rows placed.
+    counts = tl.load(p_counts + tile0 + o_f, mask=tile0 + o_f < n_tiles, other=0)
+    places = tile_start(p_counts, tile0, SCAN) + tl.cumsum(counts, 0) - counts
     p_rows = Rows + j * Nq * Lq
     for s0 in range(0, Lq, SCAN_S):
         for i0 in range(0, Nq, SCAN_Q):
             rows, won = _won_tiles(Argmax, i0, s0, Nq, Lq, col_base + j, Ncols, BLOCK_T, SCAN_Q, SCAN_S)
-            match = (won == tile).to(tl.int32)
-            before = tl.cumsum(match, 0) - match  # matches ahead of each row in this step
-            tl.store(p_rows + place + before, rows, mask=match != 0)
-            place += tl.sum(match)
+            match, shift = _packed_matches(won, tile0, TILES)
+            # One scan ranks the rows of every tile of the group: the matches ahead of each row
+            # in this step, in its tile's field.
+            ahead = ((tl.cumsum(match, 0) - match) >> shift) & FIELD_MASK
+            k = (won - tile0).to(tl.int32)
+            place = tl.gather(places, tl.where(match != 0, k, 0), 0)
+            tl.store(p_rows + place + ahead, rows, mask=match != 0)
+            placed = tl.sum(match)
+            places += ((placed >> (o_f.to(tl.int64) * FIELD_BITS)) & FIELD_MASK).to(places.dtype)

@@ -994,6 +994,9 @@ def _launch_dd(
 # this many query tokens of each query in a step.
 _INDEX_SCAN = 16 if _configs.INTERPRETER else 1024
 _INDEX_SCAN_TOKENS = 4 if _configs.INTERPRETER else 128
+# Token tiles a winner-index program counts and places in one scan of its column (at most four:
+# the 16-bit fields of an int64).
+_INDEX_TILES = 4
 # The index's share of memory: at most a fifth of grad_D's own bytes (at least one column), as
 # for the unified backward's buffer.
 _INDEX_SHARE = 5
@@ -1032,19 +1035,32 @@ def _winner_index(argmax: Tensor, col_base: int, n_cols: int, block_t: int, buff
     rows, counts = buffers
     Nq, Ncols, Lq = argmax.shape
     n_tiles = counts.shape[1]
-    grid = (n_cols, n_tiles)
+    scan_tokens = min(_configs._pow2(Lq), _INDEX_SCAN_TOKENS)
+    tiles = _index_tiles(n_tiles, Nq, Lq, scan_tokens)
+    grid = (n_cols, _cdiv(n_tiles, tiles))
     args = (Nq, Ncols, Lq, n_tiles, col_base)
-    meta = _index_constants(block_t, min(_configs._pow2(Lq), _INDEX_SCAN_TOKENS))
+    meta = _index_constants(block_t, scan_tokens, tiles=tiles)
     launcher(_tile_counts_kernel)(grid, (argmax, counts, *args), meta)
     launcher(_tile_rows_kernel)(grid, (argmax, counts, rows, *args), meta)
     return rows, counts
 
 
+def _index_tiles(n_tiles: int, Nq: int, Lq: int, scan_tokens: int, scan: int = _INDEX_SCAN) -> int:
+    """Token tiles a program of the winner index takes in one scan of its column: up to
+    ``_INDEX_TILES`` (four 16-bit fields of an int64), one where a column takes ``2^16`` steps
+    or more (a field's count per entry slot would overflow)."""
+    steps = _cdiv(Lq, scan_tokens) * _cdiv(Nq, max(1, scan // scan_tokens))
+    if steps >= 1 << 16:
+        return 1
+    return min(_INDEX_TILES, _configs._pow2(n_tiles))
+
+
 @functools.lru_cache(maxsize=64)
-def _index_constants(block_t: int, scan_tokens: int, scan: int = _INDEX_SCAN, num_stages: int = 1) -> Constants:
+def _index_constants(block_t: int, scan_tokens: int, scan: int = _INDEX_SCAN, num_stages: int = 1,
+                     tiles: int = 1) -> Constants:
     return constants(
         BLOCK_T=block_t, SCAN=scan, SCAN_Q=max(1, scan // scan_tokens), SCAN_S=scan_tokens,
-        num_warps=4, num_stages=num_stages,
+        TILES=tiles, num_warps=4, num_stages=num_stages,
     )
 
 
