@@ -2113,15 +2113,22 @@ def _kernels_before(sha: str):
 
 @contextlib.contextmanager
 def _grad_d_kernels_of(kernels, index_kernels):
-    """The lowmem grad_D and the winner index launched with these modules' kernels, one token
-    tile a scan of the index (the kernels before section 47 take no ``TILES``)."""
+    """The lowmem grad_D and the winner index as before section 47: these modules' kernels, one
+    token tile a scan of the index (those kernels take no ``TILES``), int32 row numbers, and
+    column chunks of the most columns the memory share allows."""
     saved_constants = _launch._index_constants
 
     def constants_before(block_t, scan_tokens, scan=_launch._INDEX_SCAN, num_stages=1, tiles=1):
         return _launch.constants(BLOCK_T=block_t, SCAN=scan, SCAN_Q=max(1, scan // scan_tokens),
                                  SCAN_S=scan_tokens, num_warps=4, num_stages=num_stages)
 
+    def index_cols_before(Q, Ncols, n_tiles, grad_d):  # int32 rows, the last chunk what is left
+        budget = grad_d.numel() * grad_d.element_size() // _launch._INDEX_SHARE
+        return max(1, min(Ncols, budget // (4 * (Q.shape[0] * Q.shape[1] + n_tiles))))
+
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_swapped(_launch, "_index_row_dtype", lambda Nq, Lq: torch.int32))
+        stack.enter_context(_swapped(_launch, "_winner_index_cols", index_cols_before))
         stack.enter_context(_swapped(_launch, "_maxsim_bwd_dd_kernel", kernels._maxsim_bwd_dd_kernel))
         stack.enter_context(_swapped(_launch, "_tile_counts_kernel", index_kernels._tile_counts_kernel))
         stack.enter_context(_swapped(_launch, "_tile_rows_kernel", index_kernels._tile_rows_kernel))
@@ -2133,8 +2140,9 @@ def _grad_d_kernels_of(kernels, index_kernels):
 
 def grad_d_ab() -> None:
     """The lowmem backward of large cross products with this tree's winner index (four token
-    tiles a scan) and indexed grad_D (rows a block ahead, ``g`` in the one-hot) against those of
-    ``310a2a3`` (benchmarks/NOTES.md section 47), in one process: the index bit for bit, grad_D
+    tiles a scan, int16 row numbers where they fit, even column chunks) and indexed grad_D (rows
+    a block ahead, ``g`` in the one-hot) against those of ``310a2a3`` (benchmarks/NOTES.md
+    section 47), in one process: the index bit for bit, grad_D
     against float64 and against the old one, bitwise repeatability, GPU ms of CUDA-graph replays
     (the index alone, grad_D with its index, the whole backward, the whole training step) in three
     interleaved rounds."""
@@ -2168,7 +2176,8 @@ def grad_d_ab() -> None:
             with context():
                 buffers = _launch._winner_index_buffers(Q, nd, n_tiles)
                 rows, counts = _launch._winner_index(argmax, 0, nd, cfg.block_t, buffers)
-                indexes[variant] = (rows.clone(), counts.clone())
+                indexes[variant] = (rows.long(), counts.clone())
+                chunk = _launch._winner_index_cols(Q, nd, n_tiles, torch.empty_like(D))
                 grads[variant] = bwd(need_q=False)[1]
                 repeatable = torch.equal(grads[variant], bwd(need_q=False)[1])
                 for part, fn in (("index alone", lambda b=buffers: _launch._winner_index(
@@ -2176,7 +2185,8 @@ def grad_d_ab() -> None:
                                  ("grad_D with its index", lambda: bwd(need_q=False)),
                                  ("whole backward", bwd), ("training step", step)):
                     graphs[f"{variant:16s} {part}"] = _captured(fn)
-            print(f"   {variant}: grad_D bitwise repeatable {repeatable}", flush=True)
+            print(f"   {variant}: grad_D bitwise repeatable {repeatable}; index rows "
+                  f"{rows.dtype}, column chunks of {chunk}", flush=True)
         ref_d = _grad_d_reference(Q[:, :, :], D[:16], g[:, :16], argmax[:, :16])
         row = f"-- {name}:"
         for variant, (rows, counts) in indexes.items():

@@ -39,10 +39,12 @@ def expected_index(argmax: torch.Tensor, col_base: int, n_cols: int, block_t: in
     (1, 1, 2, 1, 16, 0, 2),    # one row, one token
 ])
 @pytest.mark.parametrize("tiles_a_scan", [1, 2, 4])  # 4 and 3 tiles: whole and partial groups
+@pytest.mark.parametrize("row_dtype", [torch.int16, torch.int32])
 def test_index_groups_each_column_by_tile_in_scan_order(
-    device, Nq, Lq, Ncols, Ld, block_t, col_base, n_cols, tiles_a_scan, monkeypatch
+    device, Nq, Lq, Ncols, Ld, block_t, col_base, n_cols, tiles_a_scan, row_dtype, monkeypatch
 ):
     monkeypatch.setattr(_launch, "_INDEX_TILES", tiles_a_scan)
+    monkeypatch.setattr(_launch, "_index_row_dtype", lambda Nq, Lq: row_dtype)
     argmax = torch.randint(-1, Ld, (Nq, Ncols, Lq), device=device, dtype=torch.int16)
     argmax[:, :, 0] = Ld - 1  # the last token, won by many rows
     n_tiles = -(-Ld // block_t)
@@ -63,6 +65,24 @@ def test_index_of_columns_without_winners(device):
     assert counts.tolist() == [[0, 0], [0, 20], [0, 0]]
     assert rows[1].tolist() == expected_index(argmax.cpu(), 1, 1, 4, 2)[0][0].tolist()
     assert sorted(rows[1].tolist()) == list(range(20))
+
+
+def test_index_rows_are_int16_where_every_row_number_fits():
+    assert _launch._index_row_dtype(256, 128) == torch.int16  # rows 0 .. 32767
+    assert _launch._index_row_dtype(257, 128) == torch.int32
+    rows, counts = _launch._winner_index_buffers(torch.empty(257, 128, 1), 2, 3)
+    assert (rows.dtype, rows.shape, counts.dtype) == (torch.int32, (2, 257 * 128), torch.int32)
+
+
+def test_index_chunks_are_even(monkeypatch):
+    """Columns in chunks of at most the memory share's, the chunks as even as their count allows."""
+    Q, grad_d = torch.empty(4, 8, 1), torch.empty(7, 16, 1, dtype=torch.float16)
+    column_bytes = 2 * 4 * 8 + 4 * 3  # int16 rows and int32 counts
+    monkeypatch.setattr(_launch, "_INDEX_SHARE", 1)
+    for most, chunk in ((5, 4), (3, 3), (2, 2), (4, 4), (7, 7), (100, 7), (1, 1)):
+        budget = most * column_bytes
+        grad_d = torch.empty(budget // 2, dtype=torch.float16)
+        assert _launch._winner_index_cols(Q, 7, 3, grad_d) == chunk, most
 
 
 def test_index_scans_one_tile_at_a_time_where_its_fields_could_overflow():

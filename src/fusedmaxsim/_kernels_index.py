@@ -13,9 +13,10 @@ products again. The index lists, per column, the rows whose token falls in each 
     Counts[j, k] = #{r : A[r, j] in tile k}
     Rows[j, S_k : S_k + Counts[j, k]] = those rows,   S_k = Σ_{k' < k} Counts[j, k']
 
-so the owner of tile ``k`` reads exactly its rows, in an order fixed by the shapes alone (the
-scan's: token chunks of ``SCAN_S``, within each the queries in order): the index, and the
-backward built on it, is bitwise reproducible.
+(``Rows`` int16 where every row number fits, else int32), so the owner of tile ``k`` reads
+exactly its rows, in an order fixed by the shapes alone (the scan's: token chunks of
+``SCAN_S``, within each the queries in order): the index, and the backward built on it, is
+bitwise reproducible.
 
 Grid mapping
 ------------
@@ -134,6 +135,6 @@ def _tile_rows_kernel(
             ahead = ((tl.cumsum(match, 0) - match) >> shift) & FIELD_MASK
             k = (won - tile0).to(tl.int32)
             place = tl.gather(places, tl.where(match != 0, k, 0), 0)
-            tl.store(p_rows + place + ahead, rows, mask=match != 0)
+            tl.store(p_rows + place + ahead, rows.to(Rows.dtype.element_ty), mask=match != 0)
             placed = tl.sum(match)
             places += ((placed >> (o_f.to(tl.int64) * FIELD_BITS)) & FIELD_MASK).to(places.dtype)

@@ -309,8 +309,8 @@ def _onehot_rows(
     acc, o_t, idx, g, o_row, m_r, Q, QInv, stride_q_tok, stride_q_dim, o_k, m_k,
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """``acc [BLOCK_T, BLOCK_K] += onehot(idx == t)ᵀ @ (g · Q rows)``; ``g · Q`` is rounded to
-    the input dtype before the product (the one-hot side is exact)."""
+    """``acc [BLOCK_T, BLOCK_K] += onehot(idx == t)ᵀ @ (g · Q rows)``, rounded before the product
+    as :func:`_kernels._dd_product` says."""
     if NORMALIZE:
         g = g * tl.load(QInv + o_row, mask=m_r, other=0.0)
     b_q = tl.load(
@@ -318,8 +318,7 @@ def _onehot_rows(
         mask=(m_r & (idx >= 0))[:, None] & m_k[None, :],
         other=0.0,
     )
-    b_w = (b_q.to(tl.float32) * g[:, None]).to(Q.dtype.element_ty)  # [BLOCK_R, BLOCK_K]
-    return acc + _dd_product(o_t, idx, b_w, DOT_PRECISION, UPCAST)
+    return acc + _dd_product(o_t, idx, g, b_q, DOT_PRECISION, UPCAST)
 
 
 @triton.jit(

@@ -1014,17 +1014,26 @@ def _uses_winner_index(cfg, per_query_docs: bool, Nq: int, Ncols: int, Lq: int, 
     return not per_query_docs and Ld > cfg.block_t and Nq * Ncols * Lq * Ld * dim > INDEX_MIN_MACS
 
 
+def _index_row_dtype(Nq: int, Lq: int) -> torch.dtype:
+    """The winner index's row numbers: int16 where every (query, query token) row fits, which
+    halves the index (one column chunk instead of two at train_colpali's shape)."""
+    return torch.int16 if Nq * Lq <= 1 << 15 else torch.int32
+
+
 def _winner_index_cols(Q: Tensor, Ncols: int, n_tiles: int, grad_d: Tensor) -> int:
-    """Columns per chunk of the winner index (int32 rows and tile counts)."""
-    column_bytes = 4 * (Q.shape[0] * Q.shape[1] + n_tiles)
+    """Columns per chunk of the winner index (its rows and int32 tile counts), the chunks as
+    even as their count allows: a small last chunk leaves most of the GPU idle."""
+    rows = Q.shape[0] * Q.shape[1]
+    column_bytes = _index_row_dtype(*Q.shape[:2]).itemsize * rows + 4 * n_tiles
     budget = grad_d.numel() * grad_d.element_size() // _INDEX_SHARE
-    return max(1, min(Ncols, budget // column_bytes))
+    most = max(1, min(Ncols, budget // column_bytes))
+    return _cdiv(Ncols, _cdiv(Ncols, most))
 
 
 def _winner_index_buffers(Q: Tensor, n_cols: int, n_tiles: int) -> tuple[Tensor, Tensor]:
-    """Rows and tile counts of ``n_cols`` columns (int32, unwritten)."""
+    """Rows and tile counts of ``n_cols`` columns (unwritten)."""
     return (
-        _empty((n_cols, Q.shape[0] * Q.shape[1]), torch.int32, Q.device),
+        _empty((n_cols, Q.shape[0] * Q.shape[1]), _index_row_dtype(*Q.shape[:2]), Q.device),
         _empty((n_cols, n_tiles), torch.int32, Q.device),
     )
 
