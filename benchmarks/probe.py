@@ -2171,10 +2171,11 @@ def grad_d_ab() -> None:
             Qg.grad = Dg.grad = None
             maxsim(Qg, Dg, backward="lowmem").backward(g)
 
-        indexes, grads, graphs = {}, {}, {}
+        indexes, grads, graphs, kept = {}, {}, {}, []
         for variant, context in variants.items():
             with context():
                 buffers = _launch._winner_index_buffers(Q, nd, n_tiles)
+                kept.append(buffers)  # written by the graph of the index alone at every replay
                 rows, counts = _launch._winner_index(argmax, 0, nd, cfg.block_t, buffers)
                 indexes[variant] = (rows.long(), counts.clone())
                 chunk = _launch._winner_index_cols(Q, nd, n_tiles, torch.empty_like(D))
@@ -2199,7 +2200,7 @@ def grad_d_ab() -> None:
                     f" from float64 (Frobenius), {relative_error_fro(grads[variant], grads['310a2a3']):.1e}"
                     f" from 310a2a3's")
         print(row + _replay_rounds(graphs, lambda key: key), flush=True)
-        del graphs, Q, D, Qg, Dg, argmax, grads, indexes
+        del graphs, kept, Q, D, Qg, Dg, argmax, grads, indexes
         torch.cuda.empty_cache()
 
 

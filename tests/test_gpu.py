@@ -99,6 +99,8 @@ def test_lowmem_is_bitwise_reproducible_on_gpu():
         pytest.param((2, 1030, 128), (8, 1030, 128), id="Lq1030"),
         pytest.param((4, 32, 128), (6, 8192, 128), id="Ld8192"),
         pytest.param((128, 128, 128), (128, 1024, 128), id="colpali-128x128"),
+        # lowmem: the winner index in three even column chunks, five token tiles (a partial group)
+        pytest.param((512, 32, 128), (512, 300, 128), id="colbert-512x512"),
     ],
 )
 @pytest.mark.parametrize("strategy", ["unified", "lowmem"])  # lowmem at colpali: the winner index
