@@ -13,7 +13,8 @@ documents a program of grids a few waves long, and what the suite's L2 flush cos
 timed after it; behind sections 42 and 46, the argmax forward in Gluon; behind section 44,
 where a host-bound training step's timed interval goes, and the gather kernel's columns a step;
 behind section 45, the document-owned grad_D's stages and ``auto``'s backward for large cross
-products.
+products; behind section 47, where the large lowmem backward goes, and its winner index and
+grad_D against the kernels before.
 GPU times by ``triton.testing.do_bench`` (median, ms).
 
     PYTHONPATH=src python3 benchmarks/probe.py [normalize] [kd] [smooth] [masked] [rerank] [memory] [cold]
@@ -22,7 +23,8 @@ GPU times by ``triton.testing.do_bench`` (median, ms).
         [hopper_forward] [hopper_host] [hopper_variants] [short_query] [norms_ahead]
         [three_programs] [few_programs] [norms_handoff] [half_blocks]
         [doc_passes] [doc_waves] [flush_writeback] [step_timeline] [gather_steps]
-        [dd_rows] [dd_steps] [large_cross] [ragged_dd] [hopper_argmax]
+        [dd_rows] [dd_steps] [large_cross] [ragged_dd] [hopper_argmax] [backward_parts]
+        [backward_once] [grad_d_ab]
 """
 
 from __future__ import annotations
