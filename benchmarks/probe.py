@@ -2055,36 +2055,38 @@ def backward_parts() -> None:
     alone (both launches, all columns), the indexed grad_D given the index, and the whole
     backward, three interleaved rounds each."""
     _warm_gpu()
-    shapes = (("train_colpali", 128, 128, 128, 1024), ("colbert 512 x 512", 512, 32, 512, 300))
-    for name, nq, lq, nd, ld in shapes:
-        Q, D = _bf16(nq, lq, 128), _bf16(nd, ld, 128)
-        g = torch.randn(nq, nd, device="cuda")
-        _, argmax = _launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32")
-        cfg = bwd_config(Lq=lq, dim=128, elem_bytes=2)
-        n_tiles = -(-ld // cfg.block_t)
-        buffers = _launch._winner_index_buffers(Q, nd, n_tiles)
-        grad_d = torch.empty_like(D)
-        _launch._winner_index(argmax, 0, nd, cfg.block_t, buffers)
-
-        def bwd(need_q=True, need_d=True):
-            return _launch.maxsim_bwd(g, Q, D, argmax, None, None, need_q, need_d, "lowmem",
-                                      False, "tf32")
-
-        parts = {
-            "forward with argmax": lambda: _launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32"),
-            "grad_Q alone": lambda: bwd(need_d=False),
-            "index alone": lambda: _launch._winner_index(argmax, 0, nd, cfg.block_t, buffers),
-            "indexed grad_D alone": lambda: _launch._launch_dd(
-                cfg, g, Q, None, argmax, grad_d, False, "tf32", 0, nd, *buffers),
-            "grad_D with its index": lambda: bwd(need_q=False),
-            "whole backward": bwd,
-        }
-        graphs = {label: _captured(fn) for label, fn in parts.items()}
-        print(f"-- {name} (index of {nd} columns in one chunk; the library chunks it by "
-              f"{_launch._winner_index_cols(Q, nd, n_tiles, grad_d)}):"
-              + _replay_rounds(graphs, lambda label: f"{label:22s}"), flush=True)
-        del graphs, buffers, grad_d, argmax
+    for shape in (("train_colpali", 128, 128, 128, 1024), ("colbert 512 x 512", 512, 32, 512, 300)):
+        _backward_parts_of(*shape)
         torch.cuda.empty_cache()
+
+
+def _backward_parts_of(name: str, nq: int, lq: int, nd: int, ld: int) -> None:
+    Q, D = _bf16(nq, lq, 128), _bf16(nd, ld, 128)
+    g = torch.randn(nq, nd, device="cuda")
+    _, argmax = _launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32")
+    cfg = bwd_config(Lq=lq, dim=128, elem_bytes=2)
+    n_tiles = -(-ld // cfg.block_t)
+    buffers = _launch._winner_index_buffers(Q, nd, n_tiles)
+    grad_d = torch.empty_like(D)
+    _launch._winner_index(argmax, 0, nd, cfg.block_t, buffers)
+
+    def bwd(need_q=True, need_d=True):
+        return _launch.maxsim_bwd(g, Q, D, argmax, None, None, need_q, need_d, "lowmem", False,
+                                  "tf32")
+
+    parts = {
+        "forward with argmax": lambda: _launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32"),
+        "grad_Q alone": lambda: bwd(need_d=False),
+        "index alone": lambda: _launch._winner_index(argmax, 0, nd, cfg.block_t, buffers),
+        "indexed grad_D alone": lambda: _launch._launch_dd(
+            cfg, g, Q, None, argmax, grad_d, False, "tf32", 0, nd, *buffers),
+        "grad_D with its index": lambda: bwd(need_q=False),
+        "whole backward": bwd,
+    }
+    graphs = {label: _captured(fn) for label, fn in parts.items()}
+    print(f"-- {name} (index of {nd} columns in one chunk; the library chunks it by "
+          f"{_launch._winner_index_cols(Q, nd, n_tiles, grad_d)}):"
+          + _replay_rounds(graphs, lambda label: f"{label:22s}"), flush=True)
 
 
 def backward_once() -> None:
@@ -2144,72 +2146,72 @@ def grad_d_ab() -> None:
     """The lowmem backward of large cross products with this tree's winner index (four token
     tiles a scan, int16 row numbers where they fit, even column chunks) and indexed grad_D (rows
     a block ahead, ``g`` in the one-hot) against those of ``310a2a3`` (benchmarks/NOTES.md
-    section 47), in one process: the index bit for bit, grad_D
-    against float64 and against the old one, bitwise repeatability, GPU ms of CUDA-graph replays
-    (the index alone, grad_D with its index, the whole backward, the whole training step) in three
-    interleaved rounds."""
+    section 47), in one process: the index bit for bit, grad_D against float64 and against the
+    old one, bitwise repeatability, GPU ms of CUDA-graph replays (the index alone, grad_D with its
+    index, the whole backward, the whole training step) in three interleaved rounds."""
     before = _kernels_before("310a2a3")
     if before is None:
         return
     _warm_gpu()
-    shapes = (("train_colpali", 128, 128, 128, 1024), ("colbert 512 x 512", 512, 32, 512, 300),
-              ("train_colbert", 128, 32, 128, 300), ("colpali 256 x 256", 256, 128, 256, 1024))
     variants = {"310a2a3": lambda: _grad_d_kernels_of(*before),
                 "this tree": contextlib.nullcontext,
                 "two tiles a scan": lambda: _swapped(_launch, "_INDEX_TILES", 2)}
-    for name, nq, lq, nd, ld in shapes:
-        Q, D = _bf16(nq, lq, 128), _bf16(nd, ld, 128)
-        g = torch.randn(nq, nd, device="cuda")
-        _, argmax = _launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32")
-        cfg = bwd_config(Lq=lq, dim=128, elem_bytes=2)
-        n_tiles = -(-ld // cfg.block_t)
-        Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
-
-        def bwd(need_q=True, need_d=True):
-            return _launch.maxsim_bwd(g, Q, D, argmax, None, None, need_q, need_d, "lowmem",
-                                      False, "tf32")
-
-        def step():
-            Qg.grad = Dg.grad = None
-            maxsim(Qg, Dg, backward="lowmem").backward(g)
-
-        indexes, grads, graphs, kept = {}, {}, {}, []
-        for variant, context in variants.items():
-            with context():
-                buffers = _launch._winner_index_buffers(Q, nd, n_tiles)
-                kept.append(buffers)  # written by the graph of the index alone at every replay
-                rows, counts = _launch._winner_index(argmax, 0, nd, cfg.block_t, buffers)
-                indexes[variant] = (rows.long(), counts.clone())
-                chunk = _launch._winner_index_cols(Q, nd, n_tiles, torch.empty_like(D))
-                grads[variant] = bwd(need_q=False)[1]
-                repeatable = torch.equal(grads[variant], bwd(need_q=False)[1])
-                for part, fn in (("index alone", lambda b=buffers: _launch._winner_index(
-                                     argmax, 0, nd, cfg.block_t, b)),
-                                 ("grad_D with its index", lambda: bwd(need_q=False)),
-                                 ("whole backward", bwd), ("training step", step)):
-                    graphs[f"{variant:16s} {part}"] = _captured(fn)
-            print(f"   {variant}: grad_D bitwise repeatable {repeatable}; index rows "
-                  f"{rows.dtype}, column chunks of {chunk}", flush=True)
-        ref_d = _grad_d_reference(Q[:, :, :], D[:16], g[:, :16], argmax[:, :16])
-        row = f"-- {name}:"
-        for variant, (rows, counts) in indexes.items():
-            same_counts = torch.equal(counts, indexes["310a2a3"][1])
-            same_rows = all(torch.equal(rows[c, :int(counts[c].sum())],
-                                        indexes["310a2a3"][0][c, :int(counts[c].sum())])
-                            for c in range(nd))
-            row += (f"\n   {variant}: index {'bit for bit' if same_counts and same_rows else 'DIFFERS'}"
-                    f" from 310a2a3's; grad_D {relative_error_fro(grads[variant][:16], ref_d):.1e}"
-                    f" from float64 (Frobenius), {relative_error_fro(grads[variant], grads['310a2a3']):.1e}"
-                    f" from 310a2a3's")
-        print(row + _replay_rounds(graphs, lambda key: key), flush=True)
-        del graphs, kept, Q, D, Qg, Dg, argmax, grads, indexes
+    for shape in (("train_colpali", 128, 128, 128, 1024), ("colbert 512 x 512", 512, 32, 512, 300),
+                  ("train_colbert", 128, 32, 128, 300), ("colpali 256 x 256", 256, 128, 256, 1024)):
+        _grad_d_ab_of(variants, *shape)
         torch.cuda.empty_cache()
+
+
+def _grad_d_ab_of(variants: dict, name: str, nq: int, lq: int, nd: int, ld: int) -> None:
+    Q, D = _bf16(nq, lq, 128), _bf16(nd, ld, 128)
+    g = torch.randn(nq, nd, device="cuda")
+    _, argmax = _launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32")
+    cfg = bwd_config(Lq=lq, dim=128, elem_bytes=2)
+    n_tiles = -(-ld // cfg.block_t)
+    Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
+
+    def bwd(need_q=True, need_d=True):
+        return _launch.maxsim_bwd(g, Q, D, argmax, None, None, need_q, need_d, "lowmem", False,
+                                  "tf32")
+
+    def step():
+        Qg.grad = Dg.grad = None
+        maxsim(Qg, Dg, backward="lowmem").backward(g)
+
+    # Each variant's index buffers stay alive with its graphs, which write them at every replay.
+    indexes, grads, graphs, buffers = {}, {}, {}, {}
+    for variant, context in variants.items():
+        with context():
+            buffers[variant] = _launch._winner_index_buffers(Q, nd, n_tiles)
+            rows, counts = _launch._winner_index(argmax, 0, nd, cfg.block_t, buffers[variant])
+            indexes[variant] = (rows.long(), counts.clone())
+            chunk = _launch._winner_index_cols(Q, nd, n_tiles, torch.empty_like(D))
+            grads[variant] = bwd(need_q=False)[1]
+            repeatable = torch.equal(grads[variant], bwd(need_q=False)[1])
+            for part, fn in (("index alone", lambda b=buffers[variant]: _launch._winner_index(
+                                 argmax, 0, nd, cfg.block_t, b)),
+                             ("grad_D with its index", lambda: bwd(need_q=False)),
+                             ("whole backward", bwd), ("training step", step)):
+                graphs[f"{variant:16s} {part}"] = _captured(fn)
+        print(f"   {variant}: grad_D bitwise repeatable {repeatable}; index rows "
+              f"{rows.dtype}, column chunks of {chunk}", flush=True)
+    ref_d = _grad_d_reference(Q, D[:16], g[:, :16], argmax[:, :16])
+    row = f"-- {name}:"
+    for variant, (rows, counts) in indexes.items():
+        same_counts = torch.equal(counts, indexes["310a2a3"][1])
+        same_rows = all(torch.equal(rows[c, :int(counts[c].sum())],
+                                    indexes["310a2a3"][0][c, :int(counts[c].sum())])
+                        for c in range(nd))
+        row += (f"\n   {variant}: index {'bit for bit' if same_counts and same_rows else 'DIFFERS'}"
+                f" from 310a2a3's; grad_D {relative_error_fro(grads[variant][:16], ref_d):.1e}"
+                f" from float64 (Frobenius), {relative_error_fro(grads[variant], grads['310a2a3']):.1e}"
+                f" from 310a2a3's")
+    print(row + _replay_rounds(graphs, lambda key: key), flush=True)
 
 
 def _grad_d_reference(Q, D, g, argmax):
     """grad_D of the first documents in float64 from the argmax the kernels read (so that a
     near-tie decided otherwise in float64 does not count as an error of the backward)."""
-    Nq, Lq, _ = Q.shape
     grad = torch.zeros(D.shape, dtype=torch.float64, device=D.device)
     won = argmax.long()  # [Nq, Nd, Lq]
     weighted = g.double()[:, :, None, None] * Q.double()[:, None, :, :]  # [Nq, Nd, Lq, d]

@@ -26,8 +26,8 @@ Semantics shared by every function here
   ``"lowmem"`` (every gradient row owned by one program: no atomics, bitwise reproducible,
   gradients written directly in the input dtype), ``"auto"`` or ``None``: lowmem for per-query
   candidates, for small problems (``Nq·Nd·Lq·Ld·d <= 2**32``, where the host's time decides), for
-  16-bit cross products from ``2**36`` multiply-adds up (bound by the GPU, where lowmem is as
-  fast) and under ``torch.use_deterministic_algorithms(True)``, else unified (the rule comes from
+  16-bit cross products from ``2**36`` multiply-adds up (bound by the GPU, where lowmem is the
+  faster) and under ``torch.use_deterministic_algorithms(True)``, else unified (the rule comes from
   measurements, ``benchmarks/NOTES.md``). The PyTorch path is always deterministic.
 * ``reduction="smoothmax"`` replaces the max over document tokens by the smooth max
   ``tau · log Σ_t exp(s_t / tau)`` over the valid ones (colpali-engine's ``use_smooth_max``;
