@@ -709,7 +709,8 @@ def _maxsim_bwd_dd_kernel(
                 e_hi = e_lo + tl.load(p_counts + i_tb)
                 # The next block's row numbers are requested a block ahead, so that each block
                 # waits on one load's latency (its rows) instead of two in a chain.
-                o_r_next = tl.load(p_rows + e_lo + o_block, mask=e_lo + o_block < e_hi, other=0).to(tl.int32)
+                o_r_next = tl.load(p_rows + e_lo + o_block, mask=e_lo + o_block < e_hi,
+                                   other=0).to(tl.int32)
             else:
                 e_lo, e_hi = r_lo, r_hi
             acc = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
@@ -718,7 +719,8 @@ def _maxsim_bwd_dd_kernel(
                 m_e = o_e < e_hi
                 if WINNER_INDEX:
                     o_r = o_r_next
-                    o_r_next = tl.load(p_rows + o_e + BLOCK_R, mask=o_e + BLOCK_R < e_hi, other=0).to(tl.int32)
+                    o_r_next = tl.load(p_rows + o_e + BLOCK_R, mask=o_e + BLOCK_R < e_hi,
+                                       other=0).to(tl.int32)
                 else:
                     o_r = o_e
                 idx, g, b_q = _dd_rows(
