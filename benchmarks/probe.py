@@ -1171,19 +1171,24 @@ _KERNEL_AB_SHAPES = (
 )
 
 
-def _kernel_copy(sha: str):
-    """The module ``benchmarks/hopper_forward_<sha>.py``, a copy of ``_kernels_hopper`` at
-    ``sha`` for an A/B in one process (not kept in the tree), or None after saying how to make
-    it."""
-    copy = Path(__file__).with_name(f"hopper_forward_{sha}.py")
+def _module_copy(stem: str, make: str):
+    """The module ``benchmarks/<stem>.py``, a copy of a package module at an earlier commit for
+    an A/B in one process (not kept in the tree), or None after printing ``make``, the command
+    that writes it. Registered by its name, so that another copy can import it."""
+    copy = Path(__file__).with_name(f"{stem}.py")
     if not copy.exists():
-        print(f"  {copy.name} is missing: git show "
-              f"{sha}:src/fusedmaxsim/_kernels_hopper.py > benchmarks/{copy.name}")
+        print(f"  {copy.name} is missing: {make}")
         return None
-    spec = importlib.util.spec_from_file_location(copy.stem, copy)
-    module = importlib.util.module_from_spec(spec)
+    spec = importlib.util.spec_from_file_location(stem, copy)
+    module = sys.modules[stem] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _kernel_copy(sha: str):
+    """``_kernels_hopper`` as at ``sha`` (:func:`_module_copy`)."""
+    return _module_copy(f"hopper_forward_{sha}", f"git show {sha}:src/fusedmaxsim/_kernels_hopper.py"
+                        f" > benchmarks/hopper_forward_{sha}.py")
 
 
 def norms_ahead() -> None:
@@ -2101,18 +2106,16 @@ def backward_once() -> None:
 
 
 def _kernels_before(sha: str):
-    """``(kernels, index kernels)``: ``_kernels`` and ``_kernels_index`` as at ``sha``, from
-    ``benchmarks/_kernels_<sha>.py`` and ``benchmarks/_kernels_index_<sha>.py`` (not kept in the
-    tree), or None after saying how to make them."""
-    index_copy = Path(__file__).with_name(f"_kernels_index_{sha}.py")
-    kernels_copy = Path(__file__).with_name(f"_kernels_{sha}.py")
-    if not (index_copy.exists() and kernels_copy.exists()):
-        print(f"  missing: git show {sha}:src/fusedmaxsim/_kernels_index.py > benchmarks/{index_copy.name}; "
-              f"git show {sha}:src/fusedmaxsim/_kernels.py | sed -e 's/^from \\._configs/from "
-              f"fusedmaxsim._configs/' -e 's/^from \\._kernels_index/from {index_copy.stem}/' "
-              f"> benchmarks/{kernels_copy.name}")
-        return None
-    return importlib.import_module(kernels_copy.stem), importlib.import_module(index_copy.stem)
+    """``(kernels, index kernels)``: ``_kernels`` and ``_kernels_index`` as at ``sha``
+    (:func:`_module_copy`; the first imports the second), or None."""
+    index_stem, kernels_stem = f"_kernels_index_{sha}", f"_kernels_{sha}"
+    index = _module_copy(index_stem, f"git show {sha}:src/fusedmaxsim/_kernels_index.py"
+                                     f" > benchmarks/{index_stem}.py")
+    kernels = index and _module_copy(
+        kernels_stem, f"git show {sha}:src/fusedmaxsim/_kernels.py | sed -e 's/^from \\._configs/"
+        f"from fusedmaxsim._configs/' -e 's/^from \\._kernels_index/from {index_stem}/'"
+        f" > benchmarks/{kernels_stem}.py")
+    return None if kernels is None else (kernels, index)
 
 
 @contextlib.contextmanager

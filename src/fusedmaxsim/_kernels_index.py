@@ -83,11 +83,13 @@ def tile_start(p_counts, tile, SCAN: tl.constexpr):
 @triton.jit
 def _packed_matches(won, tile0, TILES: tl.constexpr):
     """Each entry's match among tiles ``[tile0, tile0 + TILES)`` as a one in the 16-bit field of
-    its tile in an int64 (0 where it won none of them), and that field's shift."""
+    its tile in an int64 (0 where it won none of them), that field's index in the group (0 where
+    none) and its shift."""
     k = won - tile0
     hit = (k >= 0) & (k < TILES)
-    shift = tl.where(hit, k, 0).to(tl.int64) * FIELD_BITS
-    return tl.where(hit, tl.full(won.shape, 1, tl.int64) << shift, 0), shift
+    field = tl.where(hit, k, 0)
+    shift = field.to(tl.int64) * FIELD_BITS
+    return tl.where(hit, tl.full(won.shape, 1, tl.int64) << shift, 0), field, shift
 
 
 @triton.jit(do_not_specialize=["Nq", "Ncols", "Lq", "n_tiles", "col_base"])
@@ -129,12 +131,11 @@ def _tile_rows_kernel(
     for s0 in range(0, Lq, SCAN_S):
         for i0 in range(0, Nq, SCAN_Q):
             rows, won = _won_tiles(Argmax, i0, s0, Nq, Lq, col_base + j, Ncols, BLOCK_T, SCAN_Q, SCAN_S)
-            match, shift = _packed_matches(won, tile0, TILES)
+            match, field, shift = _packed_matches(won, tile0, TILES)
             # One scan ranks the rows of every tile of the group: the matches ahead of each row
             # in this step, in its tile's field.
             ahead = ((tl.cumsum(match, 0) - match) >> shift) & FIELD_MASK
-            k = (won - tile0).to(tl.int32)
-            place = tl.gather(places, tl.where(match != 0, k, 0), 0)
+            place = tl.gather(places, field, 0)
             tl.store(p_rows + place + ahead, rows.to(Rows.dtype.element_ty), mask=match != 0)
             placed = tl.sum(match)
             places += ((placed >> (o_f.to(tl.int64) * FIELD_BITS)) & FIELD_MASK).to(places.dtype)

@@ -44,8 +44,9 @@ FP32_PRECISIONS = ("tf32", "ieee")
 
 _overrides: dict[str, object] = {}
 _environment: dict[str, str] = {}
-# The choices as last resolved and checked, cleared on every change (a call reads two of them).
-_resolved: dict[str, str] = {}
+# The choices and flags as last resolved and checked, cleared on every change (a call reads
+# several of them).
+_resolved: dict[str, object] = {}
 
 
 def reload() -> None:
@@ -96,10 +97,14 @@ def torch_block_bytes() -> int:
 
 
 def _flag(name: str, env: str) -> bool:
+    value = _resolved.get(name)
+    if value is not None:
+        return value
     value = _overrides.get(name)
     if value is None:
         value = _environment.get(env, "0").strip().lower() in ("1", "true", "yes")
-    return bool(value)
+    value = _resolved[name] = bool(value)
+    return value
 
 
 def _set_flag(name: str, value: bool | None) -> None:
