@@ -24,7 +24,7 @@ GPU times by ``triton.testing.do_bench`` (median, ms).
         [three_programs] [few_programs] [norms_handoff] [half_blocks]
         [doc_passes] [doc_waves] [flush_writeback] [step_timeline] [gather_steps]
         [dd_rows] [dd_steps] [large_cross] [ragged_dd] [hopper_argmax] [backward_parts]
-        [backward_once] [grad_d_ab]
+        [backward_once] [grad_d_ab] [dd_variants]
 """
 
 from __future__ import annotations
@@ -2224,6 +2224,109 @@ def _grad_d_reference(Q, D, g, argmax):
     return grad
 
 
+# The indexed grad_D's variants of benchmarks/NOTES.md section 48: (kernel, rows a product,
+# warps, stages, register cap); None keeps what the launcher picks.
+_DD_VARIANTS = {
+    "d9aea28": ("d9aea28", None, None, None, None),
+    "won": ("this tree", None, None, None, None),
+    "won, 2 stages": ("this tree", None, None, 2, None),
+    "won, 3 stages": ("this tree", None, None, 3, None),
+    "won, 64 rows": ("this tree", 64, None, None, None),
+    "won, 64 rows, 2 st": ("this tree", 64, None, 2, None),
+    "won, 64 rows, 8 w": ("this tree", 64, 8, None, None),
+    "won, 64 r, 8 w, 2 st": ("this tree", 64, 8, 2, None),
+    "won, 8 warps": ("this tree", None, 8, None, None),
+    "won, 8 w, 2 st": ("this tree", None, 8, 2, None),
+    "won, 8 w, cap 128": ("this tree", None, 8, None, 128),
+    "d9aea28, 64 rows": ("d9aea28", 64, None, None, None),
+}
+
+
+@contextlib.contextmanager
+def _dd_variant(kernels, block_r, warps, stages, max_registers):
+    """The document-owned grad_D through ``kernels``' kernel, its constants replaced where a
+    value is given (the launcher's choice elsewhere)."""
+    chosen = _launch._dd_constants
+
+    def replaced(*args):
+        values = dict(chosen(*args).key)
+        for name, value in (("BLOCK_R", block_r), ("num_warps", warps), ("num_stages", stages),
+                            ("maxnreg", max_registers)):
+            if value is not None:
+                values[name] = value
+        return _launch.constants(**values)
+
+    with _swapped(_launch, "_maxsim_bwd_dd_kernel", kernels._maxsim_bwd_dd_kernel), \
+            _swapped(_launch, "_dd_constants", replaced):
+        yield
+
+
+def dd_variants() -> None:
+    """The indexed grad_D of large cross products (lowmem) with its query rows loaded beside the
+    argmax (every indexed row won a token: no mask reads it) against ``d9aea28``'s kernel, and
+    under other rows a product, warps, stages and register caps (benchmarks/NOTES.md section
+    48), in one process: grad_D against float64 and against ``d9aea28``'s (bit for bit or not),
+    GPU ms of CUDA-graph replays of grad_D alone given its index (all columns in one chunk) and
+    of the whole training step, three interleaved rounds."""
+    before = _module_copy("_kernels_d9aea28", "git show d9aea28:src/fusedmaxsim/_kernels.py | sed"
+                          " -e 's/^from \\._/from fusedmaxsim._/' > benchmarks/_kernels_d9aea28.py")
+    if before is None:
+        return
+    from fusedmaxsim import _kernels
+
+    kernels = {"d9aea28": before, "this tree": _kernels}
+    _warm_gpu()
+    for shape in (("train_colpali", 128, 128, 128, 1024, torch.bfloat16),
+                  ("train_colpali fp16", 128, 128, 128, 1024, torch.float16),
+                  ("colbert 512 x 512", 512, 32, 512, 300, torch.bfloat16),
+                  ("colpali 256 x 256", 256, 128, 256, 1024, torch.bfloat16),
+                  ("train_colbert", 128, 32, 128, 300, torch.bfloat16)):
+        _dd_variants_of(kernels, *shape)
+        torch.cuda.empty_cache()
+
+
+def _dd_variants_of(kernels: dict, name: str, nq: int, lq: int, nd: int, ld: int, dtype) -> None:
+    Q = torch.randn(nq, lq, 128, device="cuda", dtype=dtype)
+    D = torch.randn(nd, ld, 128, device="cuda", dtype=dtype)
+    g = torch.randn(nq, nd, device="cuda")
+    _, argmax = _launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32")
+    cfg = bwd_config(Lq=lq, dim=128, elem_bytes=2)
+    n_tiles = -(-ld // cfg.block_t)
+    buffers = _launch._winner_index_buffers(Q, nd, n_tiles)
+    _launch._winner_index(argmax, 0, nd, cfg.block_t, buffers)
+    Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
+
+    def step():
+        Qg.grad = Dg.grad = None
+        maxsim(Qg, Dg, backward="lowmem").backward(g)
+
+    grads, graphs = {}, {}
+    for variant, (source, *tiles) in _DD_VARIANTS.items():
+        grad_d = torch.full_like(D, float("nan"))
+
+        def alone(grad_d=grad_d):
+            _launch._launch_dd(cfg, g, Q, None, argmax, grad_d, False, "tf32", 0, nd, *buffers)
+
+        try:
+            with _dd_variant(kernels[source], *tiles):
+                alone()
+                grads[variant] = grad_d
+                graphs[f"{variant:22s} grad_D alone"] = _captured(alone)
+                graphs[f"{variant:22s} training step"] = _captured(step)
+        except Exception as exc:  # noqa: BLE001
+            print(f"   {variant}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    ref_d = _grad_d_reference(Q, D[:16], g[:, :16], argmax[:, :16])
+    row = f"-- {name}, {dtype}:"
+    base = grads.get("d9aea28")
+    for variant, grad in grads.items():
+        row += (f"\n   {variant:22s} grad_D {relative_error_fro(grad[:16], ref_d):.1e} from float64"
+                f" (Frobenius), all finite {bool(torch.isfinite(grad).all())}")
+        if base is not None:
+            row += (" bit for bit with d9aea28" if torch.equal(grad, base)
+                    else f", {relative_error_fro(grad, base):.1e} from d9aea28's")
+    print(row + _replay_rounds(graphs, lambda key: key), flush=True)
+
+
 if __name__ == "__main__":
     wanted = set(sys.argv[1:]) or {"normalize", "kd", "smooth"}
     for name, probe in (("normalize", normalize_sweep), ("kd", kd_split), ("smooth", smooth_vs_naive),
@@ -2244,7 +2347,8 @@ if __name__ == "__main__":
                         ("gather_steps", gather_steps), ("dd_rows", dd_rows),
                         ("dd_steps", dd_steps), ("large_cross", large_cross),
                         ("ragged_dd", ragged_dd), ("hopper_argmax", hopper_argmax), ("backward_parts", backward_parts),
-                        ("backward_once", backward_once), ("grad_d_ab", grad_d_ab)):
+                        ("backward_once", backward_once), ("grad_d_ab", grad_d_ab),
+                        ("dd_variants", dd_variants)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()
