@@ -14,7 +14,8 @@ timed after it; behind sections 42 and 46, the argmax forward in Gluon; behind s
 where a host-bound training step's timed interval goes, and the gather kernel's columns a step;
 behind section 45, the document-owned grad_D's stages and ``auto``'s backward for large cross
 products; behind section 47, where the large lowmem backward goes, and its winner index and
-grad_D against the kernels before.
+grad_D against the kernels before; behind section 48, the indexed grad_D's query rows loaded
+beside the argmax, against the kernel before and under other tiles.
 GPU times by ``triton.testing.do_bench`` (median, ms).
 
     PYTHONPATH=src python3 benchmarks/probe.py [normalize] [kd] [smooth] [masked] [rerank] [memory] [cold]
@@ -24,7 +25,7 @@ GPU times by ``triton.testing.do_bench`` (median, ms).
         [three_programs] [few_programs] [norms_handoff] [half_blocks]
         [doc_passes] [doc_waves] [flush_writeback] [step_timeline] [gather_steps]
         [dd_rows] [dd_steps] [large_cross] [ragged_dd] [hopper_argmax] [backward_parts]
-        [backward_once] [grad_d_ab] [dd_variants] [gather_beside]
+        [backward_once] [grad_d_ab] [dd_variants]
 """
 
 from __future__ import annotations
@@ -2327,51 +2328,6 @@ def _dd_variants_of(kernels: dict, name: str, nq: int, lq: int, nd: int, ld: int
     print(row + _replay_rounds(graphs, lambda key: key), flush=True)
 
 
-def gather_beside_ab() -> None:
-    """grad_Q's gather on a second stream beside the winner index and grad_D (benchmarks/NOTES.md
-    section 48) against all three on one stream, in one process, at the lowmem backward of large
-    cross products: the gradients bit for bit or not, GPU ms of CUDA-graph replays of the whole
-    backward and of the training step, and the step's do_bench (eager, the suite's timer), three
-    interleaved rounds."""
-    _warm_gpu()
-    for shape in (("train_colpali", 128, 128, 128, 1024, torch.bfloat16),
-                  ("train_colpali fp16", 128, 128, 128, 1024, torch.float16),
-                  ("colbert 512 x 512", 512, 32, 512, 300, torch.bfloat16),
-                  ("colpali 256 x 256", 256, 128, 256, 1024, torch.bfloat16),
-                  ("train_colbert", 128, 32, 128, 300, torch.bfloat16)):
-        _gather_beside_of(*shape)
-        torch.cuda.empty_cache()
-
-
-def _gather_beside_of(name: str, nq: int, lq: int, nd: int, ld: int, dtype) -> None:
-    Q = torch.randn(nq, lq, 128, device="cuda", dtype=dtype)
-    D = torch.randn(nd, ld, 128, device="cuda", dtype=dtype)
-    g = torch.randn(nq, nd, device="cuda")
-    _, argmax = _launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32")
-    Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
-
-    def bwd():
-        return _launch.maxsim_bwd(g, Q, D, argmax, None, None, True, True, "lowmem", False, "tf32")
-
-    def step():
-        Qg.grad = Dg.grad = None
-        maxsim(Qg, Dg, backward="lowmem").backward(g)
-
-    variants = {"one stream": lambda: _swapped(_launch, "gather_beside", lambda device: False),
-                "beside": contextlib.nullcontext}
-    grads, graphs, eager = {}, {}, {}
-    for variant, context in variants.items():
-        with context():
-            grads[variant] = bwd()
-            graphs[f"{variant:12s} whole backward"] = _captured(bwd)
-            graphs[f"{variant:12s} training step"] = _captured(step)
-            eager[variant] = [do_bench(step, warmup=25, rep=100) for _ in range(3)]
-    same = all(torch.equal(a, b) for a, b in zip(grads["one stream"], grads["beside"]))
-    print(f"-- {name}, {dtype}: gradients {'bit for bit' if same else 'DIFFER'}; eager step "
-          + "; ".join(f"{v} {' '.join(f'{t:.4f}' for t in ts)}" for v, ts in eager.items())
-          + _replay_rounds(graphs, lambda key: key), flush=True)
-
-
 if __name__ == "__main__":
     wanted = set(sys.argv[1:]) or {"normalize", "kd", "smooth"}
     for name, probe in (("normalize", normalize_sweep), ("kd", kd_split), ("smooth", smooth_vs_naive),
@@ -2393,7 +2349,7 @@ if __name__ == "__main__":
                         ("dd_steps", dd_steps), ("large_cross", large_cross),
                         ("ragged_dd", ragged_dd), ("hopper_argmax", hopper_argmax), ("backward_parts", backward_parts),
                         ("backward_once", backward_once), ("grad_d_ab", grad_d_ab),
-                        ("dd_variants", dd_variants), ("gather_beside", gather_beside_ab)):
+                        ("dd_variants", dd_variants)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()

@@ -93,43 +93,6 @@ def test_lowmem_is_bitwise_reproducible_on_gpu():
     )
 
 
-@pytest.mark.parametrize("where", ["caller-stream", "graph"])
-def test_gather_beside_is_the_one_stream_backward(monkeypatch, where):
-    """grad_Q's gather on the second stream (beside the winner index and grad_D) gives the
-    one-stream backward's gradients bit for bit: called on a stream of the caller's own, and
-    captured in a CUDA graph (the second stream forks from the capture and joins it again)."""
-    from fusedmaxsim import _launch
-
-    Q = torch.randn(64, 32, 128, device="cuda", dtype=torch.bfloat16)
-    D = torch.randn(64, 300, 128, device="cuda", dtype=torch.bfloat16)
-    g = torch.randn(64, 64, device="cuda")
-    _, argmax = _launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32")
-
-    def backward():
-        return _launch.maxsim_bwd(g, Q, D, argmax, None, None, True, True, "lowmem", False, "tf32")
-
-    assert _launch.gather_beside(Q.device)
-    with monkeypatch.context() as patch:
-        patch.setattr(_launch, "gather_beside", lambda device: False)
-        expected = backward()
-    if where == "graph":
-        backward()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            got = backward()
-        for grad in got:
-            grad.fill_(float("nan"))
-        graph.replay()
-    else:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            got = backward()
-        torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(got, expected))
-
 @pytest.mark.parametrize(
     "q_shape,d_shape",
     [

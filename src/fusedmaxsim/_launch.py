@@ -1128,21 +1128,8 @@ def maxsim_bwd(
     # One fp32 buffer for all of grad_D: one launch gathers grad_Q (when asked for) and scatters
     # grad_D, and grad_D is that buffer cast.
     one_buffer = scatter_d and chunk_cols == Ncols
-    winner_index = (strategy == "lowmem" and need_grad_d
-                    and _uses_winner_index(cfg, per_query_docs, Nq, Ncols, Lq, Ld, dim))
-    beside = need_grad_q and winner_index and gather_beside(Q.device)
     grad_q = grad_d = None
-    if beside:
-        # grad_Q's gather (bound by L2 bandwidth) on a second stream, beside the winner index
-        # (bound by instructions) and grad_D (by latency) on the caller's: neither reads what
-        # the other writes, and the caller's stream waits for both before it goes on.
-        grad_q = _empty(Q.shape, q_dtype, Q.device)
-        caller = torch.cuda.current_stream(Q.device)
-        second = _second_stream(Q.device)
-        second.wait_stream(caller)
-        with torch.cuda.stream(second):
-            gather(0, Ncols, 1, grad_q, None)
-    elif need_grad_q or one_buffer:
+    if need_grad_q or one_buffer:
         # Splitting the documents over programs needs an fp32 grad_Q buffer (atomics, a zero fill
         # and a cast): where grad_Q is computed, worth it only when the grid would otherwise
         # leave the GPU idle on real work.
@@ -1177,7 +1164,7 @@ def maxsim_bwd(
         dd = functools.partial(
             _launch_dd, cfg, grad_scores, Q, q_inv, argmax, grad_d, per_query_docs, fp32_precision
         )
-        if winner_index:
+        if _uses_winner_index(cfg, per_query_docs, Nq, Ncols, Lq, Ld, dim):
             n_tiles = _cdiv(Ld, cfg.block_t)
             index_cols = _winner_index_cols(Q, Ncols, n_tiles, grad_d)
             index = _winner_index_buffers(Q, index_cols, n_tiles)
@@ -1186,27 +1173,7 @@ def maxsim_bwd(
                 dd(c0, n, *_winner_index(argmax, c0, n, cfg.block_t, index))
         else:
             dd(0, Ncols, None, None)
-    if beside:
-        caller.wait_stream(second)
     return _or_empty(grad_q, Q), _or_empty(grad_d, Q)
-
-
-_second_streams: dict = {}
-
-
-def _second_stream(device: torch.device) -> torch.cuda.Stream:
-    """The device's second stream of the backward (one a device, made on first use)."""
-    found = _second_streams.get(device.index)
-    if found is None:
-        found = _second_streams[device.index] = torch.cuda.Stream(device)
-    return found
-
-
-def gather_beside(device: torch.device) -> bool:
-    """Whether grad_Q's gather runs on a second stream beside the winner index and grad_D: on
-    CUDA devices (not under the interpreter), where the problem is large enough for the index
-    (below it the host's two more stream calls would cost more than the overlap gives)."""
-    return device.type == "cuda" and not _configs.INTERPRETER
 
 
 def _or_empty(grad: Tensor | None, like: Tensor) -> Tensor:
