@@ -105,6 +105,27 @@ def gradients(Q, D, q_mask, d_mask, grad):
     return q.grad, d.grad
 
 
+def test_nan_in_masked_tokens_stays_out_of_the_index(device):
+    """The indexed grad_D loads every indexed row's query tokens without looking at its argmax
+    (each row there won a token): a masked query token, NaN here, must never be such a row, and
+    a masked document token never wins one."""
+    assert _launch._uses_winner_index(TILES, False, 4, 5, 9, 40, 96)
+    Q = torch.randn(4, 9, 96, device=device)
+    D = torch.randn(5, 40, 96, device=device)
+    q_mask = masks_with_holes((4, 9), device)
+    d_mask = masks_with_holes((5, 40), device)
+    d_mask[1:, 3] = True
+    clean_q = leaf(torch.where(q_mask[..., None], Q, 0.0).double())
+    clean_d = leaf(torch.where(d_mask[..., None], D, 0.0).double())
+    Q[~q_mask] = float("nan")
+    D[~d_mask] = float("nan")
+    grad = torch.randn(4, 5, device=device)
+    grad_q, grad_d = gradients(Q, D, q_mask, d_mask, grad)
+    maxsim_ref(clean_q, clean_d, q_mask, d_mask).backward(grad.double())
+    assert torch.isfinite(grad_d).all() and torch.isfinite(grad_q).all()
+    assert_close_to_reference(grad_d, clean_d.grad, 1e-5, "grad_D")
+    assert_close_to_reference(grad_q, clean_q.grad, 1e-5, "grad_Q")
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("Nq, Lq, Nd, Ld", [(3, 7, 5, 29), (5, 13, 3, 77), (4, 1, 2, 17)])
 @pytest.mark.parametrize("chunks", ["one-chunk", "a-column-a-chunk"])
