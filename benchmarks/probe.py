@@ -1592,11 +1592,12 @@ def step_timeline() -> None:
         torch.cuda.empty_cache()
 
 
-def _backward_inputs(q_shape, d_shape) -> tuple:
-    """Random bf16 ``Q`` and ``D`` of these shapes (4-D ``D``: per-query candidates), an fp32
+def _backward_inputs(q_shape, d_shape, dtype=torch.bfloat16) -> tuple:
+    """Random 16-bit ``Q`` and ``D`` of these shapes (4-D ``D``: per-query candidates), an fp32
     ``grad_scores``, the forward's argmax, and the backward's tiles as the launcher picks them:
     ``(Q, D, g, argmax, cfg)``, for the probes that time one backward kernel alone."""
-    Q, D = _bf16(*q_shape), _bf16(*d_shape)
+    Q = torch.randn(*q_shape, device="cuda", dtype=dtype)
+    D = torch.randn(*d_shape, device="cuda", dtype=dtype)
     g = torch.randn(q_shape[0], d_shape[-3], device="cuda")
     with torch.no_grad():
         _, argmax = _launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32")
@@ -2067,10 +2068,7 @@ def backward_parts() -> None:
 
 
 def _backward_parts_of(name: str, nq: int, lq: int, nd: int, ld: int) -> None:
-    Q, D = _bf16(nq, lq, 128), _bf16(nd, ld, 128)
-    g = torch.randn(nq, nd, device="cuda")
-    _, argmax = _launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32")
-    cfg = bwd_config(Lq=lq, dim=128, elem_bytes=2)
+    Q, D, g, argmax, cfg = _backward_inputs((nq, lq, 128), (nd, ld, 128))
     n_tiles = -(-ld // cfg.block_t)
     buffers = _launch._winner_index_buffers(Q, nd, n_tiles)
     grad_d = torch.empty_like(D)
@@ -2250,7 +2248,7 @@ def _dd_variant(kernels, block_r, warps, stages, max_registers):
     chosen = _launch._dd_constants
 
     def replaced(*args):
-        values = dict(chosen(*args).key)
+        values = dict(chosen(*args).kwargs)
         for name, value in (("BLOCK_R", block_r), ("num_warps", warps), ("num_stages", stages),
                             ("maxnreg", max_registers)):
             if value is not None:
@@ -2287,11 +2285,7 @@ def dd_variants() -> None:
 
 
 def _dd_variants_of(kernels: dict, name: str, nq: int, lq: int, nd: int, ld: int, dtype) -> None:
-    Q = torch.randn(nq, lq, 128, device="cuda", dtype=dtype)
-    D = torch.randn(nd, ld, 128, device="cuda", dtype=dtype)
-    g = torch.randn(nq, nd, device="cuda")
-    _, argmax = _launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32")
-    cfg = bwd_config(Lq=lq, dim=128, elem_bytes=2)
+    Q, D, g, argmax, cfg = _backward_inputs((nq, lq, 128), (nd, ld, 128), dtype)
     n_tiles = -(-ld // cfg.block_t)
     buffers = _launch._winner_index_buffers(Q, nd, n_tiles)
     _launch._winner_index(argmax, 0, nd, cfg.block_t, buffers)

@@ -591,8 +591,8 @@ def _dd_rows(
 ):
     """Rows ``o_r`` (where ``m_r``) of the flattened (query, query token) pairs: their winning
     document tokens, their weights ``g`` (fp32) and their query rows (zero where no token won).
-    ``ROWS_WON``: every row given won a token (the winner index's), so the query rows are loaded
-    beside the argmax instead of after it, one load latency a block instead of two in a chain."""
+    ``ROWS_WON``: every row given won a token (the winner index's), so no mask reads the argmax
+    and the query rows load beside it, one load latency a block instead of two in a chain."""
     o_q = (o_r // Lq).to(tl.int64)
     o_s = o_r % Lq
     idx = tl.load(Argmax + (o_q * Ncols + i_col) * Lq + o_s, mask=m_r, other=-1)
