@@ -71,6 +71,7 @@ ROWS = {
     "rerank_colpali_1030": lambda: _ours(1, 1000, 1030, 1030),
     "longquery": lambda: _ours(4, 64, 2048, 1024),
     "train_colpali_fwd": lambda: _ours(128, 128, 128, 1024, save_argmax=True),
+    "train_colpali_nograd": lambda: _ours(128, 128, 128, 1024),
     "lik_rerank_colpali_norm": lambda: _lik(1, 1000, 128, 1024, normalize=True),
     "lik_batch_colbert": lambda: _lik(256, 256, 32, 300),
 }

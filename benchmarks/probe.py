@@ -2223,21 +2223,13 @@ def _grad_d_reference(Q, D, g, argmax):
     return grad
 
 
-# The indexed grad_D's variants of benchmarks/NOTES.md section 48: (kernel, rows a product,
-# warps, stages, register cap); None keeps what the launcher picks.
+# The indexed grad_D's variants of benchmarks/NOTES.md sections 48-49: (kernel, rows a product,
+# warps, stages, register cap); None keeps what the launcher picks. Section 48's tiles are in
+# the history (its record 2026-12-02_ed04ef4).
+_DD_BASE = "a3bbf8d"
 _DD_VARIANTS = {
-    "d9aea28": ("d9aea28", None, None, None, None),
-    "won": ("this tree", None, None, None, None),
-    "won, 2 stages": ("this tree", None, None, 2, None),
-    "won, 3 stages": ("this tree", None, None, 3, None),
-    "won, 64 rows": ("this tree", 64, None, None, None),
-    "won, 64 rows, 2 st": ("this tree", 64, None, 2, None),
-    "won, 64 rows, 8 w": ("this tree", 64, 8, None, None),
-    "won, 64 r, 8 w, 2 st": ("this tree", 64, 8, 2, None),
-    "won, 8 warps": ("this tree", None, 8, None, None),
-    "won, 8 w, 2 st": ("this tree", None, 8, 2, None),
-    "won, 8 w, cap 128": ("this tree", None, 8, None, 128),
-    "d9aea28, 64 rows": ("d9aea28", 64, None, None, None),
+    _DD_BASE: (_DD_BASE, None, None, None, None),
+    "this tree": ("this tree", None, None, None, None),
 }
 
 
@@ -2261,25 +2253,25 @@ def _dd_variant(kernels, block_r, warps, stages, max_registers):
 
 
 def dd_variants() -> None:
-    """The indexed grad_D of large cross products (lowmem) with its query rows loaded beside the
-    argmax (every indexed row won a token: no mask reads it) against ``d9aea28``'s kernel, and
-    under other rows a product, warps, stages and register caps (benchmarks/NOTES.md section
-    48), in one process: grad_D against float64 and against ``d9aea28``'s (bit for bit or not),
+    """The document-owned grad_D of this tree (fp16: ``g`` in the one-hot once divided by a
+    power of two of its column's largest, benchmarks/NOTES.md section 49) against ``_DD_BASE``'s
+    kernel, in one process: grad_D against float64 and against the base's (bit for bit or not),
     GPU ms of CUDA-graph replays of grad_D alone given its index (all columns in one chunk) and
     of the whole training step, three interleaved rounds."""
-    before = _module_copy("_kernels_d9aea28", "git show d9aea28:src/fusedmaxsim/_kernels.py | sed"
-                          " -e 's/^from \\._/from fusedmaxsim._/' > benchmarks/_kernels_d9aea28.py")
+    before = _module_copy(f"_kernels_{_DD_BASE}", f"git show {_DD_BASE}:src/fusedmaxsim/_kernels.py"
+                          f" | sed -e 's/^from \\._/from fusedmaxsim._/'"
+                          f" > benchmarks/_kernels_{_DD_BASE}.py")
     if before is None:
         return
     from fusedmaxsim import _kernels
 
-    kernels = {"d9aea28": before, "this tree": _kernels}
+    kernels = {_DD_BASE: before, "this tree": _kernels}
     _warm_gpu()
-    for shape in (("train_colpali", 128, 128, 128, 1024, torch.bfloat16),
-                  ("train_colpali fp16", 128, 128, 128, 1024, torch.float16),
-                  ("colbert 512 x 512", 512, 32, 512, 300, torch.bfloat16),
-                  ("colpali 256 x 256", 256, 128, 256, 1024, torch.bfloat16),
-                  ("train_colbert", 128, 32, 128, 300, torch.bfloat16)):
+    for shape in (("train_colpali fp16", 128, 128, 128, 1024, torch.float16),
+                  ("train_colpali", 128, 128, 128, 1024, torch.bfloat16),
+                  ("colbert 512 x 512 fp16", 512, 32, 512, 300, torch.float16),
+                  ("colpali 256 x 256 fp16", 256, 128, 256, 1024, torch.float16),
+                  ("train_colbert fp16", 128, 32, 128, 300, torch.float16)):
         _dd_variants_of(kernels, *shape)
         torch.cuda.empty_cache()
 
@@ -2312,13 +2304,13 @@ def _dd_variants_of(kernels: dict, name: str, nq: int, lq: int, nd: int, ld: int
             print(f"   {variant}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
     ref_d = _grad_d_reference(Q, D[:16], g[:, :16], argmax[:, :16])
     row = f"-- {name}, {dtype}:"
-    base = grads.get("d9aea28")
+    base = grads.get(_DD_BASE)
     for variant, grad in grads.items():
         row += (f"\n   {variant:22s} grad_D {relative_error_fro(grad[:16], ref_d):.1e} from float64"
                 f" (Frobenius), all finite {bool(torch.isfinite(grad).all())}")
         if base is not None:
-            row += (" bit for bit with d9aea28" if torch.equal(grad, base)
-                    else f", {relative_error_fro(grad, base):.1e} from d9aea28's")
+            row += (f" bit for bit with {_DD_BASE}" if torch.equal(grad, base)
+                    else f", {relative_error_fro(grad, base):.1e} from {_DD_BASE}'s")
     print(row + _replay_rounds(graphs, lambda key: key), flush=True)
 
 

@@ -168,6 +168,30 @@ def test_fp16_grad_d_takes_a_loss_scaled_gradient(device):
     assert_close_to_reference(grad_q, q.grad, 1e-2, "grad_Q")
 
 
+@pytest.mark.parametrize("per_query_docs", [False, True], ids=["cross", "candidates"])
+def test_fp16_grad_d_scales_each_document_by_its_own_gradients(device, per_query_docs):
+    """fp16 ``g`` is brought into range per document (column): a document whose gradients are
+    1e-2 keeps its digits beside one whose gradients reach 1e4 (one scale for all would take
+    them below fp16's normal range), one entry past fp16's largest value does not overflow, and
+    a document of zero gradients gets zeros. Checked document by document, since one bound over
+    the whole tensor would not see the small documents."""
+    Q = (torch.randn(3, 7, 64, device=device) / 10).half()
+    shape = (3, 4, 40, 64) if per_query_docs else (4, 40, 64)
+    D = (torch.randn(*shape, device=device) / 10).half()
+    scales = torch.tensor([1e4, 1e-2, 0.0, 3.0], device=device)
+    grad = torch.randn(3, 4, device=device) * scales
+    grad[0, 3] = 7e4  # one entry past fp16's range in a document of small ones
+    grad_q, grad_d = gradients(Q, D, None, None, grad)
+    q, d = leaf(Q.double()), leaf(D.double())
+    maxsim_ref(q, d).backward(grad.double())
+    docs = d.grad.shape[-3]
+    for j in range(docs):
+        assert_close_to_reference(grad_d[..., j, :, :], d.grad[..., j, :, :], 1e-2,
+                                  f"grad_D of document {j}")
+    assert torch.all(grad_d[..., 2, :, :] == 0)
+    assert_close_to_reference(grad_q, q.grad, 1e-2, "grad_Q")
+
+
 def test_chunks_of_the_index_change_no_bit(device, monkeypatch):
     Q = torch.randn(6, 9, 64, device=device, dtype=torch.float16)
     D = torch.randn(7, 50, 64, device=device, dtype=torch.float16)

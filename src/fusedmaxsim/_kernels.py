@@ -47,9 +47,10 @@ Grid mapping
   ``onehot(A == t)ᵀ @ (g · Q)`` over blocks of the group's (query, token) rows; per-query
   candidates load their rows once for several tiles; on the cross product a tile reads only the
   rows that won one of its tokens, through the winner index of ``_kernels_index``. No atomics:
-  bitwise reproducible. Each row's weight ``g`` (bf16, fp32) or ``g · Q`` (fp16) is rounded to
-  the input dtype before the product, an error of the same size as writing the gradient in that
-  dtype.
+  bitwise reproducible. Each row's weight ``g`` (bf16, fp32; fp16 once divided by a power of two
+  of its column's largest ``|g|``, multiplied back at the store) or ``g · Q`` (fp16 with
+  normalize) is rounded to the input dtype before the product, an error of the same size as
+  writing the gradient in that dtype.
 * ``_drain_chunk_kernel``: casts a finished column chunk of that buffer into ``grad_D`` and
   clears it for the next chunk.
 * ``_inverse_norm_kernel``: program = a block of token rows; ``1 / max(‖x‖, eps)`` in fp32, each
@@ -608,21 +609,43 @@ def _dd_rows(
 
 
 @triton.jit
-def _dd_product(o_t, idx, g, b_q, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def _dd_product(
+    o_t, idx, g, b_q, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, G_SCALED: tl.constexpr
+):
     """``onehot(idx == t)ᵀ @ (g · Q)`` for the tokens ``o_t``, the one-hot built transposed,
-    ``[BLOCK_T, BLOCK_R]``, so that the product needs no layout shuffle. bf16 and fp32 rows: each
-    row's ``g`` stands in the one-hot in place of 1 (rounded to the input dtype: bf16 has fp32's
-    range), and the query rows go to the product as loaded, with no pass over them. fp16 rows:
-    ``g · Q`` rounded to fp16 with an exact one-hot, since a loss-scaled ``g`` (65536 · g under
-    a gradient scaler) can pass fp16's largest value where ``g · Q`` does not."""
+    ``[BLOCK_T, BLOCK_R]``, so that the product needs no layout shuffle. bf16 and fp32 rows, and
+    fp16 rows whose ``g`` the caller has brought into fp16's range (``G_SCALED``,
+    :func:`_g_scales`): each row's ``g`` stands in the one-hot in place of 1 (rounded to the
+    input dtype: bf16 has fp32's range), and the query rows go to the product as loaded, with no
+    pass over them. Other fp16 rows: ``g · Q`` rounded to fp16 with an exact one-hot, since a
+    loss-scaled ``g`` (65536 · g under a gradient scaler) can pass fp16's largest value where
+    ``g · Q`` does not."""
     match = o_t[:, None] == idx[None, :]
-    if b_q.dtype == tl.float16:
+    if b_q.dtype == tl.float16 and not G_SCALED:
         weights = tl.where(match, 1.0, 0.0).to(tl.float16)
         rows = (b_q.to(tl.float32) * g[:, None]).to(tl.float16)
     else:
         weights = tl.where(match, g[None, :], 0.0).to(b_q.dtype)
         rows = b_q
     return _dot(weights, rows, DOT_PRECISION, UPCAST)
+
+
+@triton.jit
+def _g_scales(Grad, q_lo, q_hi, i_col, stride_g_seq, stride_g_col, BLOCK: tl.constexpr):
+    """``(2^-e, 2^e)`` for ``2^e`` the power of two at or under the largest ``|g|`` of queries
+    ``[q_lo, q_hi)`` at column ``i_col`` (1 where that is 0, subnormal, infinite or NaN; ``e`` at
+    most 126, so that both are normal): the weights ``g · 2^-e`` are below 2 in magnitude, each
+    rounded to fp16 as exactly as a weight near 1, and the scaling itself is exact."""
+    largest = tl.zeros([BLOCK], tl.float32)
+    for q0 in range(q_lo, q_hi, BLOCK):
+        o_q = q0 + tl.arange(0, BLOCK)
+        g = tl.load(Grad + o_q.to(tl.int64) * stride_g_seq + i_col * stride_g_col,
+                    mask=o_q < q_hi, other=0.0)
+        largest = tl.maximum(largest, tl.abs(g.to(tl.float32)))
+    biased = (tl.max(largest, axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    biased = tl.where((biased == 0) | (biased == 0xFF), 127, tl.minimum(biased, 253))
+    return ((254 - biased) << 23).to(tl.float32, bitcast=True), \
+        (biased << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit(do_not_specialize=["Nq", "Ncols", "Lq", "Ld", "tiles_per_program", "col_base"])
@@ -692,6 +715,14 @@ def _maxsim_bwd_dd_kernel(
         r_lo = 0
         r_hi = Nq * Lq
     p_out = GradD + i_grp * stride_gd_grp + i_col * stride_gd_col + o_k[None, :] * stride_gd_dim
+    # fp16 without normalize: the column's g divided by a power of two of its largest |g| before
+    # the one-hot (and the tile multiplied back at the store), so that g itself fits fp16's range
+    # and the rows skip bf16's pass over them in fp32 (the longer part of fp16's block).
+    G_SCALED: tl.constexpr = Q.dtype.element_ty == tl.float16 and not NORMALIZE
+    g_down, g_up = 1.0, 1.0
+    if G_SCALED:
+        g_down, g_up = _g_scales(Grad, r_lo // Lq, tl.cdiv(r_hi, Lq), i_col, stride_g_seq,
+                                 stride_g_col, BLOCK_R)
 
     if ROWS_IN_ONE_BLOCK:  # loaded once, for every tile of the program
         idx, g, b_q = _dd_rows(
@@ -699,10 +730,11 @@ def _maxsim_bwd_dd_kernel(
             m_k, stride_g_seq, stride_g_col, stride_q_seq, stride_q_tok, stride_q_dim,
             stride_qinv_seq, stride_qinv_tok, NORMALIZE, False,
         )
+        g = g * g_down
     for i_tb in range(tb_lo, tb_hi):
         o_t = i_tb * BLOCK_T + tl.arange(0, BLOCK_T)
         if ROWS_IN_ONE_BLOCK:
-            acc = _dd_product(o_t, idx, g, b_q, DOT_PRECISION, UPCAST)
+            acc = _dd_product(o_t, idx, g, b_q, DOT_PRECISION, UPCAST, G_SCALED)
         else:
             if WINNER_INDEX:
                 p_rows = Rows + pid * Nq * Lq
@@ -730,8 +762,8 @@ def _maxsim_bwd_dd_kernel(
                     stride_g_seq, stride_g_col, stride_q_seq, stride_q_tok, stride_q_dim,
                     stride_qinv_seq, stride_qinv_tok, NORMALIZE, WINNER_INDEX,
                 )
-                acc += _dd_product(o_t, idx, g, b_q, DOT_PRECISION, UPCAST)
-        tl.store(p_out + o_t[:, None] * stride_gd_tok, acc.to(GradD.dtype.element_ty),
+                acc += _dd_product(o_t, idx, g * g_down, b_q, DOT_PRECISION, UPCAST, G_SCALED)
+        tl.store(p_out + o_t[:, None] * stride_gd_tok, (acc * g_up).to(GradD.dtype.element_ty),
                  mask=(o_t < Ld)[:, None] & m_k[None, :])
 
 

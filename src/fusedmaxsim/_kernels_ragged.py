@@ -310,7 +310,7 @@ def _onehot_rows(
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """``acc [BLOCK_T, BLOCK_K] += onehot(idx == t)ᵀ @ (g · Q rows)``, rounded before the product
-    as :func:`_kernels._dd_product` says."""
+    as :func:`_kernels._dd_product` says (fp16: ``g · Q``, ``g`` not scaled here)."""
     if NORMALIZE:
         g = g * tl.load(QInv + o_row, mask=m_r, other=0.0)
     b_q = tl.load(
@@ -318,7 +318,7 @@ def _onehot_rows(
         mask=(m_r & (idx >= 0))[:, None] & m_k[None, :],
         other=0.0,
     )
-    return acc + _dd_product(o_t, idx, g, b_q, DOT_PRECISION, UPCAST)
+    return acc + _dd_product(o_t, idx, g, b_q, DOT_PRECISION, UPCAST, False)
 
 
 @triton.jit(
