@@ -13,11 +13,12 @@ another order, so scores can differ from Triton's in the last bit)::
     NORMALIZE:      Σ_s inv(Q[i, s]) · max_t S[i, j, s, t] · inv(D[j, t]),
                     inv(x) = 1 / max(‖x‖, 1e-12) in fp32 from the 16-bit tokens
     SAVE_ARGMAX:    A[i, j, s] = the winning t, from coded similarities (below)
-    COUNT_TILE:     Counts[j, k] += #{(i, s) : A[i, j, s] // COUNT_TILE = k}   (int32 atomics)
+    COUNT_TILE:     Counts[j, k] = #{(i, s) : A[i, j, s] // COUNT_TILE = k}
 
 ``Counts`` are the tile counts of the winner index (``_kernels_index``) that the lowmem backward
-would otherwise count in a scan of its own: each (query, query token) row adds one to its
-document's tile, so the sums are exact and the same whatever order the programs run in.
+would otherwise count in a scan of its own: each program sums its block's rows by the tile of
+their winning token and adds each sum to its document's count (an integer atomic), so the counts
+are exact and the same whatever order the programs run in.
 
 The argmax without a third register tile (benchmarks/NOTES.md sections 42 and 46): each product
 of pass tile ``p`` (at most ``TILE_CODES`` tiles a pass) is coded as ``(S & -16) | (15 - p)`` on
@@ -311,15 +312,28 @@ if AVAILABLE:
             gl.store(Argmax + (o_query.to(gl.int64) * Ncols + doc) * Lq + o_s,
                      token.to(Argmax.dtype.element_ty), mask=m_row)
             if COUNT_TILE > 0:
-                # Integer additions: the counts are the same whatever order the programs add in.
-                count_row = Counts + doc.to(gl.int64) * gl.cdiv(Ld, COUNT_TILE)
-                gl.atomic_add(count_row + token // COUNT_TILE, gl.full(token.shape, 1, gl.int32,
-                              token.type.layout), mask=m_row, sem="relaxed")
+                _count_tiles(Counts, doc, token, m_row, run_max, Ld, COUNT_TILE)
         else:
             row_max = gl.reduce(run_max, 1, _max_nan)
         if NORMALIZE:
             row_max = row_max * q_inv
         return gl.where(m_row, row_max, 0.0)
+
+    @gluon.jit
+    def _count_tiles(Counts, doc, token, m_row, run_max, Ld, COUNT_TILE: gl.constexpr):
+        """Adds the block's rows (``m_row``) to ``Counts[doc, token // COUNT_TILE]``: summed over
+        the block first, one atomic a tile the block's rows won (an atomic a row, to a handful of
+        addresses, cost the forward 5-8% at 512 × 512 ColBERT: section 50). Integer sums: the
+        counts do not depend on the order the programs add in."""
+        layout: gl.constexpr = run_max.type.layout
+        BINS: gl.constexpr = max(1, TILE_CODES * run_max.shape[1] // COUNT_TILE)  # a pass's tiles
+        bins = gl.arange(0, BINS, layout=gl.SliceLayout(0, layout))
+        hits = (gl.expand_dims(token // COUNT_TILE, 1) == gl.expand_dims(bins, 0)) \
+            & gl.expand_dims(m_row, 1)
+        per_bin = gl.sum(hits.to(gl.int32), axis=0)
+        n_bins = gl.cdiv(Ld, COUNT_TILE)
+        gl.atomic_add(Counts + doc.to(gl.int64) * n_bins + bins, per_bin,
+                      mask=(bins < n_bins) & (per_bin > 0), sem="relaxed")
 
     @gluon.jit
     def _store_block_scores(row_sums, out, Ncols, Nq, i_blk, o_r, LQ_TILE: gl.constexpr,
