@@ -5,8 +5,7 @@ release the package supports:
 
     python3 benchmarks/compile_hopper.py [argmax]
 
-(``argmax``: only the variants of the argmax forward, each also counting the winner index's
-64-token tiles.)
+(``argmax``: only the variants of the argmax forward.)
 
 Each line: the tiles, then `overlap` when the loop waits with one product outstanding
 (`WARPGROUP.DEPBAR.LE gsb0, 0x1`) and `SERIALIZED` when every product is waited for right after
@@ -28,7 +27,7 @@ from compile_report import dump  # noqa: E402
 
 from fusedmaxsim import _kernels_hopper, _launch  # noqa: E402
 
-POINTERS = {"Q": "*bf16", "Out": "*fp32", "Argmax": "*i16", "Counts": "*i32"}
+POINTERS = {"Q": "*bf16", "Out": "*fp32", "Argmax": "*i16"}
 
 
 def _descriptor_type(desc) -> str:
@@ -42,7 +41,7 @@ def _descriptor_type(desc) -> str:
 def compile_forward(lq_tile: int, queries_per_block: int, block_n: int, stages: int, dim: int = 128,
                     normalize: bool = False, warps: int = 4, tiles_first: bool = False,
                     max_registers: int | None = None, docs_per_program: int = 1,
-                    save_argmax: bool = False, count_tile: int = 0):
+                    save_argmax: bool = False):
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -54,7 +53,7 @@ def compile_forward(lq_tile: int, queries_per_block: int, block_n: int, stages: 
     kernel = _kernels_hopper._maxsim_fwd_overlap_kernel
     constants = _launch.hopper_constexprs(torch.bfloat16, lq_tile, queries_per_block, block_n,
                                           stages, dim, warps, normalize, tiles_first,
-                                          docs_per_program, save_argmax, count_tile)
+                                          docs_per_program, save_argmax)
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constants:
@@ -122,24 +121,18 @@ def main() -> None:
               (False, 32, 4, 64, 3, 4, False, None, 8, True),
               (False, 32, 2, 32, 6, 4, True, None, 1, True),
               (False, 128, 1, 32, 5, 4, False, 168, 1, True)]
-    # Each argmax variant also counting the winner index's 64-token tiles (NOTES.md section 50).
-    argmax = [(*variant, count) for variant in argmax for count in (0, 64)]
-    variants = [(*variant, 0) for variant in variants]
     variants = argmax if sys.argv[1:] == ["argmax"] else variants + argmax
-    for normalize, lq_tile, qpb, block_n, stages, warps, tiles_first, cap, docs, save, count \
-            in variants:
+    for normalize, lq_tile, qpb, block_n, stages, warps, tiles_first, cap, docs, save in variants:
         label = (f"{'normalize' if normalize else 'argmax' if save else 'scores'}, "
                  f"rows {lq_tile}x{qpb}, "
                  f"{block_n}-token tiles, {stages} stages, {warps} warps"
                  f"{', tiles first' if tiles_first else ''}"
                  f"{f', at most {cap} registers' if cap else ''}"
-                 f"{f', {docs} documents a program' if docs > 1 else ''}"
-                 f"{f', counting {count}-token tiles' if count else ''}")
+                 f"{f', {docs} documents a program' if docs > 1 else ''}")
         try:
             compiled = compile_forward(lq_tile, qpb, block_n, stages, normalize=normalize,
                                        warps=warps, tiles_first=tiles_first, max_registers=cap,
-                                       docs_per_program=docs, save_argmax=save,
-                                       count_tile=count)
+                                       docs_per_program=docs, save_argmax=save)
             print(f"  {label}: {report(compiled)}", flush=True)
         except Exception as exc:  # noqa: BLE001 (a release whose Gluon cannot build it: say so)
             print(f"  {label}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)

@@ -2314,63 +2314,6 @@ def _dd_variants_of(kernels: dict, name: str, nq: int, lq: int, nd: int, ld: int
     print(row + _replay_rounds(graphs, lambda key: key), flush=True)
 
 
-def forward_counts() -> None:
-    """The winner index's tile counts added up by the Gluon argmax forward (benchmarks/NOTES.md
-    section 50) against the backward's counting kernel, in one process: gradients bit for bit
-    or not, GPU ms of CUDA-graph replays of the argmax forward alone (with the counts' zero fill
-    and atomics, or without) and of the whole lowmem training step, three interleaved rounds,
-    then the eager step (do_bench: the host included)."""
-    _warm_gpu()
-    for shape in (("train_colpali", 128, 128, 128, 1024, torch.bfloat16),
-                  ("train_colpali fp16", 128, 128, 128, 1024, torch.float16),
-                  ("colbert 512 x 512", 512, 32, 512, 300, torch.bfloat16),
-                  ("colpali 256 x 256", 256, 128, 256, 1024, torch.bfloat16),
-                  ("train_colbert (lowmem)", 128, 32, 128, 300, torch.bfloat16)):
-        _forward_counts_of(*shape)
-        torch.cuda.empty_cache()
-
-
-def _forward_counts_of(name: str, nq: int, lq: int, nd: int, ld: int, dtype) -> None:
-    Q = torch.randn(nq, lq, 128, device="cuda", dtype=dtype)
-    D = torch.randn(nd, ld, 128, device="cuda", dtype=dtype)
-    g = torch.randn(nq, nd, device="cuda")
-    Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
-    counts = _launch.winner_index_counts(Q, D)
-
-    def step():
-        Qg.grad = Dg.grad = None
-        maxsim(Qg, Dg, backward="lowmem").backward(g)
-
-    def forward_counting():
-        counts.zero_()
-        _launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32", tile_counts=counts)
-
-    def forward_alone():
-        _launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32")
-
-    variants = {"backward counts": lambda: _swapped(_launch, "winner_index_counts",
-                                                    lambda Q, D: None),
-                "forward counts": contextlib.nullcontext}
-    grads, graphs, eager = {}, {}, {}
-    for variant, context in variants.items():
-        with context():
-            step()
-            grads[variant] = (Qg.grad.clone(), Dg.grad.clone())
-            graphs[f"{variant:16s} training step"] = _captured(step)
-            eager[variant] = step
-    graphs[f"{'backward counts':16s} forward alone"] = _captured(forward_alone)
-    graphs[f"{'forward counts':16s} forward alone"] = _captured(forward_counting)
-    (q0, d0), (q1, d1) = grads.values()
-    row = (f"-- {name}, {dtype}: counts {tuple(counts.shape)}, gradients "
-           + ("bit for bit" if torch.equal(q0, q1) and torch.equal(d0, d1) else "DIFFER"))
-    row += _replay_rounds(graphs, lambda key: key)
-    for _ in range(3):
-        for variant, context in variants.items():
-            with context():
-                row += f"\n   {variant:16s} eager step (do_bench) {bench(eager[variant]):.4f}"
-    print(row, flush=True)
-
-
 if __name__ == "__main__":
     wanted = set(sys.argv[1:]) or {"normalize", "kd", "smooth"}
     for name, probe in (("normalize", normalize_sweep), ("kd", kd_split), ("smooth", smooth_vs_naive),
@@ -2392,7 +2335,7 @@ if __name__ == "__main__":
                         ("dd_steps", dd_steps), ("large_cross", large_cross),
                         ("ragged_dd", ragged_dd), ("hopper_argmax", hopper_argmax), ("backward_parts", backward_parts),
                         ("backward_once", backward_once), ("grad_d_ab", grad_d_ab),
-                        ("dd_variants", dd_variants), ("forward_counts", forward_counts)):
+                        ("dd_variants", dd_variants)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()

@@ -496,26 +496,20 @@ _ARGMAX_SHAPES = {
 }
 
 
-def _check_hopper_argmax(cfg, Q, D, count_tile: int = 64) -> None:
+def _check_hopper_argmax(cfg, Q, D) -> None:
     """The Gluon forward with the argmax: scores of float64 within the dtype's bound and
     Triton's within 16 units in the last place, every argmax written (poisoned output) and
     inside its document, each winner's float64 similarity the row's maximum to fp32 rounding
     and 16 units in the last place, a NaN in a document making its column NaN and no other, and
     an infinite similarity making its column's scores not finite (NaN where the tile's code is
-    not 0: section 46), and the winner index's tile counts added up as the argmax is saved
-    (``count_tile``), each row once."""
+    not 0: section 46)."""
     from fusedmaxsim import _launch
 
     Nq, Lq, _ = Q.shape
     Nd, Ld, _ = D.shape
     scores = torch.full((Nq, Nd), float("nan"), device="cuda")
     argmax = torch.full((Nq, Nd, Lq), -7, dtype=torch.int16, device="cuda")
-    n_tiles = -(-Ld // count_tile)
-    counts = torch.zeros((Nd, n_tiles), dtype=torch.int32, device="cuda")
-    _launch.launch_fwd_hopper(cfg, Q, D, scores, False, argmax, tile_counts=counts,
-                              count_tile=count_tile)
-    won = torch.nn.functional.one_hot(argmax.long().clamp(0, Ld - 1) // count_tile, n_tiles)
-    assert torch.equal(counts.long(), won.sum((0, 2)))
+    _launch.launch_fwd_hopper(cfg, Q, D, scores, False, argmax)
     assert_close_to_reference(scores, maxsim_ref(Q.double(), D.double()), BOUNDS[Q.dtype][0],
                               "scores")
     saved = _launch.HOPPER_KERNEL
@@ -558,7 +552,7 @@ def test_hopper_argmax_forward_under_every_tile_set(monkeypatch, tile_set, shape
     tiles = getattr(_launch, tile_set)
     monkeypatch.setattr(_launch, "hopper_tiles", lambda *args: tiles)
     Q, D, cfg = _hopper_inputs(*_ARGMAX_SHAPES[shape], False, dtype)
-    _check_hopper_argmax(cfg, Q, D, 16 if dtype == torch.float16 else 64)
+    _check_hopper_argmax(cfg, Q, D)
 
 
 @hopper_only
@@ -626,39 +620,6 @@ def test_hopper_argmax_forward_trains(monkeypatch, dtype):
                                   "scores")
         assert_close_to_reference(Ql.grad, Qd.grad, BOUNDS[dtype][1], "grad_Q")
         assert_close_to_reference(Dl.grad, Dd.grad, BOUNDS[dtype][1], "grad_D")
-
-
-@hopper_only
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_hopper_argmax_forward_counts_for_the_lowmem_backward(monkeypatch, dtype):
-    """A lowmem step whose index the Gluon forward counted: no counting kernel runs, and both
-    gradients are bit for bit those of a step whose backward counts (the same index)."""
-    from fusedmaxsim import _launch
-
-    monkeypatch.setattr(_launch, "HOPPER_MIN_MACS", 0)
-    monkeypatch.setattr(_launch, "INDEX_MIN_MACS", 0)
-    Q = torch.randn(37, 32, 128, device="cuda", dtype=dtype)
-    D = torch.randn(53, 300, 128, device="cuda", dtype=dtype)
-    g = torch.randn(37, 53, device="cuda")
-    counts = []
-    count = _launch._count_winner_tiles
-    monkeypatch.setattr(_launch, "_count_winner_tiles",
-                        lambda *args: counts.append(args[1:3]) or count(*args))
-
-    def step():
-        Ql, Dl = leaf(Q.clone()), leaf(D.clone())
-        maxsim(Ql, Dl, backward="lowmem").backward(g)
-        return Ql.grad, Dl.grad
-
-    counted = step()
-    assert counts == []
-    monkeypatch.setattr(_launch, "winner_index_counts", lambda Q, D: None)
-    uncounted = step()
-    assert counts == [(0, 53)]
-    assert torch.equal(counted[0], uncounted[0]) and torch.equal(counted[1], uncounted[1])
-    Qd, Dd = leaf(Q.double()), leaf(D.double())
-    maxsim_ref(Qd, Dd).backward(g.double())
-    assert_close_to_reference(counted[1], Dd.grad, BOUNDS[dtype][1], "grad_D")
 
 
 @hopper_only

@@ -155,63 +155,6 @@ def test_lowmem_grad_d_through_the_index(device, dtype, Nq, Lq, Nd, Ld, chunks, 
     assert torch.all(grad_d[0] == 0)  # the fully masked document
 
 
-def _tile_counts_of(argmax: torch.Tensor, block_t: int, n_tiles: int) -> torch.Tensor:
-    """Each column's rows by the tile of the token they won (rows that won none left out)."""
-    won = argmax.long()
-    tiles = torch.nn.functional.one_hot(torch.where(won >= 0, won // block_t, n_tiles), n_tiles + 1)
-    return tiles[..., :n_tiles].sum((0, 2))
-
-
-@pytest.mark.parametrize("masked", [False, True], ids=["plain", "masked"])
-def test_forward_counts_the_index_tiles(device, masked):
-    """The forward fills the tile counts it is given with those of the argmax it saves (the
-    backward's index reads them in place of its own count), rows without a winner left out."""
-    Q = torch.randn(5, 13, 96, device=device)
-    D = torch.randn(4, 77, 96, device=device)
-    q_mask = masks_with_holes((5, 13), device) if masked else None
-    d_mask = masks_with_holes((4, 77), device) if masked else None
-    with forced_configs(bwd=TILES):
-        counts = _launch.winner_index_counts(Q, D)
-        assert counts.shape == (4, 5) and not counts.any()  # 77 tokens in 16-token tiles
-        _, argmax = _launch.maxsim_fwd(Q, D, q_mask, d_mask, None, None, True, "ieee",
-                                       tile_counts=counts)
-    assert torch.equal(counts.cpu().long(), _tile_counts_of(argmax.cpu(), 16, 5))
-
-
-def test_no_counts_where_the_backward_builds_no_index(device, monkeypatch):
-    Q = torch.randn(3, 7, 64, device=device)
-    with forced_configs(bwd=TILES):
-        assert _launch.winner_index_counts(Q, torch.randn(3, 2, 16, 64, device=device)) is None
-        assert _launch.winner_index_counts(Q, torch.randn(2, 16, 64, device=device)) is None
-        monkeypatch.setattr(_launch, "INDEX_MIN_MACS", 1 << 40)
-        assert _launch.winner_index_counts(Q, torch.randn(2, 40, 64, device=device)) is None
-
-
-@pytest.mark.parametrize("chunks", ["one-chunk", "a-column-a-chunk"])
-def test_the_backward_reads_the_forward_counts(device, chunks, monkeypatch):
-    """A lowmem step counts the index's tiles once, in the forward: the backward launches no
-    count of its own, and its gradients are bit for bit those of a step whose backward counts."""
-    if chunks == "a-column-a-chunk":
-        monkeypatch.setattr(_launch, "_INDEX_SHARE", 1 << 40)
-    Q = torch.randn(6, 9, 64, device=device, dtype=torch.float16)
-    D = torch.randn(7, 50, 64, device=device, dtype=torch.float16)
-    D[:, 1] = D[:, 0]
-    grad = torch.randn(6, 7, device=device)
-    launches = []
-    count = _launch._count_winner_tiles
-    monkeypatch.setattr(_launch, "_count_winner_tiles",
-                        lambda *args: launches.append(args[1:3]) or count(*args))
-    counted = gradients(Q, D, None, None, grad)
-    # One count of all 7 columns (in the forward), none of a chunk; none on Hopper, where the
-    # Gluon forward counts as it saves the argmax (not at these tiles: the Triton kernel's).
-    assert launches == [(0, 7)]
-    monkeypatch.setattr(_launch, "winner_index_counts", lambda Q, D: None)
-    launches.clear()
-    uncounted = gradients(Q, D, None, None, grad)
-    assert launches == ([(0, 7)] if chunks == "one-chunk" else [(c, 1) for c in range(7)])
-    assert torch.equal(counted[0], uncounted[0]) and torch.equal(counted[1], uncounted[1])
-
-
 def test_fp16_grad_d_takes_a_loss_scaled_gradient(device):
     """A gradient scaler's ``g`` can pass fp16's largest value (65504) where ``g · Q`` does not:
     fp16 rows are weighted before the product, not through ``g`` in the one-hot."""

@@ -13,12 +13,6 @@ another order, so scores can differ from Triton's in the last bit)::
     NORMALIZE:      Σ_s inv(Q[i, s]) · max_t S[i, j, s, t] · inv(D[j, t]),
                     inv(x) = 1 / max(‖x‖, 1e-12) in fp32 from the 16-bit tokens
     SAVE_ARGMAX:    A[i, j, s] = the winning t, from coded similarities (below)
-    COUNT_TILE:     Counts[j, k] = #{(i, s) : A[i, j, s] // COUNT_TILE = k}
-
-``Counts`` are the tile counts of the winner index (``_kernels_index``) that the lowmem backward
-would otherwise count in a scan of its own: each program sums its block's rows by the tile of
-their winning token and adds each sum to its document's count (an integer atomic), so the counts
-are exact and the same whatever order the programs run in.
 
 The argmax without a third register tile (benchmarks/NOTES.md sections 42 and 46): each product
 of pass tile ``p`` (at most ``TILE_CODES`` tiles a pass) is coded as ``(S & -16) | (15 - p)`` on
@@ -298,42 +292,22 @@ if AVAILABLE:
                          n_tiles - 1, n_tiles, Ld, o_c, NORMALIZE, True, ACROSS_DOCS, SAVE_ARGMAX)
 
     @gluon.jit
-    def _row_scores(run_max, q_inv, Argmax, Counts, doc, chunk, o_r, o_query, o_c, Nq, Ncols, Lq,
-                    Ld, LQ_TILE: gl.constexpr, NORMALIZE: gl.constexpr, SAVE_ARGMAX: gl.constexpr,
-                    COUNT_TILE: gl.constexpr):
+    def _row_scores(run_max, q_inv, Argmax, doc, chunk, o_r, o_query, o_c, Nq, Ncols, Lq, Ld,
+                    LQ_TILE: gl.constexpr, NORMALIZE: gl.constexpr, SAVE_ARGMAX: gl.constexpr):
         """Each row's max over the pass (times its inverse norm with ``NORMALIZE``), 0 for rows
         past the query or the batch; with ``SAVE_ARGMAX`` each row's token is stored to
-        ``Argmax[query, doc, token of the query]`` and, with ``COUNT_TILE``, counted in
-        ``Counts[doc, token // COUNT_TILE]``."""
+        ``Argmax[query, doc, token of the query]``."""
         o_s = chunk + o_r % LQ_TILE
         m_row = (o_query < Nq) & (o_s < Lq)
         if SAVE_ARGMAX:
             row_max, token = _decoded_row_max(run_max, o_c, Ld)
             gl.store(Argmax + (o_query.to(gl.int64) * Ncols + doc) * Lq + o_s,
                      token.to(Argmax.dtype.element_ty), mask=m_row)
-            if COUNT_TILE > 0:
-                _count_tiles(Counts, doc, token, m_row, run_max, Ld, COUNT_TILE)
         else:
             row_max = gl.reduce(run_max, 1, _max_nan)
         if NORMALIZE:
             row_max = row_max * q_inv
         return gl.where(m_row, row_max, 0.0)
-
-    @gluon.jit
-    def _count_tiles(Counts, doc, token, m_row, run_max, Ld, COUNT_TILE: gl.constexpr):
-        """Adds the block's rows (``m_row``) to ``Counts[doc, token // COUNT_TILE]``: summed over
-        the block first, one atomic a tile the block's rows won (an atomic a row, to a handful of
-        addresses, cost the forward 5-8% at 512 × 512 ColBERT: section 50). Integer sums: the
-        counts do not depend on the order the programs add in."""
-        layout: gl.constexpr = run_max.type.layout
-        BINS: gl.constexpr = max(1, TILE_CODES * run_max.shape[1] // COUNT_TILE)  # a pass's tiles
-        bins = gl.arange(0, BINS, layout=gl.SliceLayout(0, layout))
-        hits = (gl.expand_dims(token // COUNT_TILE, 1) == gl.expand_dims(bins, 0)) \
-            & gl.expand_dims(m_row, 1)
-        per_bin = gl.sum(hits.to(gl.int32), axis=0)
-        n_bins = gl.cdiv(Ld, COUNT_TILE)
-        gl.atomic_add(Counts + doc.to(gl.int64) * n_bins + bins, per_bin,
-                      mask=(bins < n_bins) & (per_bin > 0), sem="relaxed")
 
     @gluon.jit
     def _store_block_scores(row_sums, out, Ncols, Nq, i_blk, o_r, LQ_TILE: gl.constexpr,
@@ -351,7 +325,6 @@ if AVAILABLE:
         d_desc,
         Out,
         Argmax,
-        Counts,
         Nq,
         Ncols,
         Lq,
@@ -367,7 +340,6 @@ if AVAILABLE:
         NUM_STAGES: gl.constexpr,
         NORMALIZE: gl.constexpr,
         SAVE_ARGMAX: gl.constexpr,
-        COUNT_TILE: gl.constexpr,
         TILES_FIRST: gl.constexpr,
         DOCS_PER_PROGRAM: gl.constexpr,
         Q_SMEM_LAYOUT: gl.constexpr,
@@ -426,9 +398,8 @@ if AVAILABLE:
                 run_max = _pass(q_smem, d_smem, inv_smem, bars, d_desc, zero, doc_row, False, done,
                                 n_tiles, Ld, o_c, NORMALIZE, TILE_LOAD_LAYOUT, False, SAVE_ARGMAX)
                 done += n_tiles
-                row_sums += _row_scores(run_max, q_inv, Argmax, Counts, i_col, chunk, o_r, o_query,
-                                        o_c, Nq, Ncols, Lq, Ld, LQ_TILE, NORMALIZE, SAVE_ARGMAX,
-                                        COUNT_TILE)
+                row_sums += _row_scores(run_max, q_inv, Argmax, i_col, chunk, o_r, o_query, o_c,
+                                        Nq, Ncols, Lq, Ld, LQ_TILE, NORMALIZE, SAVE_ARGMAX)
             out = Out + i_split.to(gl.int64) * stride_out_split + i_col
             _store_block_scores(row_sums, out, Ncols, Nq, i_blk, o_r, LQ_TILE, QUERIES_PER_BLOCK)
         else:
@@ -447,9 +418,8 @@ if AVAILABLE:
                                 k + 1 < n_docs, done, n_tiles, Ld, o_c, NORMALIZE,
                                 TILE_LOAD_LAYOUT, True, SAVE_ARGMAX)
                 done += n_tiles
-                row_scores = _row_scores(run_max, q_inv, Argmax, Counts, i_col + k, 0, o_r,
-                                         o_query, o_c, Nq, Ncols, Lq, Ld, LQ_TILE, NORMALIZE,
-                                         SAVE_ARGMAX, COUNT_TILE)
+                row_scores = _row_scores(run_max, q_inv, Argmax, i_col + k, 0, o_r, o_query, o_c,
+                                         Nq, Ncols, Lq, Ld, LQ_TILE, NORMALIZE, SAVE_ARGMAX)
                 _store_block_scores(row_scores, Out + i_col + k, Ncols, Nq, i_blk, o_r, LQ_TILE,
                                     QUERIES_PER_BLOCK)
 

@@ -611,17 +611,15 @@ def hopper_docs_per_program(
 def hopper_constexprs(
     torch_dtype: torch.dtype, lq_tile: int, queries_per_block: int, block_n: int, stages: int,
     dim: int, warps: int, normalize: bool, tiles_first: bool = False, docs_per_program: int = 1,
-    save_argmax: bool = False, count_tile: int = 0,
+    save_argmax: bool = False,
 ) -> dict:
     """The Gluon forward's constexprs and ``num_warps`` for these tiles (the launcher's and the
-    offline compile's, ``benchmarks/compile_hopper.py``); ``count_tile``: the winner index's
-    token tile whose counts the argmax forward adds up (0: none)."""
+    offline compile's, ``benchmarks/compile_hopper.py``)."""
     q_layout, _, mma_layout, q_load_layout, tile_load_layout = hopper_layouts(
         torch_dtype, lq_tile * queries_per_block, block_n, dim, warps)
     return dict(
         LQ_TILE=lq_tile, QUERIES_PER_BLOCK=queries_per_block, BLOCK_N=block_n, BLOCK_K=dim,
-        NUM_STAGES=stages, NORMALIZE=normalize, SAVE_ARGMAX=save_argmax,
-        COUNT_TILE=count_tile if save_argmax else 0, TILES_FIRST=tiles_first,
+        NUM_STAGES=stages, NORMALIZE=normalize, SAVE_ARGMAX=save_argmax, TILES_FIRST=tiles_first,
         DOCS_PER_PROGRAM=docs_per_program, Q_SMEM_LAYOUT=q_layout,
         MMA_LAYOUT=mma_layout, Q_LOAD_LAYOUT=q_load_layout, TILE_LOAD_LAYOUT=tile_load_layout,
         num_warps=warps,
@@ -663,7 +661,7 @@ def documents_beyond_l2(D: Tensor) -> bool:
 def _hopper_plan(
     torch_dtype: torch.dtype, lq_tile: int, queries_per_block: int, dim: int, normalize: bool,
     tiles: tuple[int, int, int, int | None], tiles_first: bool = False, docs_per_program: int = 1,
-    save_argmax: bool = False, count_tile: int = 0,
+    save_argmax: bool = False,
 ):
     """What a Gluon launch needs besides its tensors, built once per tile set and looked up by
     plain values (hashing the layouts' dataclasses on every launch cost microseconds of host
@@ -674,23 +672,20 @@ def _hopper_plan(
     cap = {} if max_registers is None else {"maxnreg": max_registers}
     consts = constants(**hopper_constexprs(
         torch_dtype, lq_tile, queries_per_block, block_n, stages, dim, warps, normalize,
-        tiles_first, docs_per_program, save_argmax, count_tile), **cap)
+        tiles_first, docs_per_program, save_argmax), **cap)
     return block_n, consts, _descriptor_template(torch_dtype, block_n, dim, d_layout), d_layout
 
 
 def launch_fwd_hopper(
     cfg, Q: Tensor, D: Tensor, scores: Tensor, normalize: bool = False,
     argmax: Tensor | None = None, call_tiles: tuple | None = None,
-    tile_counts: Tensor | None = None, count_tile: int = 0,
 ) -> None:
     """The forward through ``_kernels_hopper`` (the caller checked
     :func:`hopper_forward_applies`, and with ``argmax`` :func:`hopper_argmax_applies`), query
     chunks split over programs as in :func:`_launch_fwd`; with ``normalize``, of normalized
     tokens with their norms computed from the tiles; a block of fewer than 64 query rows padded
     to 64 (:func:`hopper_block`); with ``argmax``, each row's winning token written there.
-    ``call_tiles``: :func:`hopper_call_tiles` of this call, where the caller has it already.
-    ``tile_counts`` (zeros, with ``argmax``): each document's rows added up by the
-    ``count_tile``-token tile of their winning token, the winner index's counts."""
+    ``call_tiles``: :func:`hopper_call_tiles` of this call, where the caller has it already."""
     Nq, Lq, dim = Q.shape
     Ncols, Ld = D.shape[0], D.shape[1]
     if Q.stride(-1) != 1:
@@ -700,11 +695,9 @@ def launch_fwd_hopper(
     save_argmax = argmax is not None
     if not save_argmax:
         argmax = _no_argmax(Q.device, torch.int16)
-    if tile_counts is None:
-        tile_counts, count_tile = _no_argmax(Q.device, torch.int32), 0
     block_n, consts, template, d_layout = _hopper_plan(
         Q.dtype, cfg.lq_tile, qpb, dim, normalize, tiles, documents_beyond_l2(D), docs,
-        save_argmax, count_tile)
+        save_argmax)
     if template is None:  # a Triton release whose descriptor is not a plain dataclass
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -719,8 +712,7 @@ def launch_fwd_hopper(
         kernel(
             (_cdiv(Ncols, docs) * splits, _cdiv(q.shape[0], qpb)),
             (q, d_desc, out, argmax if rows is None or not save_argmax else argmax[rows],
-             tile_counts, q.shape[0], Ncols, Lq, Ld, splits, stride_out_split, q.stride(0),
-             q.stride(1)),
+             q.shape[0], Ncols, Lq, Ld, splits, stride_out_split, q.stride(0), q.stride(1)),
             consts,
         )
 
@@ -738,16 +730,12 @@ def maxsim_fwd(
     fp32_precision: str,
     norm_from_tiles: bool = False,
     tau: float = 0.0,
-    tile_counts: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Scores and argmax. ``norm_from_tiles``: normalize with norms computed from the tiles on
     chip (``q_inv``, ``d_inv`` None): no pass over the inputs before the kernel, for inference,
     where no backward needs the inverse norms afterwards. ``tau > 0``: the smooth max
     ``tau · logsumexp(s / tau)`` instead of the max, and in place of the argmax the fp32
-    log2-sum-exp2 of each row (``+inf`` where the row adds nothing), which its backward reads.
-    ``tile_counts`` (with the argmax; :func:`winner_index_counts`): filled with the winner
-    index's tile counts, by the Gluon forward as it saves the argmax, else by the index's
-    counting kernel after the forward."""
+    log2-sum-exp2 of each row (``+inf`` where the row adds nothing), which its backward reads."""
     d_shape = D.shape
     per_query_docs = len(d_shape) == 4
     Nq, Lq, dim = Q.shape
@@ -795,8 +783,7 @@ def maxsim_fwd(
         if not save_argmax or hopper_argmax_applies(call_tiles[0], Ld):
             try:
                 launch_fwd_hopper(cfg, Q, D, scores, norm_from_tiles,
-                                  argmax if save_argmax else None, call_tiles, tile_counts,
-                                  _index_block_t(Q, D) if tile_counts is not None else 0)
+                                  argmax if save_argmax else None, call_tiles)
                 return scores, argmax
             except Exception as exc:  # noqa: BLE001 (Gluon is experimental: any failure to build)
                 _hopper_kernel_failed(exc)
@@ -816,8 +803,6 @@ def maxsim_fwd(
             lambda c: do_bench(lambda: _launch_fwd(c, *operands), warmup=5, rep=20),
         )
     _launch_fwd(cfg, *operands)
-    if tile_counts is not None:
-        _count_winner_tiles(argmax, 0, Ncols, _index_block_t(Q, D), tile_counts)
     return scores, argmax
 
 
@@ -1029,26 +1014,6 @@ def _uses_winner_index(cfg, per_query_docs: bool, Nq: int, Ncols: int, Lq: int, 
     return not per_query_docs and Ld > cfg.block_t and Nq * Ncols * Lq * Ld * dim > INDEX_MIN_MACS
 
 
-def _index_block_t(Q: Tensor, D: Tensor) -> int:
-    """The token tile of the cross product's grad_D, which its winner index counts by."""
-    return _configs.bwd_config(Lq=Q.shape[1], dim=Q.shape[2], elem_bytes=Q.element_size()).block_t
-
-
-def winner_index_counts(Q: Tensor, D: Tensor) -> Tensor | None:
-    """Zeroed int32 tile counts ``[Ncols, n_tiles]`` of the winner index that a lowmem backward
-    of this cross product builds, for the forward to fill (:func:`maxsim_fwd`'s
-    ``tile_counts``), so that the backward does not scan the argmax to count them; None where
-    the backward builds no index. The counts of all columns at once: 4 bytes a token tile."""
-    if D.dim() != 3 or (Q.device.type != "cuda" and not _configs.INTERPRETER):
-        return None
-    Nq, Lq, dim = Q.shape
-    Ncols, Ld = D.shape[0], D.shape[1]
-    cfg = _configs.bwd_config(Lq=Lq, dim=dim, elem_bytes=Q.element_size())
-    if not _uses_winner_index(cfg, False, Nq, Ncols, Lq, Ld, dim):
-        return None
-    return torch.zeros((Ncols, _cdiv(Ld, cfg.block_t)), dtype=torch.int32, device=Q.device)
-
-
 def _index_row_dtype(Nq: int, Lq: int) -> torch.dtype:
     """The winner index's row numbers: int16 where every (query, query token) row fits, which
     halves the index (one column chunk instead of two at train_colpali's shape)."""
@@ -1065,45 +1030,26 @@ def _winner_index_cols(Q: Tensor, Ncols: int, n_tiles: int, grad_d: Tensor) -> i
     return _cdiv(Ncols, _cdiv(Ncols, most))
 
 
-def _winner_index_buffers(
-    Q: Tensor, n_cols: int, n_tiles: int, counted: bool = False
-) -> tuple[Tensor, Tensor | None]:
-    """Rows and tile counts of ``n_cols`` columns (unwritten); no counts where the forward
-    ``counted`` them."""
+def _winner_index_buffers(Q: Tensor, n_cols: int, n_tiles: int) -> tuple[Tensor, Tensor]:
+    """Rows and tile counts of ``n_cols`` columns (unwritten)."""
     return (
         _empty((n_cols, Q.shape[0] * Q.shape[1]), _index_row_dtype(*Q.shape[:2]), Q.device),
-        None if counted else _empty((n_cols, n_tiles), torch.int32, Q.device),
+        _empty((n_cols, n_tiles), torch.int32, Q.device),
     )
 
 
-def _index_launch(argmax: Tensor, col_base: int, n_cols: int, block_t: int, n_tiles: int):
-    """The grid, the scalar arguments and the constants of both winner-index kernels."""
+def _winner_index(argmax: Tensor, col_base: int, n_cols: int, block_t: int, buffers) -> tuple[Tensor, Tensor]:
+    """The winner index of columns ``[col_base, col_base + n_cols)`` for ``block_t``-token tiles,
+    in ``buffers``: two launches."""
+    rows, counts = buffers
     Nq, Ncols, Lq = argmax.shape
+    n_tiles = counts.shape[1]
     scan_tokens = min(_configs._pow2(Lq), _INDEX_SCAN_TOKENS)
     tiles = _index_tiles(n_tiles, Nq, Lq, scan_tokens)
     grid = (n_cols, _cdiv(n_tiles, tiles))
-    return grid, (Nq, Ncols, Lq, n_tiles, col_base), _index_constants(block_t, scan_tokens, tiles=tiles)
-
-
-def _count_winner_tiles(argmax: Tensor, col_base: int, n_cols: int, block_t: int, counts: Tensor) -> None:
-    """The winner index's tile counts of columns ``[col_base, col_base + n_cols)`` into
-    ``counts`` ``[n_cols, n_tiles]`` (int32): one launch."""
-    grid, args, meta = _index_launch(argmax, col_base, n_cols, block_t, counts.shape[1])
+    args = (Nq, Ncols, Lq, n_tiles, col_base)
+    meta = _index_constants(block_t, scan_tokens, tiles=tiles)
     launcher(_tile_counts_kernel)(grid, (argmax, counts, *args), meta)
-
-
-def _winner_index(
-    argmax: Tensor, col_base: int, n_cols: int, block_t: int, buffers, counted: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
-    """The winner index of columns ``[col_base, col_base + n_cols)`` for ``block_t``-token tiles,
-    in ``buffers``: two launches, or one where ``counted`` holds those columns' tile counts
-    already (the forward's, :func:`winner_index_counts`)."""
-    rows, counts = buffers
-    if counted is None:
-        _count_winner_tiles(argmax, col_base, n_cols, block_t, counts)
-    else:
-        counts = counted
-    grid, args, meta = _index_launch(argmax, col_base, n_cols, block_t, counts.shape[1])
     launcher(_tile_rows_kernel)(grid, (argmax, counts, rows, *args), meta)
     return rows, counts
 
@@ -1154,15 +1100,12 @@ def maxsim_bwd(
     strategy: str,
     fp32_out: bool,
     fp32_precision: str,
-    tile_counts: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Gradients of the scores with respect to Q and D (the normalized ones when normalizing).
 
     ``strategy`` is ``"unified"`` (one gather kernel; fp32 atomics scatter ``grad_D``) or
     ``"lowmem"`` (row-owned ``grad_Q`` and document-owned ``grad_D``; no atomics, bitwise
     reproducible, written directly in the output dtype). With ``fp32_out`` the gradients are fp32.
-    ``tile_counts``: the winner index's counts from the forward (:func:`winner_index_counts`),
-    which the lowmem backward then does not count again.
     """
     trivial = grads_without_launch(Q, D, need_grad_q, need_grad_d, fp32_out)
     if trivial is not None:
@@ -1224,13 +1167,10 @@ def maxsim_bwd(
         if _uses_winner_index(cfg, per_query_docs, Nq, Ncols, Lq, Ld, dim):
             n_tiles = _cdiv(Ld, cfg.block_t)
             index_cols = _winner_index_cols(Q, Ncols, n_tiles, grad_d)
-            if tile_counts is not None and tile_counts.shape != (Ncols, n_tiles):
-                tile_counts = None  # counted by another tile (a configuration forced in between)
-            index = _winner_index_buffers(Q, index_cols, n_tiles, tile_counts is not None)
+            index = _winner_index_buffers(Q, index_cols, n_tiles)
             for c0 in range(0, Ncols, index_cols):
                 n = min(index_cols, Ncols - c0)
-                counted = None if tile_counts is None else tile_counts[c0:c0 + n]
-                dd(c0, n, *_winner_index(argmax, c0, n, cfg.block_t, index, counted))
+                dd(c0, n, *_winner_index(argmax, c0, n, cfg.block_t, index))
         else:
             dd(0, Ncols, None, None)
     return _or_empty(grad_q, Q), _or_empty(grad_d, Q)

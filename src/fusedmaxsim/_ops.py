@@ -61,13 +61,11 @@ def maxsim_fwd(
 
 
 def maxsim_fwd_impl(
-    Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy, tau,
-    tile_counts=None,
+    Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy, tau
 ):
     if backend == "triton":
         return _launch().maxsim_fwd(
-            Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, fp32_precision, tau=tau,
-            tile_counts=tile_counts,
+            Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, fp32_precision, tau=tau
         )
     return _blocked.maxsim_fwd_blocked(
         Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, settings.torch_block_bytes(), tau
@@ -122,7 +120,7 @@ def maxsim_bwd(
 
 def maxsim_bwd_impl(
     grad_scores, Q, D, argmax, q_inv, d_inv, d_mask, need_grad_q, need_grad_d, strategy, fp32_out,
-    backend, fp32_precision, tau, tile_counts=None,
+    backend, fp32_precision, tau,
 ):
     if tau:
         if backend == "triton":
@@ -139,7 +137,7 @@ def maxsim_bwd_impl(
     if backend == "triton":
         return _launch().maxsim_bwd(
             grad_scores, Q, D, argmax, q_inv, d_inv, need_grad_q, need_grad_d, strategy, fp32_out,
-            fp32_precision, tile_counts,
+            fp32_precision,
         )
     return _blocked.maxsim_bwd_blocked(
         grad_scores, Q, D, argmax, q_inv, d_inv, need_grad_q, need_grad_d, fp32_out,
@@ -208,32 +206,18 @@ def resolve_strategy(
     sixteen_bit: bool = False,
 ) -> str:
     """The backward strategy for ``auto``, and the determinism guard for ``unified``."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
     if strategy == "auto":
-        return _auto_strategy(per_query_docs, Nq * Ncols * Lq * Ld * dim, sixteen_bit)
+        # Measured on the H200 (benchmarks/NOTES.md): per-query candidates share no document, and
+        # there the document-owned products win; small problems go by host time; in between,
+        # unified's atomic scatter, with fewer launches than lowmem's winner index.
+        macs = Nq * Ncols * Lq * Ld * dim
+        if (deterministic or per_query_docs or macs <= HOST_BOUND_MACS
+                or (sixteen_bit and macs >= LOWMEM_CROSS_MACS)):
+            return "lowmem"
+        return "unified"
     refuse_nondeterministic(strategy)
     return strategy
-
-
-def _auto_strategy(per_query_docs: bool, macs: int, sixteen_bit: bool) -> str:
-    # Measured on the H200 (benchmarks/NOTES.md): per-query candidates share no document, and
-    # there the document-owned products win; small problems go by host time; in between,
-    # unified's atomic scatter, with fewer launches than lowmem's winner index.
-    if (torch.are_deterministic_algorithms_enabled() or per_query_docs or macs <= HOST_BOUND_MACS
-            or (sixteen_bit and macs >= LOWMEM_CROSS_MACS)):
-        return "lowmem"
-    return "unified"
-
-
-def _forward_tile_counts(ctx, Q, D, save_argmax, backend, strategy, tau) -> Tensor | None:
-    """The winner index's tile counts for the forward to fill (``_launch.winner_index_counts``)
-    where the backward will build that index: grad_D through the lowmem strategy on the GPU.
-    Only a guess about the backward: if it takes another path, the counts go unread."""
-    if not (save_argmax and backend == "triton" and not tau and ctx.needs_input_grad[1]):
-        return None
-    if strategy == "auto":
-        macs = Q.shape[0] * Q.shape[1] * D.shape[-3] * D.shape[-2] * Q.shape[2]
-        strategy = _auto_strategy(D.dim() == 4, macs, Q.element_size() == 2)
-    return _launch().winner_index_counts(Q, D) if strategy == "lowmem" else None
 
 
 def normalize_backward(x: Tensor, grad_hat: Tensor, x_inv: Tensor | None = None) -> Tensor:
@@ -311,16 +295,13 @@ def _grads(ctx, grad_scores: Tensor, traced: bool) -> tuple[Tensor | None, Tenso
         ctx.strategy, per_query_docs=D.dim() == 4, Nq=Q.shape[0], Ncols=D.shape[-3], Lq=Q.shape[1],
         Ld=D.shape[-2], dim=D.shape[-1], sixteen_bit=Q.element_size() == 2,
     )
+    bwd = maxsim_bwd if traced or torch.compiler.is_compiling() else maxsim_bwd_impl
     grad_type = torch.float64 if Q.dtype == torch.float64 else torch.float32
-    inputs = (
+    grad_q, grad_d = bwd(
         grad_scores if grad_scores.dtype == grad_type else grad_scores.to(grad_type),
         Q, D, argmax, q_inv, d_inv, d_mask, need_q, need_d, strategy, normalize, ctx.backend,
         ctx.fp32_precision, ctx.tau,
     )
-    if traced or torch.compiler.is_compiling():
-        grad_q, grad_d = maxsim_bwd(*inputs)
-    else:  # the eager Function's forward may have counted the winner index's tiles
-        grad_q, grad_d = maxsim_bwd_impl(*inputs, getattr(ctx, "tile_counts", None))
     if normalize:
         grad_q = normalize_backward(Q, grad_q, q_inv) if need_q else None
         grad_d = normalize_backward(D, grad_d, d_inv) if need_d else None
@@ -360,10 +341,8 @@ class MaxSimFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, Q, D, options):
         q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy, tau = options
-        ctx.tile_counts = _forward_tile_counts(ctx, Q, D, save_argmax, backend, strategy, tau)
         scores, argmax = maxsim_fwd_impl(
-            Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy, tau,
-            ctx.tile_counts,
+            Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy, tau
         )
         _save(
             ctx, Q, D, d_mask, argmax, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy,
