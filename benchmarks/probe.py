@@ -2314,6 +2314,45 @@ def _dd_variants_of(kernels: dict, name: str, nq: int, lq: int, nd: int, ld: int
     print(row + _replay_rounds(graphs, lambda key: key), flush=True)
 
 
+def mid_strategies() -> None:
+    """The two backward strategies of cross products between ``HOST_BOUND_MACS`` and
+    ``LOWMEM_CROSS_MACS``, where ``auto`` takes unified (benchmarks/NOTES.md section 51): for
+    each shape, both strategies' gradients against float64 (Frobenius), GPU ms of CUDA-graph
+    replays of the whole step, the eager step (do_bench: the host included) and the host's µs
+    to issue one step (100 steps back to back, then one synchronize), three interleaved rounds."""
+    _warm_gpu()
+    for name, q_shape, d_shape, masked in (
+            ("train_colbert", (128, 32, 128), (128, 300, 128), False),
+            ("train_colbert_masked", (128, 32, 128), (128, 300, 128), True),
+            ("192 x 192 ColBERT", (192, 32, 128), (192, 300, 128), False)):
+        Q = torch.randn(*q_shape, device="cuda", dtype=torch.bfloat16)
+        D = torch.randn(*d_shape, device="cuda", dtype=torch.bfloat16)
+        d_mask = (torch.rand(d_shape[:2], device="cuda") > 0.2) if masked else None
+        g = torch.randn(q_shape[0], d_shape[0], device="cuda")
+        Qd, Dd = Q.double().requires_grad_(), D.double().requires_grad_()
+        maxsim_ref(Qd, Dd, d_mask=d_mask).backward(g.double())
+        Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
+        steps, graphs, row = {}, {}, f"-- {name}"
+        for strategy in ("unified", "lowmem"):
+            def step(strategy=strategy):
+                Qg.grad = Dg.grad = None
+                maxsim(Qg, Dg, d_mask=d_mask, backward=strategy).backward(g)
+
+            step()
+            row += (f"\n   {strategy:8s} grad_Q {relative_error_fro(Qg.grad, Qd.grad):.1e}, grad_D "
+                    f"{relative_error_fro(Dg.grad, Dd.grad):.1e} from float64 (Frobenius)")
+            steps[strategy] = step
+            graphs[f"{strategy:8s} step replays"] = _captured(step)
+        row += _replay_rounds(graphs, lambda key: key)
+        for _ in range(3):
+            for strategy, step in steps.items():
+                row += (f"\n   {strategy:8s} eager step (do_bench) {bench(step):.4f}, issue "
+                        f"{_host_us_a_call(step):.1f} us")
+        print(row, flush=True)
+        del Q, D, graphs
+        torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
     wanted = set(sys.argv[1:]) or {"normalize", "kd", "smooth"}
     for name, probe in (("normalize", normalize_sweep), ("kd", kd_split), ("smooth", smooth_vs_naive),
@@ -2335,7 +2374,7 @@ if __name__ == "__main__":
                         ("dd_steps", dd_steps), ("large_cross", large_cross),
                         ("ragged_dd", ragged_dd), ("hopper_argmax", hopper_argmax), ("backward_parts", backward_parts),
                         ("backward_once", backward_once), ("grad_d_ab", grad_d_ab),
-                        ("dd_variants", dd_variants)):
+                        ("dd_variants", dd_variants), ("mid_strategies", mid_strategies)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()
