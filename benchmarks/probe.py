@@ -2325,33 +2325,35 @@ def mid_strategies() -> None:
             ("train_colbert", (128, 32, 128), (128, 300, 128), False),
             ("train_colbert_masked", (128, 32, 128), (128, 300, 128), True),
             ("192 x 192 ColBERT", (192, 32, 128), (192, 300, 128), False)):
-        Q = torch.randn(*q_shape, device="cuda", dtype=torch.bfloat16)
-        D = torch.randn(*d_shape, device="cuda", dtype=torch.bfloat16)
-        d_mask = (torch.rand(d_shape[:2], device="cuda") > 0.2) if masked else None
-        g = torch.randn(q_shape[0], d_shape[0], device="cuda")
-        Qd, Dd = Q.double().requires_grad_(), D.double().requires_grad_()
-        maxsim_ref(Qd, Dd, d_mask=d_mask).backward(g.double())
-        Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
-        steps, graphs, row = {}, {}, f"-- {name}"
-        for strategy in ("unified", "lowmem"):
-            def step(strategy=strategy):
-                Qg.grad = Dg.grad = None
-                maxsim(Qg, Dg, d_mask=d_mask, backward=strategy).backward(g)
-
-            step()
-            row += (f"\n   {strategy:8s} grad_Q {relative_error_fro(Qg.grad, Qd.grad):.1e}, grad_D "
-                    f"{relative_error_fro(Dg.grad, Dd.grad):.1e} from float64 (Frobenius)")
-            steps[strategy] = step
-            graphs[f"{strategy:8s} step replays"] = _captured(step)
-        row += _replay_rounds(graphs, lambda key: key)
-        for _ in range(3):
-            for strategy, step in steps.items():
-                row += (f"\n   {strategy:8s} eager step (do_bench) {bench(step):.4f}, issue "
-                        f"{_host_us_a_call(step):.1f} us")
-        print(row, flush=True)
-        del Q, D, graphs
+        _mid_strategies_of(name, q_shape, d_shape, masked)
         torch.cuda.empty_cache()
 
+
+def _mid_strategies_of(name: str, q_shape, d_shape, masked: bool) -> None:
+    Q = torch.randn(*q_shape, device="cuda", dtype=torch.bfloat16)
+    D = torch.randn(*d_shape, device="cuda", dtype=torch.bfloat16)
+    d_mask = (torch.rand(d_shape[:2], device="cuda") > 0.2) if masked else None
+    g = torch.randn(q_shape[0], d_shape[0], device="cuda")
+    Qd, Dd = Q.double().requires_grad_(), D.double().requires_grad_()
+    maxsim_ref(Qd, Dd, d_mask=d_mask).backward(g.double())
+    Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
+    steps, graphs, row = {}, {}, f"-- {name}"
+    for strategy in ("unified", "lowmem"):
+        def step(strategy=strategy):
+            Qg.grad = Dg.grad = None
+            maxsim(Qg, Dg, d_mask=d_mask, backward=strategy).backward(g)
+
+        step()
+        row += (f"\n   {strategy:8s} grad_Q {relative_error_fro(Qg.grad, Qd.grad):.1e}, grad_D "
+                f"{relative_error_fro(Dg.grad, Dd.grad):.1e} from float64 (Frobenius)")
+        steps[strategy] = step
+        graphs[f"{strategy:8s} step replays"] = _captured(step)
+    row += _replay_rounds(graphs, lambda key: key)
+    for _ in range(3):
+        for strategy, step in steps.items():
+            row += (f"\n   {strategy:8s} eager step (do_bench) {bench(step):.4f}, issue "
+                    f"{_host_us_a_call(step):.1f} us")
+    print(row, flush=True)
 
 if __name__ == "__main__":
     wanted = set(sys.argv[1:]) or {"normalize", "kd", "smooth"}
