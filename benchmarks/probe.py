@@ -2330,10 +2330,8 @@ def mid_strategies() -> None:
 
 
 def _mid_strategies_of(name: str, q_shape, d_shape, masked: bool) -> None:
-    Q = torch.randn(*q_shape, device="cuda", dtype=torch.bfloat16)
-    D = torch.randn(*d_shape, device="cuda", dtype=torch.bfloat16)
+    Q, D, g, _, _ = _backward_inputs(q_shape, d_shape)
     d_mask = (torch.rand(d_shape[:2], device="cuda") > 0.2) if masked else None
-    g = torch.randn(q_shape[0], d_shape[0], device="cuda")
     Qd, Dd = Q.double().requires_grad_(), D.double().requires_grad_()
     maxsim_ref(Qd, Dd, d_mask=d_mask).backward(g.double())
     Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
@@ -2354,6 +2352,7 @@ def _mid_strategies_of(name: str, q_shape, d_shape, masked: bool) -> None:
             row += (f"\n   {strategy:8s} eager step (do_bench) {bench(step):.4f}, issue "
                     f"{_host_us_a_call(step):.1f} us")
     print(row, flush=True)
+
 
 if __name__ == "__main__":
     wanted = set(sys.argv[1:]) or {"normalize", "kd", "smooth"}
