@@ -25,7 +25,7 @@ GPU times by ``triton.testing.do_bench`` (median, ms).
         [three_programs] [few_programs] [norms_handoff] [half_blocks]
         [doc_passes] [doc_waves] [flush_writeback] [step_timeline] [gather_steps]
         [dd_rows] [dd_steps] [large_cross] [ragged_dd] [hopper_argmax] [backward_parts]
-        [backward_once] [grad_d_ab] [dd_variants]
+        [backward_once] [grad_d_ab] [dd_variants] [mid_strategies] [host_floor]
 """
 
 from __future__ import annotations
@@ -2354,6 +2354,56 @@ def _mid_strategies_of(name: str, q_shape, d_shape, masked: bool) -> None:
     print(row, flush=True)
 
 
+
+class _NoKernels(torch.autograd.Function):
+    """A scoring op that does nothing but allocate its outputs: the scores in its forward, the
+    two gradients in its backward. No kernel runs; what a call costs is the host's."""
+
+    @staticmethod
+    def forward(ctx, Q, D):
+        ctx.shapes = (Q.shape, D.shape, Q.dtype, Q.device)
+        return torch.empty(Q.shape[0], D.shape[0], device=Q.device)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q_shape, d_shape, dtype, device = ctx.shapes
+        return (torch.empty(q_shape, dtype=dtype, device=device),
+                torch.empty(d_shape, dtype=dtype, device=device))
+
+
+def host_floor() -> None:
+    """The wall µs a call of the suite (N calls back to back, one synchronize, as its `wall
+    µs/call`) at its smallest shapes, small_batch and train_small_batch (32 x 32 queries and
+    documents, 32 x 180 tokens, bf16): fusedmaxsim, naive PyTorch, and the least a call of that
+    form costs this host: ``_NoKernels``, an op that launches nothing, called as the suite calls
+    ours (under ``no_grad``; in training, the gradients reset, the call, ``backward(g)``), and one
+    torch kernel alone (``x.zero_()``). Three interleaved rounds; the least and the median."""
+    from fusedmaxsim import benchmarking as bm
+
+    rows = {}
+    for mode, name in (("inference", "small_batch"), ("training", "train_small_batch")):
+        case = bm.make_case(bm.SHAPES_BY_NAME[name], mode, "cuda")
+        x = torch.zeros(256, device="cuda")
+        calls = {
+            "fusedmaxsim": bm.make_step(bm.PROVIDERS_BY_KEY["fusedmaxsim"].build(case), case),
+            "naive PyTorch": bm.make_step(bm.PROVIDERS_BY_KEY["naive"].build(case), case),
+            "no kernels (autograd.Function)": bm.make_step(
+                lambda case=case: _NoKernels.apply(case.Q, case.D), case),
+        }
+        if mode == "inference":
+            calls["one torch kernel (x.zero_())"] = x.zero_
+        for label in calls:
+            rows[(name, label)] = []
+        for _ in range(3):
+            for label, step in calls.items():
+                us, _ = bm.wall_us_per_call(step, case, torch.cuda.synchronize, 0.01, 5.0)
+                rows[(name, label)].append(us)
+        del case
+    print("  shape              call                              least    median  (wall us/call)")
+    for (name, label), values in rows.items():
+        values.sort()
+        print(f"  {name:18s} {label:32s} {values[0]:7.1f}  {values[1]:7.1f}", flush=True)
+
 if __name__ == "__main__":
     wanted = set(sys.argv[1:]) or {"normalize", "kd", "smooth"}
     for name, probe in (("normalize", normalize_sweep), ("kd", kd_split), ("smooth", smooth_vs_naive),
@@ -2375,7 +2425,8 @@ if __name__ == "__main__":
                         ("dd_steps", dd_steps), ("large_cross", large_cross),
                         ("ragged_dd", ragged_dd), ("hopper_argmax", hopper_argmax), ("backward_parts", backward_parts),
                         ("backward_once", backward_once), ("grad_d_ab", grad_d_ab),
-                        ("dd_variants", dd_variants), ("mid_strategies", mid_strategies)):
+                        ("dd_variants", dd_variants), ("mid_strategies", mid_strategies),
+                        ("host_floor", host_floor)):
         if name in wanted:
             print(f"== {name}", flush=True)
             probe()
