@@ -15,7 +15,9 @@ where a host-bound training step's timed interval goes, and the gather kernel's 
 behind section 45, the document-owned grad_D's stages and ``auto``'s backward for large cross
 products; behind section 47, where the large lowmem backward goes, and its winner index and
 grad_D against the kernels before; behind section 48, the indexed grad_D's query rows loaded
-beside the argmax, against the kernel before and under other tiles.
+beside the argmax, against the kernel before and under other tiles; behind section 51, lowmem
+against unified between 2^32 and 2^36 multiply-adds; behind section 52, what the host alone costs
+a call at the suite's smallest shapes.
 GPU times by ``triton.testing.do_bench`` (median, ms).
 
     PYTHONPATH=src python3 benchmarks/probe.py [normalize] [kd] [smooth] [masked] [rerank] [memory] [cold]
