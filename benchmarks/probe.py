@@ -2356,7 +2356,6 @@ def _mid_strategies_of(name: str, q_shape, d_shape, masked: bool) -> None:
     print(row, flush=True)
 
 
-
 class _NoKernels(torch.autograd.Function):
     """A scoring op that does nothing but allocate its outputs: the scores in its forward, the
     two gradients in its backward. No kernel runs; what a call costs is the host's."""
@@ -2405,6 +2404,7 @@ def host_floor() -> None:
     for (name, label), values in rows.items():
         values.sort()
         print(f"  {name:18s} {label:32s} {values[0]:7.1f}  {values[1]:7.1f}", flush=True)
+
 
 if __name__ == "__main__":
     wanted = set(sys.argv[1:]) or {"normalize", "kd", "smooth"}
