@@ -40,8 +40,7 @@ except ImportError:  # a source checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import fusedmaxsim
 
-from fusedmaxsim import maxsim
-from fusedmaxsim.ragged import maxsim_padded, maxsim_varlen, score_pairs_packed
+from fusedmaxsim import maxsim, maxsim_padded, maxsim_varlen, score_pairs_packed
 from fusedmaxsim.reference import maxsim_ref
 from fusedmaxsim.retrieval import retrieve
 
@@ -612,7 +611,7 @@ def _summarize(record: dict) -> dict:
 
 
 def _git_sha() -> str | None:
-    from fusedmaxsim.benchmarking import git_state
+    from harness.records import git_state
 
     sha = git_state()[0]
     return sha[:7] if sha else None

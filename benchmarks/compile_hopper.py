@@ -1,4 +1,4 @@
-"""Offline sm_90 compile of the Gluon forward (``_kernels_hopper``) with the installed Triton, no
+"""Offline sm_90 compile of the Gluon forward (``hopper_forward``) with the installed Triton, no
 GPU needed: registers, spills, shared memory, and whether the SASS keeps one product in flight
 while the previous tile's max runs (benchmarks/NOTES.md section 30). Run it under each Triton
 release the package supports:
@@ -25,7 +25,8 @@ from triton.backends.compiler import GPUTarget
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from compile_report import dump  # noqa: E402
 
-from fusedmaxsim import _kernels_hopper, _launch  # noqa: E402
+from fusedmaxsim._launch.forward import gluon_constexprs, gluon_layouts  # noqa: E402
+from fusedmaxsim.kernels import hopper_forward  # noqa: E402
 
 POINTERS = {"Q": "*bf16", "Out": "*fp32", "Argmax": "*i16"}
 
@@ -45,15 +46,13 @@ def compile_forward(lq_tile: int, queries_per_block: int, block_n: int, stages: 
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    d_layout = _launch.hopper_layouts(torch.bfloat16, lq_tile * queries_per_block, block_n, dim,
-                                      warps)[1]
+    d_layout = gluon_layouts(torch.bfloat16, lq_tile * queries_per_block, block_n, dim, warps)[1]
     documents = torch.empty(64 * 1024, dim, dtype=torch.bfloat16)
     desc = TensorDescriptor(documents, list(documents.shape), list(documents.stride()), [block_n, dim],
                             d_layout)
-    kernel = _kernels_hopper._maxsim_fwd_overlap_kernel
-    constants = _launch.hopper_constexprs(torch.bfloat16, lq_tile, queries_per_block, block_n,
-                                          stages, dim, warps, normalize, tiles_first,
-                                          docs_per_program, save_argmax)
+    kernel = hopper_forward._maxsim_fwd_overlap_kernel
+    constants = gluon_constexprs(torch.bfloat16, lq_tile, queries_per_block, block_n, stages, dim,
+                                 warps, normalize, tiles_first, docs_per_program, save_argmax)
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constants:
@@ -86,7 +85,7 @@ def report(compiled) -> str:
 
 
 def main() -> None:
-    print(f"triton {triton.__version__}, Gluon available: {_kernels_hopper.AVAILABLE}")
+    print(f"triton {triton.__version__}, Gluon available: {hopper_forward.AVAILABLE}")
     # (normalize, query tile rows, queries a block, document tile, stages, warps, tiles first,
     # register cap[, documents a program])
     variants = []

@@ -22,10 +22,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from fusedmaxsim._configs import bwd_config
-from fusedmaxsim._kernels import _maxsim_bwd_dd_kernel, _maxsim_bwd_gather_kernel, _maxsim_fwd_kernel
-from fusedmaxsim._kernels_index import _tile_counts_kernel, _tile_rows_kernel
-from fusedmaxsim._launch import _DD_SCAN_STAGES
+from fusedmaxsim._plan import MEASURED, bwd_heuristic
+from fusedmaxsim.kernels.backward import _maxsim_bwd_dd_kernel, _maxsim_bwd_gather_kernel
+from fusedmaxsim.kernels.forward import _maxsim_fwd_kernel
+from fusedmaxsim.kernels.winner_index import _tile_counts_kernel, _tile_rows_kernel
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 ALIGNED_INTS = ("dim", "stride_q_seq", "stride_q_tok", "stride_d_grp", "stride_d_col", "stride_d_tok",
@@ -121,8 +121,8 @@ def grad_d_rows():
                          WINNER_INDEX=winner_index, NORMALIZE=False, BLOCK_T=64, BLOCK_R=block_r,
                          BLOCK_K=128, DOT_PRECISION="tf32", UPCAST=False, INDEX_SCAN=1024)
         # As launched: a program that loads its rows once keeps its configuration's stages.
-        stages = (bwd_config(Lq=block_r, dim=128, elem_bytes=2, per_query_docs=True).num_stages
-                  if rows_in_one_block else _DD_SCAN_STAGES)
+        stages = (bwd_heuristic(block_r, 128, 2, True).num_stages
+                  if rows_in_one_block else MEASURED["DD_SCAN_STAGES"])
         compiled = compile_sm90(_maxsim_bwd_dd_kernel, constants, 4, stages)
         mode = ("candidates" if per_query_docs else "cross") + (", rows once" if rows_in_one_block else "")
         mode += ", winner index" if winner_index else ""
@@ -132,7 +132,7 @@ def grad_d_rows():
 
 
 def gather_rows():
-    """The gather of grad_Q (lowmem) at the columns a step and warps ``_launch.gather_step`` picks
+    """The gather of grad_Q (lowmem) at the columns a step and warps ``_plan.gather_step`` picks
     (benchmarks/NOTES.md section 44), at every head dimension the launcher pads to."""
     for block_k, block_s in ((64, 32), (128, 32), (128, 16), (256, 32), (512, 32)):
         for cols, warps in ((1, 4), (4, 8), (8, 8)):

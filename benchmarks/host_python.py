@@ -1,26 +1,26 @@
 """The Python side of a call, with every Triton launch replaced by a no-op: what the package's own
-layers cost the host per call (the best of five timings), apart from the launch itself and the GPU. Runs on a CPU under the
-Triton interpreter (so that CPU tensors take the Triton path), for the source tree given.
+layers cost the host per call (the best of five timings), apart from the launch itself and the
+GPU. Runs on a CPU under the Triton interpreter (so that CPU tensors take the Triton path: the
+script sets ``TRITON_INTERPRET=1`` and ``FUSEDMAXSIM_BACKEND=triton`` unless they are set), for
+the source tree given (a tree with the planner: ``fusedmaxsim._plan`` and ``fusedmaxsim._launch``).
 
-    TRITON_INTERPRET=1 FUSEDMAXSIM_BACKEND=triton python benchmarks/host_python.py [SRC_DIR]
+    python benchmarks/host_python.py [SRC_DIR]
+
+The launches are stubbed in this script only: each kernel's cached launcher
+(``fusedmaxsim._launch.runtime.launcher``) is made one whose call does nothing, so every layer
+above it (the front door, the autograd layer, the planner's cached plan, the launcher's strides,
+grids and allocations) runs as it does on a GPU.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).resolve().parents[1] / "src"))
-
-import torch
-
-from fusedmaxsim import _launch, maxsim
-
-
-class _NoLaunch:
-    def __call__(self, grid, args, constants):
-        pass
+DEFAULT_SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 def per_call_us(fn, n: int) -> float:
@@ -32,14 +32,60 @@ def per_call_us(fn, n: int) -> float:
     return (time.perf_counter() - start) / n * 1e6
 
 
+def _stub_launches() -> None:
+    """Every kernel's cached launcher made a no-op (its class swapped for a subclass whose call
+    returns at once): the launchers of ``fusedmaxsim._launch`` look theirs up through
+    ``runtime.launcher(kernel)``, which returns these."""
+    from triton.runtime.jit import KernelInterface
+
+    from fusedmaxsim._launch import runtime
+    from fusedmaxsim.kernels import backward, forward, hopper_forward, smooth, winner_index
+
+    class NoLaunch(runtime._CachedLauncher):
+        def __call__(self, grid, args, constants) -> None:
+            pass
+
+    for module in (forward, backward, winner_index, smooth, hopper_forward):
+        for name, kernel in vars(module).items():
+            if name.endswith("_kernel") and isinstance(kernel, KernelInterface):
+                runtime.launcher(kernel).__class__ = NoLaunch
+
+
 def main() -> None:
-    _launch.launcher = lambda kernel: _NoLaunch()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("src", nargs="?", default=str(DEFAULT_SRC),
+                        help="the source tree whose fusedmaxsim is timed (default: this one's)")
+    args = parser.parse_args()
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("FUSEDMAXSIM_BACKEND", "triton")
+    sys.path.insert(0, args.src)
+
+    import torch
+
+    from fusedmaxsim import maxsim
+    from fusedmaxsim._autograd import run_backward, run_forward
+    from fusedmaxsim._launch import runtime
+    from fusedmaxsim._launch.backward import backward_dense
+    from fusedmaxsim._launch.forward import forward_dense, gluon_constexprs
+    from fusedmaxsim._plan import MEASURED, forced_plan, plan_backward, plan_forward
+    from fusedmaxsim._problem import dense_problem, options_for
+    from fusedmaxsim.kernels import hopper_forward
+
+    _stub_launches()
     Q = torch.randn(32, 32, 128, dtype=torch.bfloat16)
     D = torch.randn(32, 180, 128, dtype=torch.bfloat16)
     g = torch.randn(32, 32)
     Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
     x = torch.randn(32, 32, requires_grad=True)
-    _, argmax = _launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32")
+    o = options_for(Q)
+    if o.backend != "triton":
+        raise SystemExit(f"CPU tensors take the {o.backend} path here: run with TRITON_INTERPRET=1 "
+                         "and FUSEDMAXSIM_BACKEND=triton")
+    p = dense_problem(Q, D, None, None)
+    p_train = p._replace(save_argmax=True)
+    plan = plan_forward(p, o)
+    plan_bwd = plan_backward(p_train, o, True, True, "lowmem")
+    _, argmax = run_forward(p_train, o, Q, D, None, None, None, None)
 
     def forward():
         with torch.no_grad():
@@ -53,39 +99,44 @@ def main() -> None:
         x.grad = None
         (x * 2).backward(g)
 
-    import fusedmaxsim.api as api
-
-    def general_forward():  # backward= set: the general path even on a GPU
+    def general_forward():  # backward= set: the same path since the planner
         with torch.no_grad():
             maxsim(Q, D, backward="auto")
 
+    def planned_forward():
+        with torch.no_grad():
+            run_forward(p, o, Q, D, None, None, None, None)
+
     def launcher_forward():
         with torch.no_grad():
-            _launch.maxsim_fwd(Q, D, None, None, None, None, False, "tf32")
+            forward_dense(plan, p, o.fp32_precision, Q, D, None, None, None, None)
+
+    def planned_anew():  # any forced decision bypasses the plans' cache
+        with forced_plan(HOPPER_MIN_MACS=MEASURED["HOPPER_MIN_MACS"]):
+            plan_forward(p, o)
 
     rows = (
         ("no_grad forward, 32 x 32 queries and documents", forward, 5000),
-        ("  the same through the general path (backward='auto')", general_forward, 5000),
-        ("  its launcher alone (_launch.maxsim_fwd)", launcher_forward, 5000),
-        ("backward launcher, lowmem (2 launches)",
-         lambda: _launch.maxsim_bwd(g, Q, D, argmax, None, None, True, True, "lowmem", False, "tf32"), 5000),
+        ("  the same with backward='auto' (one path since the planner)", general_forward, 5000),
+        ("  its plan and launcher (_autograd.run_forward)", planned_forward, 5000),
+        ("  its launcher alone (_launch.forward.forward_dense)", launcher_forward, 5000),
+        ("  its cached plan's lookup (_plan.plan_forward)", lambda: plan_forward(p, o), 20000),
+        ("  its plan made anew (inside forced_plan)", planned_anew, 5000),
+        ("backward's plan and launcher, lowmem (2 launches; _autograd.run_backward)",
+         lambda: run_backward(p_train, o, "lowmem", g, Q, D, argmax, None, None, None, True,
+                              True), 5000),
+        ("  its launcher alone (_launch.backward.backward_dense)",
+         lambda: backward_dense(plan_bwd, o.fp32_precision, g, Q, D, argmax, None, None, True,
+                                True, False), 5000),
         ("training step (forward + backward)", step, 2000),
         ("torch alone: (x * 2).backward(g)", trivial_graph, 2000),
     )
-    if hasattr(api, "_plain_inference_applies"):  # section 39: what a GPU call's shortcut checks
-        def shortcut_checks():
-            with torch.no_grad():
-                api._plain_inference_applies(Q, D)
-
-        rows += (("the plain-inference shortcut's checks (a GPU call's, CUDA last)",
-                  shortcut_checks, 20000),)
-    if _launch._kernels_hopper.AVAILABLE:  # the Gluon forward's launch key (NOTES.md section 33)
-        items = tuple(_launch.hopper_constexprs(
-            torch.bfloat16, 128, 1, 64, 4, 128, 4, False).items())
-        consts = _launch.constants(**dict(items))
+    if hopper_forward.AVAILABLE:  # the Gluon forward's launch key (NOTES.md section 33)
+        items = tuple(gluon_constexprs(torch.bfloat16, 128, 1, 64, 4, 128, 4, False).items())
+        consts = runtime.constants(**dict(items))
         rows += (("hash of the Gluon forward's constexprs as a tuple", lambda: hash(items), 100000),
                  ("hash of their Constants (the launch key's part)", lambda: hash(consts), 100000))
-    print(f"torch {torch.__version__}, source {sys.path[0]}")
+    print(f"torch {torch.__version__}, source {args.src}")
     for label, fn, n in rows:
         print(f"  {min(per_call_us(fn, n) for _ in range(5)):7.1f} us  {label}", flush=True)
 

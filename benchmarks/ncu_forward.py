@@ -28,7 +28,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from fusedmaxsim import _launch, maxsim  # noqa: E402
+# maxsim, and the autograd layer's plan-and-launch (the training forward without its backward):
+from fusedmaxsim import maxsim  # noqa: E402
+from fusedmaxsim._autograd import run_forward  # noqa: E402
+from fusedmaxsim._problem import dense_problem, options_for  # noqa: E402
 
 os.environ.setdefault("LIK_SUPPRESS_NORM_WARN", "1")
 
@@ -43,7 +46,8 @@ def _inputs(nq: int, nd: int, lq: int, ld: int, dtype=torch.bfloat16):
 def _ours(nq, nd, lq, ld, *, normalize=False, save_argmax=False):
     Q, D = _inputs(nq, nd, lq, ld)
     if save_argmax:  # the training forward's own launch, without the backward
-        return lambda: _launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32")
+        p, o = dense_problem(Q, D, None, None, save_argmax=True), options_for(Q)
+        return lambda: run_forward(p, o, Q, D, None, None, None, None)
 
     def call():
         with torch.no_grad():

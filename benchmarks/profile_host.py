@@ -21,8 +21,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+# The package, and its autograd layer's plan-and-launch (the planner's cached plan, then the
+# launcher):
 import fusedmaxsim as fm  # noqa: E402
-from fusedmaxsim import _launch  # noqa: E402
+from fusedmaxsim._autograd import run_backward, run_forward  # noqa: E402
+from fusedmaxsim._problem import dense_problem, options_for  # noqa: E402
 
 
 def wall_us(fn, n: int = 400, *, issue_only: bool = False) -> float:
@@ -66,15 +69,16 @@ def main() -> None:
     rows["naive einsum+amax+sum"] = wall_us(
         lambda: torch.einsum("ash,bth->abst", Q, D).amax(-1).sum(-1)
     )
+    p, o = dense_problem(Q, D, None, None), options_for(Q)
+    p_train = p._replace(save_argmax=True)
     with torch.no_grad():
         rows["maxsim no_grad"] = wall_us(lambda: fm.maxsim(Q, D))
-        rows["_launch.maxsim_fwd"] = wall_us(
-            lambda: _launch.maxsim_fwd(Q, D, None, None, None, None, False, "tf32")
-        )
-    scores, argmax = _launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32")
+        rows["run_forward"] = wall_us(lambda: run_forward(p, o, Q, D, None, None, None, None))
+    scores, argmax = run_forward(p_train, o, Q, D, None, None, None, None)
     for strategy in ("unified", "lowmem"):
-        rows[f"_launch.maxsim_bwd {strategy}"] = wall_us(
-            lambda: _launch.maxsim_bwd(g, Q, D, argmax, None, None, True, True, strategy, False, "tf32")
+        rows[f"run_backward {strategy}"] = wall_us(
+            lambda: run_backward(p_train, o, strategy, g, Q, D, argmax, None, None, None, True,
+                                 True)
         )
         rows[f"forward with grad, {strategy}"] = wall_us(lambda: fm.maxsim(Qg, Dg, backward=strategy))
         rows[f"fwd+bwd backward(), {strategy}"] = wall_us(

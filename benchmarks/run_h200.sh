@@ -8,7 +8,7 @@
 #
 # STAGES picks and orders the stages (default: tests check suite cold memory report); GPU_TESTS
 # narrows the tests (pytest arguments). Three more stages are off by default: `probe`
-# (benchmarks/probe.py with the sections named in PROBES), `ragged` (benchmarks/bench_ragged.py)
+# (benchmarks/probes/ with the sections named in PROBES), `ragged` (benchmarks/bench_ragged.py)
 # and `e2e` (the PyLate fine-tune of benchmarks/train_pylate_e2e.py, which needs its wheels in
 # .whl/e2e/ and the fp16 model that `train_pylate_e2e.py --export-model .whl/minilm-fp16` writes).
 #
@@ -24,6 +24,9 @@
 set -u -o pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD/src || export PYTHONPATH=$PWD/src
+# benchmarks/ holds the harness package (`harness`): importable by every stage's scripts, wherever
+# they sit under benchmarks/.
+export PYTHONPATH="$PYTHONPATH:$PWD/benchmarks"
 
 export PYTHONUNBUFFERED=1
 export LIK_SUPPRESS_NORM_WARN=1
@@ -122,7 +125,7 @@ for name in $STAGES; do
         stage "gpu tests" "${TESTS_CAP:-240}" "$OUT/gpu_tests.log" python3 -m pytest -q -rf -p no:cacheprovider \
             "${XDIST[@]}" ${GPU_TESTS:--m gpu}
         ;;
-    probe) stage "probe" "${PROBE_CAP:-240}" "$OUT/probe.log" python3 benchmarks/probe.py ${PROBES:-memory} ;;
+    probe) stage "probe" "${PROBE_CAP:-240}" "$OUT/probe.log" python3 benchmarks/probes ${PROBES:-memory} ;;
     check) stage "check" 150 "$OUT/check.log" python3 -m fusedmaxsim check ;;
     suite)
         # The suite gets what the later stages leave (SUITE_RESERVE, default 225 s: cold start
@@ -142,6 +145,12 @@ for name in $STAGES; do
         stage "ragged" 150 "$OUT/ragged.log" python3 benchmarks/bench_ragged.py --out "$OUT" --rep-ms 100
         ;;
     e2e) stage "e2e" 200 "$OUT/e2e.log" bash -c e2e ;;
+    host)
+        # Off by default: benchmarks/bench_host.py, host_bench.{json,md} in $OUT/host/. Its budget
+        # leaves 30 s of the cap (HOST_CAP, default 200 s) to what rounds do not bound (compiles).
+        stage "host bench" "${HOST_CAP:-200}" "$OUT/host.log" python3 benchmarks/bench_host.py \
+            --device cuda --out "$OUT/host" --budget-s $((${HOST_CAP:-200} - 30))
+        ;;
     *) note "unknown stage: $name" ;;
     esac
 done

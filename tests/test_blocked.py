@@ -9,7 +9,7 @@ import torch
 from helpers import leaf
 
 from fusedmaxsim import maxsim, settings
-from fusedmaxsim._blocked import plan_blocks
+from fusedmaxsim._torch_path import plan_blocks
 
 
 @pytest.mark.parametrize("per_query_docs", [False, True])
@@ -80,7 +80,7 @@ def test_blocked_path_stays_within_its_memory_bound():
 
 
 def test_registered_ops_pass_opcheck():
-    from fusedmaxsim import _ops
+    from fusedmaxsim import _autograd
 
     Q = torch.randn(2, 5, 16, requires_grad=True)
     D = torch.randn(3, 7, 16, requires_grad=True)
@@ -93,12 +93,12 @@ def test_registered_ops_pass_opcheck():
         (Q, D, None, None, q_inv, d_inv, True, "torch", "ieee", "lowmem", 0.0),
         (Q, D, q_mask, d_mask, None, None, True, "torch", "tf32", "auto", 0.25),
     ):
-        torch.library.opcheck(_ops.maxsim_fwd, args)
+        torch.library.opcheck(_autograd.maxsim_fwd, args)
     for tau in (0.0, 0.25):
-        scores, saved = _ops.maxsim_fwd(Q, D, q_mask, d_mask, None, None, True, "torch", "tf32", "auto", tau)
+        scores, saved = _autograd.maxsim_fwd(Q, D, q_mask, d_mask, None, None, True, "torch", "tf32", "auto", tau)
         grad = torch.randn_like(scores)
         torch.library.opcheck(
-            _ops.maxsim_bwd,
-            (grad, Q.detach(), D.detach(), saved.detach(), None, None, d_mask, True, True, "lowmem", False,
+            _autograd.maxsim_bwd,
+            (grad, Q.detach(), D.detach(), saved.detach(), None, None, d_mask, True, True, "lowmem",
              "torch", "tf32", tau),
         )

@@ -12,9 +12,15 @@ import torch.nn.functional as F
 from helpers import assert_backward_bitwise_reproducible, assert_no_host_synchronization, leaf
 from test_ragged import check_packed, loop_reference
 
-from fusedmaxsim import maxsim
-from fusedmaxsim.ragged import maxsim_padded, maxsim_ragged, maxsim_varlen, score_pairs_packed
-from fusedmaxsim.retrieval import retrieve
+from fusedmaxsim import (
+    maxsim,
+    maxsim_padded,
+    maxsim_ragged,
+    maxsim_varlen,
+    retrieve,
+    score_pairs_packed,
+)
+from fusedmaxsim.planning import recording
 from fusedmaxsim.testing import assert_close_to_reference
 
 pytestmark = pytest.mark.gpu
@@ -186,12 +192,23 @@ def test_retrieve_is_the_full_ranking_and_streams_equal(layout):
         full = maxsim_varlen(Q.reshape(-1, 128), D, offsets([32] * 8), cu)
         kwargs = {"cu_seqlens_d": cu}
     ref_scores, ref_indices = ranked(full, 100)
-    scores, indices = retrieve(Q, D, 100, chunk=700, **kwargs)
+    with recording() as plans:
+        scores, indices = retrieve(Q, D, 100, chunk=700, **kwargs)
     assert torch.equal(indices, ref_indices)
     torch.testing.assert_close(scores, ref_scores, rtol=1e-5, atol=1e-5)
+    # A dense corpus runs the dense forward (the plan maxsim makes for its documents), a packed
+    # one the packed kernel, a chunk at a time.
+    assert [p.Ncols for p, _ in plans] == [700, 700, 700, 700, 200]
+    assert {p.layout for p, _ in plans} == {"cross" if layout == "dense" else "packed"}
+    if layout == "dense":
+        with torch.no_grad(), recording() as maxsim_plans:
+            maxsim(Q, D[:700])
+        assert maxsim_plans == plans[:1]
     host = D.cpu().pin_memory()
     host_kwargs = {k: v.cpu() for k, v in kwargs.items()}
-    s_scores, s_indices = retrieve(Q, host, 100, chunk=700, **host_kwargs)
+    with recording() as plans:
+        s_scores, s_indices = retrieve(Q, host, 100, chunk=700, **host_kwargs)
+    assert {p.layout for p, _ in plans} == {"cross" if layout == "dense" else "packed"}
     assert s_indices.device.type == "cuda"
     assert torch.equal(s_indices, indices) and torch.equal(s_scores, scores)
     _, d_indices = retrieve(Q, host, 100, **host_kwargs)  # default buffers

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fusedmaxsim._launch import _CachedLauncher
+from fusedmaxsim._launch.runtime import _CachedLauncher
 
 
 def _launcher(n_args: int, unspecialized=()) -> _CachedLauncher:

@@ -12,8 +12,7 @@ import torch
 from helpers import check_against_reference, masks_with_holes
 from test_ragged import check_packed, offsets
 
-from fusedmaxsim import maxsim
-from fusedmaxsim.ragged import maxsim_varlen
+from fusedmaxsim import maxsim, maxsim_varlen
 
 LQ, LD, DIM = 7, 37, 32
 

@@ -18,10 +18,47 @@ from helpers import (
     random_problem,
 )
 
-from fusedmaxsim import maxsim, maxsim_pairs, settings
-from fusedmaxsim._configs import BwdConfig, FwdConfig, forced_configs, fwd_config
+from fusedmaxsim import forced_plan, maxsim, maxsim_pairs, settings
+from fusedmaxsim._plan import (
+    BackwardPlan,
+    BwdConfig,
+    ForwardPlan,
+    FwdConfig,
+    plan_backward,
+    plan_forward,
+)
+from fusedmaxsim._problem import dense_problem, options_for
+from fusedmaxsim.planning import recording
 from fusedmaxsim.reference import maxsim_ref
 from fusedmaxsim.testing import assert_close_to_reference
+
+
+def launch_forward(Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, fp32_precision, tau=0.0):
+    """The dense Triton forward launcher on the plan of these inputs (decisions forced by the
+    caller's ``forced_plan`` apply): ``(scores, argmax or the smooth max's rows)``."""
+    from fusedmaxsim._launch.forward import forward_dense
+
+    p = dense_problem(Q, D, q_mask, d_mask, normalize=q_inv is not None, tau=tau,
+                      save_argmax=save_argmax)
+    plan = plan_forward(p, options_for(Q, "triton", fp32_precision))
+    return forward_dense(plan, p, fp32_precision, Q, D, q_mask, d_mask, q_inv, d_inv)
+
+
+def launch_backward(grad, Q, D, argmax, q_inv, d_inv, need_q, need_d, strategy, fp32_out,
+                    fp32_precision):
+    """The dense Triton backward launcher on the plan of these inputs: ``(grad_Q, grad_D)``."""
+    from fusedmaxsim._launch.backward import backward_dense
+
+    p = dense_problem(Q, D, None, None, normalize=q_inv is not None, save_argmax=True)
+    plan = plan_backward(p, options_for(Q, "triton", fp32_precision), need_q, need_d, strategy)
+    return backward_dense(plan, fp32_precision, grad, Q, D, argmax, q_inv, d_inv, need_q, need_d,
+                          fp32_out)
+
+
+def inverse_norms(x):
+    from fusedmaxsim._launch.forward import inverse_norms
+
+    return inverse_norms(x, 1e-12)
 
 
 @pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalize"])
@@ -237,14 +274,25 @@ def test_normalize_zero_and_huge_tokens(backend, device, grad):
     assert_close_to_reference(maxsim(Q, D, normalize=True), ref, 1e-5, "scores")
 
 
+def problem(Nq, Ncols, Lq, Ld, dim, per_query_docs=False, sixteen_bit=True):
+    """The :class:`Problem` of a training call of these sizes (no tensors: the planner's policy
+    functions read sizes only)."""
+    from fusedmaxsim._problem import Problem
+
+    return Problem(
+        layout="candidates" if per_query_docs else "cross", Nq=Nq, Ncols=Ncols, Lq=Lq, Ld=Ld,
+        dim=dim, dtype=torch.float16 if sixteen_bit else torch.float32, device=torch.device("cpu"),
+        has_q_mask=False, has_d_mask=False, normalize=False, norm_from_tiles=False, tau=0.0,
+        save_argmax=True, tma_ready=True,
+    )
+
+
 def test_auto_strategy_rule():
-    from fusedmaxsim._ops import resolve_strategy
+    from fusedmaxsim._plan import resolve_strategy
 
     def auto(Nq, Ncols, Lq, Ld, dim, per_query_docs=False, sixteen_bit=True):
-        return resolve_strategy(
-            "auto", per_query_docs=per_query_docs, Nq=Nq, Ncols=Ncols, Lq=Lq, Ld=Ld, dim=dim,
-            sixteen_bit=sixteen_bit,
-        )
+        p = problem(Nq, Ncols, Lq, Ld, dim, per_query_docs, sixteen_bit)
+        return resolve_strategy(p, "auto", False)[0]
 
     assert auto(32, 32, 32, 180, 128) == "lowmem"  # host-bound: no fp32 buffer to fill and cast
     assert auto(128, 128, 32, 300, 128) == "unified"  # 2^34: fewer launches than the winner index
@@ -252,50 +300,40 @@ def test_auto_strategy_rule():
     assert auto(256, 256, 32, 300, 128) == "lowmem"  # 2^36: GPU-bound, lowmem as fast
     assert auto(128, 128, 128, 1024, 128) == "lowmem"  # train_colpali, 2^38
     assert auto(128, 128, 128, 1024, 128, sixteen_bit=False) == "unified"  # fp32: exact adds
-    assert resolve_strategy("unified", per_query_docs=True, Nq=1, Ncols=1, Lq=1, Ld=1, dim=1) == "unified"
+    candidates = problem(1, 1, 1, 1, 1, per_query_docs=True)
+    assert resolve_strategy(candidates, "unified", False)[0] == "unified"
 
 
-def test_no_argmax_is_saved_without_grad(backend, device, monkeypatch):
-    """Spied where every forward of the backend passes, the plain-inference shortcut's included
-    (``api._plain_inference``, a CUDA call without autograd: straight to the launcher)."""
-    from fusedmaxsim import _blocked, _ops
-
-    seen = []
-    module, name = (_ops._launch(), "maxsim_fwd") if backend == "triton" else (
-        _blocked, "maxsim_fwd_blocked")
-    real = getattr(module, name)
-
-    def spy(*args, **kwargs):
-        seen.append(args[6])  # save_argmax
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(module, name, spy)
+def test_no_argmax_is_saved_without_grad(backend, device):
+    """Recorded where every forward of the backend is planned, the inference shortcut's included
+    (a call without autograd goes straight to the launcher, with no autograd node)."""
     Q = leaf(torch.randn(2, 7, 32, device=device))
     D = leaf(torch.randn(3, 13, 32, device=device))
-    with torch.no_grad():
+    with recording() as plans:
+        with torch.no_grad():
+            maxsim(Q, D)
+        with torch.inference_mode():
+            maxsim(Q, D)
+        maxsim(Q.detach(), D.detach())
         maxsim(Q, D)
-    with torch.inference_mode():
-        maxsim(Q, D)
-    maxsim(Q.detach(), D.detach())
-    maxsim(Q, D)
-    assert seen == [False, False, False, True]
+    forwards = [(p, plan) for p, plan in plans if isinstance(plan, ForwardPlan)]
+    assert [p.save_argmax for p, _ in forwards] == [False, False, False, True]
 
 
-def test_only_the_needed_gradient_is_computed(backend, device, monkeypatch):
-    from fusedmaxsim import _ops
-
-    seen = []
-    real = _ops.maxsim_bwd_impl
-
-    def spy(*args):
-        seen.append((args[7], args[8]))  # need_grad_q, need_grad_d
-        return real(*args)
-
-    monkeypatch.setattr(_ops, "maxsim_bwd_impl", spy)
+def test_only_the_needed_gradient_is_computed(backend, device):
+    """One backward, planned for grad_Q alone: on the Triton path that plan runs no grad_D
+    kernel (the plan for both gradients adds the document-owned grad_D)."""
     Q = leaf(torch.randn(2, 7, 32, device=device))
     D = torch.randn(3, 13, 32, device=device)
-    maxsim(Q, D).sum().backward()
-    assert seen == [(True, False)] and Q.grad is not None
+    with recording() as plans:
+        maxsim(Q, D).sum().backward()
+    backwards = [(p, plan) for p, plan in plans if isinstance(plan, BackwardPlan)]
+    assert len(backwards) == 1 and Q.grad is not None and D.grad is None
+    p, plan = backwards[0]
+    o = options_for(Q)
+    assert plan == plan_backward(p, o, True, False, "auto")
+    if backend == "triton":
+        assert plan != plan_backward(p, o, True, True, "auto")
 
 
 def test_double_backward_is_refused_clearly(backend, device):
@@ -346,7 +384,7 @@ def test_forced_tile_paths(device, fwd, bwd, Lq, layout):
     d_mask = masks_with_holes(D.shape[:-1], device)
     if layout == "candidates":
         fwd = dataclasses.replace(fwd, queries_per_block=1)
-    with settings.use_backend("triton"), forced_configs(fwd, bwd):
+    with settings.use_backend("triton"), forced_plan(fwd_tiles=fwd, bwd_tiles=bwd):
         chunked = check_against_reference(Q, D, q_mask, d_mask, backward="lowmem")
         check_against_reference(Q, D, q_mask, d_mask, backward="unified")
     with settings.use_backend("triton"):
@@ -358,8 +396,6 @@ def test_forced_tile_paths(device, fwd, bwd, Lq, layout):
 def test_query_tile_in_registers_changes_no_bit(device, layout):
     """The query tile routed through a product with a zero operand (so that Hopper's products
     read it from registers) is the same tile: scores and argmax bit for bit, 16-bit inputs."""
-    from fusedmaxsim import _launch
-
     dtype = torch.bfloat16 if device == "cuda" else torch.float16  # the interpreter's bf16 dot is wrong
     Q = torch.randn(3, 70 if device == "cuda" else 20, 64, device=device).to(dtype)
     D = torch.randn(*((3, 2) if layout == "candidates" else (5,)), 45, 64, device=device).to(dtype)
@@ -367,8 +403,8 @@ def test_query_tile_in_registers_changes_no_bit(device, layout):
     base = FwdConfig(rows, 1, 16 if device != "cuda" else 32, 64, 4, 1 if device != "cuda" else 2)
     outputs = []
     for in_registers in (False, True):
-        with forced_configs(dataclasses.replace(base, query_in_registers=in_registers)):
-            outputs.append(_launch.maxsim_fwd(Q, D, None, None, None, None, True, "tf32"))
+        with forced_plan(fwd_tiles=dataclasses.replace(base, query_in_registers=in_registers)):
+            outputs.append(launch_forward(Q, D, None, None, None, None, True, "tf32"))
     assert torch.equal(outputs[0][0], outputs[1][0])
     assert torch.equal(outputs[0][1], outputs[1][1])
 
@@ -404,24 +440,29 @@ def test_nan_in_masked_tokens_reaches_no_gradient(backend, device, layout, strat
 
 @pytest.mark.parametrize("needs", ["both", "d_only"])
 @pytest.mark.parametrize("layout", ["cross", "candidates"])
-def test_unified_grad_d_through_column_chunks(device, layout, needs, monkeypatch):
+def test_unified_grad_d_through_column_chunks(device, layout, needs):
     """Past a size, the unified backward scatters grad_D through an fp32 buffer of a few columns
     at a time and casts each chunk into grad_D: forced here down to two columns per chunk."""
-    from fusedmaxsim import _launch
+    from fusedmaxsim._plan import scatter_chunk_cols
 
     Q, D, q_mask, d_mask = random_problem(layout, torch.float16, device)
-    assert _launch._scatter_chunk_cols(D, D.dtype) == D.shape[-3]  # small: one buffer
+    Ncols = D.shape[-3]
+    # Small: one buffer.
+    assert scatter_chunk_cols(Ncols, D.numel(), D.element_size(), False) == Ncols
     # A buffer as large as the 16-bit grad_D holds half its columns in fp32: 2 of 5 or 4.
-    monkeypatch.setattr(_launch, "_SCATTER_BUFFER_MAX_BYTES", 0)
-    monkeypatch.setattr(_launch, "_SCATTER_BUFFER_SHARE", 1)
-    monkeypatch.setattr(_launch, "_DRAIN_BLOCK", 64)  # several blocks per group and chunk
-    assert _launch._scatter_chunk_cols(D, D.dtype) == 2
+    chunked = {"SCATTER_BUFFER_MAX_BYTES": 0, "SCATTER_BUFFER_SHARE": 1,
+               "DRAIN_BLOCK": 64}  # several blocks per group and chunk
+    with forced_plan(**chunked):
+        assert scatter_chunk_cols(Ncols, D.numel(), D.element_size(), False) == 2
     Q, D = leaf(Q), leaf(D)
     Q.requires_grad_(needs == "both")
-    with settings.use_backend("triton"):
+    with settings.use_backend("triton"), forced_plan(**chunked), recording() as plans:
         out = maxsim(Q, D, q_mask, d_mask, backward="unified")
-    grad = torch.randn_like(out)
-    (out * grad).sum().backward()
+        grad = torch.randn_like(out)
+        (out * grad).sum().backward()
+    backward = [plan for _, plan in plans if isinstance(plan, BackwardPlan)]
+    assert [(b.strategy, b.scatter_chunk_cols, b.drain_block) for b in backward] == [
+        ("unified", 2, 64)]
     Q64, D64 = leaf(Q.detach().double()), leaf(D.detach().double())
     Q64.requires_grad_(needs == "both")
     (maxsim_ref(Q64, D64, q_mask, d_mask) * grad.double()).sum().backward()
@@ -434,20 +475,19 @@ def test_unified_grad_d_through_column_chunks(device, layout, needs, monkeypatch
 
 @pytest.mark.parametrize("cols_per_step", [1, 2, 4, 8])
 @pytest.mark.parametrize("layout", ["cross", "candidates"])
-def test_gather_columns_a_step(device, layout, cols_per_step, monkeypatch):
+def test_gather_columns_a_step(device, layout, cols_per_step):
     """The gather kernel of grad_Q walks its columns ``cols_per_step`` at a time; a program's
     last step may hold fewer (5 columns here on the cross product), and each width gives the
     reference's gradients. (A gather that also scatters grad_D always takes one.)"""
-    from fusedmaxsim import _launch
-
-    monkeypatch.setattr(_launch, "gather_step",
-                        lambda programs, device, scatters: (cols_per_step, None))
     Q, D, q_mask, d_mask = random_problem(layout, torch.float32, device)
     Q, D = leaf(Q), leaf(D)
-    with settings.use_backend("triton"):
+    with settings.use_backend("triton"), forced_plan(gather_step=(cols_per_step, None)), \
+            recording() as plans:
         out = maxsim(Q, D, q_mask, d_mask, backward="lowmem")
-    grad = torch.randn_like(out)
-    (out * grad).sum().backward()
+        grad = torch.randn_like(out)
+        (out * grad).sum().backward()
+    assert [plan.gather_step for _, plan in plans if isinstance(plan, BackwardPlan)] == [
+        (cols_per_step, None)]
     Q64, D64 = leaf(Q.detach().double()), leaf(D.detach().double())
     (maxsim_ref(Q64, D64, q_mask, d_mask) * grad.double()).sum().backward()
     assert_close_to_reference(Q.grad, Q64.grad, 1e-5, "grad_Q")
@@ -456,21 +496,23 @@ def test_gather_columns_a_step(device, layout, cols_per_step, monkeypatch):
 
 @pytest.mark.parametrize("Lq", [5, 20])  # rows in one block of 16 (loaded once), or in two
 @pytest.mark.parametrize("Nq, K", [(4, 4), (3, 3)])  # 3 tiles a program, or 2 then 1
-def test_lowmem_grad_d_of_candidates_over_several_token_tiles(device, Nq, K, Lq, monkeypatch):
+def test_lowmem_grad_d_of_candidates_over_several_token_tiles(device, Nq, K, Lq):
     """Per-query candidates: a program of the document-owned grad_D writes several token tiles
     (75 tokens: tiles of 32, the last partial), its rows loaded once when they fit one block.
     Four SMs on every device, so 16 or 9 documents get 3 or 2 tiles a program."""
-    from fusedmaxsim import _launch
-
-    monkeypatch.setattr(_launch, "_sm_count", lambda device: 4)
     Q = leaf(torch.randn(Nq, Lq, 96, device=device, dtype=torch.float16))
     D = leaf(torch.randn(Nq, K, 75, 96, device=device, dtype=torch.float16))
     q_mask = masks_with_holes((Nq, Lq), device)
     d_mask = masks_with_holes((Nq, K, 75), device)
-    with settings.use_backend("triton"), forced_configs(bwd=BwdConfig(16, 32, 16, 128, 4, 1)):
+    with settings.use_backend("triton"), recording() as plans, forced_plan(
+            sm_count=4, bwd_tiles=BwdConfig(16, 32, 16, 128, 4, 1)):
         out = maxsim(Q, D, q_mask, d_mask, backward="lowmem")
         grad = torch.randn_like(out)
         out.backward(grad)
+    (plan,) = [plan for _, plan in plans if isinstance(plan, BackwardPlan)]
+    in_one_block = Lq <= 16
+    assert plan.rows_in_one_block == in_one_block
+    assert plan.dd_tiles_per_program == ((3 if Nq * K == 16 else 2) if in_one_block else 1)
     clean_q = leaf(torch.where(q_mask[..., None], Q.detach(), 0.0).double())
     clean_d = leaf(torch.where(d_mask[..., None], D.detach(), 0.0).double())
     maxsim_ref(clean_q, clean_d, q_mask, d_mask).backward(grad.double())
@@ -483,14 +525,12 @@ def test_lowmem_grad_d_of_candidates_over_several_token_tiles(device, Nq, K, Lq,
 def test_launcher_returns_an_empty_tensor_for_each_gradient_not_asked_for(device, strategy, need_q, need_d):
     """The backward launcher's contract, which the registered op relies on (its outputs are
     tensors): a gradient nobody asked for is an empty tensor of Q's dtype, the others are whole."""
-    from fusedmaxsim import _launch
-
     Q = torch.randn(3, 7, 32, device=device)
     D = torch.randn(4, 13, 32, device=device)
-    _, argmax = _launch.maxsim_fwd(Q, D, None, None, None, None, True, "ieee")
+    _, argmax = launch_forward(Q, D, None, None, None, None, True, "ieee")
     grad_scores = torch.randn(3, 4, device=device)
-    gq, gd = _launch.maxsim_bwd(grad_scores, Q, D, argmax, None, None, need_q, need_d, strategy,
-                                False, "ieee")
+    gq, gd = launch_backward(grad_scores, Q, D, argmax, None, None, need_q, need_d, strategy,
+                             False, "ieee")
     Q64, D64 = leaf(Q.double()), leaf(D.double())
     rq, rd = torch.autograd.grad(maxsim_ref(Q64, D64), (Q64, D64), grad_scores.double())
     for got, ref, needed in ((gq, rq, need_q), (gd, rd, need_d)):
@@ -502,36 +542,38 @@ def test_launcher_returns_an_empty_tensor_for_each_gradient_not_asked_for(device
 
 @pytest.mark.parametrize("mode", ["max", "normalize", "smooth"])
 @pytest.mark.parametrize("layout", ["cross", "candidates"])
-def test_query_chunks_split_over_programs_match_one_program(device, layout, mode, monkeypatch):
+def test_query_chunks_split_over_programs_match_one_program(device, layout, mode):
     """A long query's chunks run in neighbouring programs, each writing its part of the scores,
     which the launcher adds up: the scores of one program walking every chunk (to fp32 rounding
     of the sum's order) and the same argmax, with every chunk its own program, with two programs
     sharing three chunks unevenly, and in the sliced launch of huge query batches. The policy
     keeps per-query candidates in one program (measured slower split); the kernel takes the
     splits there all the same."""
-    from fusedmaxsim import _launch
+    from fusedmaxsim._plan import chunk_splits
 
     Q = torch.randn(5, 40, 64, device=device)
     D = torch.randn(*((5, 3) if layout == "candidates" else (6,)), 29, 64, device=device)
     q_mask, d_mask = masks_with_holes(Q.shape[:-1], device), masks_with_holes(D.shape[:-1], device)
     q_inv = d_inv = None
     if mode == "normalize":
-        q_inv, d_inv = _launch.inverse_norms(Q, 1e-12), _launch.inverse_norms(D, 1e-12)
+        q_inv, d_inv = inverse_norms(Q), inverse_norms(D)
 
     def forward():
         # "ieee": fp32 products, also on a GPU, whose default TF32 would round them to 1e-3
-        return _launch.maxsim_fwd(Q, D, q_mask, d_mask, q_inv, d_inv, True, "ieee",
-                                  tau=0.1 if mode == "smooth" else 0.0)
+        return launch_forward(Q, D, q_mask, d_mask, q_inv, d_inv, True, "ieee",
+                              tau=0.1 if mode == "smooth" else 0.0)
 
-    with forced_configs(FwdConfig(16, 1, 16, 64, 4, 1)):  # three 16-row chunks of 40 rows
-        assert _launch.chunk_splits(40, 16, 5, D.shape[-3], layout == "candidates") == (
-            1 if layout == "candidates" else 3)
-        split = forward()
+    with forced_plan(fwd_tiles=FwdConfig(16, 1, 16, 64, 4, 1)):  # three 16-row chunks of 40 rows
+        want_splits = 1 if layout == "candidates" else 3
+        assert chunk_splits(40, 16, 5, D.shape[-3], layout == "candidates") == want_splits
+        with recording() as plans:
+            split = forward()
+        assert [plan.splits for _, plan in plans] == [want_splits]
         results = {}
         for name, splits, grid_y in (("one", 1, 65535), ("two", 2, 65535), ("sliced", 3, 2)):
-            monkeypatch.setattr(_launch, "chunk_splits", lambda *args, s=splits: s)
-            monkeypatch.setattr(_launch, "_MAX_GRID_Y", grid_y)
-            results[name] = forward()
+            with forced_plan(splits=splits, max_grid_y=grid_y), recording() as plans:
+                results[name] = forward()
+            assert [(plan.splits, plan.max_grid_y) for _, plan in plans] == [(splits, grid_y)]
     for name, (scores, saved) in results.items():
         torch.testing.assert_close(scores, split[0], rtol=1e-6, atol=1e-6, msg=name)
         assert torch.equal(saved, split[1]), name
@@ -543,103 +585,98 @@ def test_query_chunks_split_over_programs_match_one_program(device, layout, mode
 def test_chunk_splits_policy():
     """One program per chunk on the cross product, fewer where the partial scores would pass
     their byte cap; one for a single chunk and for per-query candidates."""
-    from fusedmaxsim import _launch
+    from fusedmaxsim._plan import MEASURED, chunk_splits
 
-    assert _launch.chunk_splits(1030, 128, 1, 1000, False) == 9
-    assert _launch.chunk_splits(1030, 128, 1, 1000, True) == 1
-    assert _launch.chunk_splits(128, 128, 1, 1000, False) == 1
-    assert _launch.chunk_splits(7, 16, 3, 5, False) == 1
-    cap = _launch._SPLIT_PARTIALS_MAX_BYTES // 4
-    assert _launch.chunk_splits(1024, 128, cap // 1000 // 3, 1000, False) == 3
-    assert _launch.chunk_splits(1024, 128, cap, 1000, False) == 1
+    assert chunk_splits(1030, 128, 1, 1000, False) == 9
+    assert chunk_splits(1030, 128, 1, 1000, True) == 1
+    assert chunk_splits(128, 128, 1, 1000, False) == 1
+    assert chunk_splits(7, 16, 3, 5, False) == 1
+    cap = MEASURED["SPLIT_PARTIALS_MAX_BYTES"] // 4
+    assert chunk_splits(1024, 128, cap // 1000 // 3, 1000, False) == 3
+    assert chunk_splits(1024, 128, cap, 1000, False) == 1
 
 
-def test_gather_step_policy(monkeypatch):
+def test_gather_step_policy():
     """Eight columns a step at 8 warps below two programs an SM, four below four, else one at the
     configuration's warps; a gather that also scatters grad_D takes one column whatever its grid."""
-    from fusedmaxsim import _launch
+    from fusedmaxsim._launch.backward import _gather_constants
+    from fusedmaxsim._plan import gather_step
 
-    monkeypatch.setattr(_launch, "_sm_count", lambda device: 132)
-    cpu = torch.device("cpu")
-    assert _launch.gather_step(32, cpu, False) == (8, 8)
-    assert _launch.gather_step(263, cpu, False) == (8, 8)
-    assert _launch.gather_step(264, cpu, False) == (4, 8)
-    assert _launch.gather_step(527, cpu, False) == (4, 8)
-    assert _launch.gather_step(528, cpu, False) == (1, None)
-    assert _launch.gather_step(32, cpu, True) == (1, None)
-    launches = []
-    monkeypatch.setattr(_launch, "launcher",
-                        lambda kernel: lambda grid, args, meta: launches.append(meta.kwargs))
+    assert gather_step(32, 132, False) == (8, 8)
+    assert gather_step(263, 132, False) == (8, 8)
+    assert gather_step(264, 132, False) == (4, 8)
+    assert gather_step(527, 132, False) == (4, 8)
+    assert gather_step(528, 132, False) == (1, None)
+    assert gather_step(32, 132, True) == (1, None)
+    # The backward's plans on 132 SMs, and the gather's constexprs the launcher builds from them.
     Q, D = torch.randn(2, 7, 32), torch.randn(3, 13, 32)
-    g = torch.randn(2, 3)
-    argmax = torch.zeros(2, 3, 7, dtype=torch.int16)
+    p = dense_problem(Q, D, None, None, save_argmax=True)
+    gathers = set()
     for strategy in ("lowmem", "unified"):
-        _launch.maxsim_bwd(g, Q, D, argmax, None, None, True, True, strategy, False, "ieee")
-    gathers = [m for m in launches if "COLS_PER_STEP" in m]
-    assert {(m["COLS_PER_STEP"], m["SCATTER_GRAD_D"], m["num_warps"]) for m in gathers} == {
-        (8, False, 8), (1, True, 4)}
+        with forced_plan(sm_count=132):
+            plan = plan_backward(p, options_for(Q, "triton", "ieee"), True, True, strategy)
+        scatters = plan.strategy == "unified" and plan.scatter_chunk_cols == p.Ncols  # one buffer
+        meta = _gather_constants(plan.tiles, False, False, True, plan.atomic_q, scatters,
+                                 plan.gather_step).kwargs
+        assert (meta["COLS_PER_STEP"], meta["num_warps"]) == (
+            plan.gather_step[0], plan.gather_step[1] or plan.tiles.num_warps)
+        gathers.add((meta["COLS_PER_STEP"], meta["SCATTER_GRAD_D"], meta["num_warps"]))
+    assert gathers == {(8, False, 8), (1, True, 4)}
 
 
-def test_grad_d_scans_run_at_one_stage(monkeypatch):
+def test_grad_d_scans_run_at_one_stage():
     """The document-owned grad_D's programs that scan their rows in a loop (cross product;
     candidates longer than a product's rows) launch at one pipeline stage; those that load their
-    rows once keep the configuration's stages (benchmarks/NOTES.md section 45)."""
-    from fusedmaxsim import _launch
+    rows once keep the configuration's stages (docs/design.md, "Backward: document-owned
+    grad_D")."""
+    from fusedmaxsim._launch.backward import _dd_constants
 
-    launches = []
-    monkeypatch.setattr(_launch, "launcher",
-                        lambda kernel: lambda grid, args, meta: launches.append(meta.kwargs))
     cfg = BwdConfig(16, 32, 16, 32, 4, 2)
-    with forced_configs(bwd=cfg):
-        for lq, d_shape in ((7, (3, 13, 32)), (7, (2, 3, 13, 32)), (20, (2, 3, 13, 32))):
-            Q, D = torch.randn(2, lq, 32), torch.randn(d_shape)
-            g = torch.randn(2, 3)
-            argmax = torch.zeros(2, 3, lq, dtype=torch.int16)
-            _launch.maxsim_bwd(g, Q, D, argmax, None, None, False, True, "lowmem", False, "ieee")
-    grad_d = [(m["PER_QUERY_DOCS"], m["ROWS_IN_ONE_BLOCK"], m["num_stages"])
-              for m in launches if "ROWS_IN_ONE_BLOCK" in m]
+    grad_d = []
+    for lq, d_shape in ((7, (3, 13, 32)), (7, (2, 3, 13, 32)), (20, (2, 3, 13, 32))):
+        Q, D = torch.randn(2, lq, 32), torch.randn(d_shape)
+        p = dense_problem(Q, D, None, None, save_argmax=True)
+        with forced_plan(bwd_tiles=cfg):
+            plan = plan_backward(p, options_for(Q, "triton", "ieee"), False, True, "lowmem")
+        assert plan.tiles == cfg and plan.dd_scan_stages == 1 and not plan.winner_index
+        per_query_docs = p.layout == "candidates"
+        # The constexprs the launcher builds from the plan for the document-owned grad_D.
+        meta = _dd_constants(plan.tiles, per_query_docs, plan.rows_in_one_block, plan.winner_index,
+                             False, Q.dtype, "ieee", plan.dd_scan_stages, plan.index_scan).kwargs
+        assert meta["ROWS_IN_ONE_BLOCK"] == plan.rows_in_one_block
+        grad_d.append((per_query_docs, plan.rows_in_one_block, meta["num_stages"]))
     assert grad_d == [(False, False, 1), (True, True, 2), (True, False, 1)]
 
 
-def test_auto_backward_follows_the_dtype_at_large_cross_products(monkeypatch):
+def test_auto_backward_follows_the_dtype_at_large_cross_products():
     """``auto`` passes the input's width to the rule: with its thresholds moved down to these
-    sizes, a 16-bit cross product takes lowmem and an fp32 one unified (benchmarks/NOTES.md
-    section 45)."""
-    from fusedmaxsim import _ops
-
-    monkeypatch.setattr(_ops, "HOST_BOUND_MACS", 0)
-    monkeypatch.setattr(_ops, "LOWMEM_CROSS_MACS", 1)
-    seen = []
-    original = _ops.maxsim_bwd_impl
-
-    def spy(*args):
-        seen.append(args[9])  # strategy
-        return original(*args)
-
-    monkeypatch.setattr(_ops, "maxsim_bwd_impl", spy)
-    for dtype in (torch.float16, torch.float32):
-        Q, D = leaf(torch.randn(2, 5, 16).to(dtype)), leaf(torch.randn(3, 6, 16).to(dtype))
-        maxsim(Q, D).sum().backward()
+    sizes, a 16-bit cross product takes lowmem and an fp32 one unified (docs/design.md,
+    "Backward strategies")."""
+    with forced_plan(HOST_BOUND_MACS=0, LOWMEM_CROSS_MACS=1), recording() as plans:
+        for dtype in (torch.float16, torch.float32):
+            Q, D = leaf(torch.randn(2, 5, 16).to(dtype)), leaf(torch.randn(3, 6, 16).to(dtype))
+            maxsim(Q, D).sum().backward()
+    seen = [plan.strategy for _, plan in plans if isinstance(plan, BackwardPlan)]
     assert seen == ["lowmem", "unified"]
 
 
 @pytest.mark.parametrize("layout", ["cross", "candidates"])
-def test_query_batches_beyond_the_grid_go_in_slices(device, layout, monkeypatch):
+def test_query_batches_beyond_the_grid_go_in_slices(device, layout):
     """A query batch larger than the grid's second axis is launched in slices of queries (and, for
     per-query candidates, of their documents, masks and inverse norms): forced here down to two
     blocks a slice, the result is the one-launch result, bit for bit."""
-    from fusedmaxsim import _launch
-
     Q = torch.randn(9, 7, 96, device=device)
     D = torch.randn(*((9, 4) if layout == "candidates" else (5,)), 13, 96, device=device)
     q_mask, d_mask = masks_with_holes(Q.shape[:-1], device), masks_with_holes(D.shape[:-1], device)
-    q_inv, d_inv = _launch.inverse_norms(Q, 1e-12), _launch.inverse_norms(D, 1e-12)
+    q_inv, d_inv = inverse_norms(Q), inverse_norms(D)
     args = (Q, D, q_mask, d_mask, q_inv, d_inv, True, "tf32")
-    cfg = fwd_config(Lq=Q.shape[1], dim=Q.shape[2], Nq=Q.shape[0], elem_bytes=Q.element_size(),
-                     per_query_docs=layout == "candidates")
-    assert Q.shape[0] > 2 * cfg.queries_per_block  # so that there are several slices
-    whole = _launch.maxsim_fwd(*args)
-    monkeypatch.setattr(_launch, "_MAX_GRID_Y", 2)
-    sliced = _launch.maxsim_fwd(*args)
+    with recording() as plans:
+        whole = launch_forward(*args)
+    ((_, plan),) = plans
+    assert plan.kernel == "triton" and plan.max_grid_y >= Q.shape[0]
+    assert Q.shape[0] > 2 * plan.tiles.queries_per_block  # so that there are several slices
+    with forced_plan(max_grid_y=2), recording() as plans:
+        sliced = launch_forward(*args)
+    assert [(p.tiles, p.max_grid_y) for _, p in plans] == [(plan.tiles, 2)]
     assert torch.equal(whole[0], sliced[0])
     assert torch.equal(whole[1], sliced[1])

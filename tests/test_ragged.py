@@ -5,19 +5,24 @@ Lengths include 0 and 1 on purpose (an empty query or document scores 0 and gets
 d = 40 is not a power of two, so every tail mask runs.
 """
 
+import os
+import shutil
+
 import pytest
 import torch
 from helpers import assert_backward_bitwise_reproducible, compare_with_float64, leaf
 
-from fusedmaxsim import maxsim, settings
-from fusedmaxsim._configs import BwdConfig, FwdConfig, forced_configs
-from fusedmaxsim.ragged import (
+from fusedmaxsim import (
+    forced_plan,
+    maxsim,
     maxsim_padded,
     maxsim_ragged,
     maxsim_varlen,
     pack_padded,
     score_pairs_packed,
+    settings,
 )
+from fusedmaxsim.planning import BackwardPlan, BwdConfig, ForwardPlan, FwdConfig, recording
 from fusedmaxsim.reference import maxsim_ref
 from fusedmaxsim.testing import assert_close_to_reference
 
@@ -218,7 +223,7 @@ def test_forced_tile_paths(fwd, bwd, strategy, device):
     Q, D = packed(lq, dim=64).to(device), packed(ld, dim=64).to(device)
     q_mask = (torch.rand(sum(lq)) > 0.2).to(device)
     cu_q, cu_d = offsets(lq).to(device), offsets(ld).to(device)
-    with settings.use_backend("triton"), forced_configs(fwd, bwd):
+    with settings.use_backend("triton"), forced_plan(fwd_tiles=fwd, bwd_tiles=bwd):
         check_packed(maxsim_varlen, Q, D, cu_q, cu_d, q_mask=q_mask, backward=strategy)
         check_packed(
             score_pairs_packed, Q, D, cu_q, cu_d, pairs=([0, 2, 2, 1], [0, 0, 2, 1]),
@@ -334,33 +339,25 @@ def test_lowmem_backward_is_bitwise_reproducible(backend, fn):
 
 
 @pytest.mark.parametrize("fn", ["varlen", "pairs"])
-def test_lowmem_grad_d_scans_at_one_stage(fn, monkeypatch):
+def test_lowmem_grad_d_scans_at_one_stage(fn):
     """The packed document-owned grad_D scans its rows in a loop in every program: it launches at
-    the dense scans' one stage, whatever the configuration's (benchmarks/NOTES.md section 45)."""
-    from fusedmaxsim import _launch_ragged
-
-    launches = []
-    real = _launch_ragged.launcher
-
-    def spy(kernel):
-        def launch(grid, args, meta):
-            launches.append((kernel, meta.kwargs))
-            real(kernel)(grid, args, meta)
-
-        return launch
-
-    monkeypatch.setattr(_launch_ragged, "launcher", spy)
+    the dense scans' one stage, whatever the configuration's (docs/design.md, Measured
+    constants: DD_SCAN_STAGES; Packed layouts)."""
     Q, D = leaf(packed(Q_LENGTHS)), leaf(packed(D_LENGTHS))
-    with settings.use_backend("triton"), forced_configs(bwd=BwdConfig(16, 32, 16, 64, 4, 2)):
+    tiles = BwdConfig(16, 32, 16, 64, 4, 2)
+    with settings.use_backend("triton"), forced_plan(bwd_tiles=tiles), recording() as plans:
         if fn == "varlen":
             out = maxsim_varlen(Q, D, offsets(Q_LENGTHS), offsets(D_LENGTHS), backward="lowmem")
         else:
             out = score_pairs_packed(Q, D, offsets(Q_LENGTHS), offsets(D_LENGTHS),
                                      torch.tensor(PAIRS[0]), torch.tensor(PAIRS[1]), backward="lowmem")
         out.sum().backward()
-    stages = [meta["num_stages"] for kernel, meta in launches
-              if kernel is _launch_ragged._maxsim_ragged_bwd_dd_kernel]
-    assert stages == [1]
+    backward = [(p, plan) for p, plan in plans if isinstance(plan, BackwardPlan)]
+    assert [(p.layout, plan.kernel, plan.strategy, plan.tiles) for p, plan in backward] == [
+        ("packed" if fn == "varlen" else "pairs", "triton", "lowmem", tiles)]
+    # The document-owned grad_D's launch takes the plan's stages, not the tiles' two.
+    assert [plan.dd_scan_stages for _, plan in backward] == [1]
+    assert D.grad is not None and Q.grad is not None
 
 
 def test_deterministic_mode_picks_lowmem_and_refuses_unified(device):
@@ -376,23 +373,32 @@ def test_deterministic_mode_picks_lowmem_and_refuses_unified(device):
         torch.use_deterministic_algorithms(False)
 
 
-def test_no_argmax_without_grad_and_only_needed_gradients(backend, monkeypatch):
-    from fusedmaxsim import ragged
-
-    saved, needed = [], []
-    real_fwd, real_bwd = ragged.forward_impl, ragged._backward_impl
-    monkeypatch.setattr(ragged, "forward_impl", lambda *a: saved.append(a[7]) or real_fwd(*a))
-    monkeypatch.setattr(ragged, "_backward_impl", lambda *a: needed.append(a[7:9]) or real_bwd(*a))
+def test_no_argmax_without_grad_and_only_needed_gradients(backend):
     Q, D = leaf(packed(Q_LENGTHS)), packed(D_LENGTHS)
     args = (offsets(Q_LENGTHS), offsets(D_LENGTHS))
-    with torch.no_grad():
-        maxsim_varlen(Q, D, *args)
-    with torch.inference_mode():
-        maxsim_varlen(Q, D, *args)
-    maxsim_varlen(Q.detach(), D, *args)
-    maxsim_varlen(Q, D, *args).sum().backward()
-    assert saved == [False, False, False, True]
-    assert needed == [(True, False)] and Q.grad is not None
+    with recording() as plans:
+        with torch.no_grad():
+            maxsim_varlen(Q, D, *args)
+        with torch.inference_mode():
+            maxsim_varlen(Q, D, *args)
+        maxsim_varlen(Q.detach(), D, *args)
+        maxsim_varlen(Q, D, *args).sum().backward()
+    forward = [p for p, plan in plans if isinstance(plan, ForwardPlan)]
+    backward = [(p, plan) for p, plan in plans if isinstance(plan, BackwardPlan)]
+    assert [p.save_argmax for p in forward] == [False, False, False, True]
+    # One backward, of the call that saved the argmax, and only Q's gradient (D needs none).
+    assert len(backward) == 1 and backward[0][0] == forward[-1]
+    assert backward[0][1].kernel == ("torch" if backend == "torch" else "triton")
+    assert Q.grad is not None and D.grad is None
+    # The flags reach the backward: an unneeded gradient comes back empty, uncomputed.
+    scores, argmax = torch.ops.fusedmaxsim.maxsim_packed_fwd(
+        Q.detach(), D, *args, None, None, None, None, None, None, max(Q_LENGTHS), max(D_LENGTHS),
+        0, -1, True, backend, "ieee", "auto")
+    grad_q, grad_d = torch.ops.fusedmaxsim.maxsim_packed_bwd(
+        torch.ones_like(scores), Q.detach(), D, argmax, *args, None, None, None, None,
+        max(Q_LENGTHS), max(D_LENGTHS), 0, -1, True, False, "unified", backend, "ieee")
+    assert grad_q.shape == Q.shape and grad_d.numel() == 0
+    torch.testing.assert_close(grad_q, Q.grad)
 
 
 def test_float64_runs_on_the_pytorch_path_and_passes_gradcheck():
@@ -406,6 +412,105 @@ def test_float64_runs_on_the_pytorch_path_and_passes_gradcheck():
     torch.autograd.gradcheck(lambda q, d: maxsim_varlen(q, d, cu_q, cu_d), (Q, D))
     torch.autograd.gradcheck(lambda q, d: maxsim_varlen(q, d, cu_q, cu_d, normalize=True), (Q, D))
     torch.autograd.gradcheck(lambda q, d: score_pairs_packed(q, d, cu_q, cu_d, pq, pd), (Q, D))
+
+
+def test_registered_packed_ops_pass_opcheck():
+    """The packed layouts' registered ops on the PyTorch path (the dense ones: test_blocked.py):
+    schema, fake tensors, autograd registration and AOT dispatch, for a packed cross product
+    (masked; normalized over a range of documents, the forward alone) and a pair list, each
+    strategy, inference too, and the backward with each gradient alone."""
+    fwd, bwd = torch.ops.fusedmaxsim.maxsim_packed_fwd, torch.ops.fusedmaxsim.maxsim_packed_bwd
+    lq, ld = [3, 0, 4], [5, 1, 0, 6]
+    Q = torch.randn(sum(lq), 16, requires_grad=True)
+    D = torch.randn(sum(ld), 16, requires_grad=True)
+    cu_q, cu_d = offsets(lq), offsets(ld)
+    pair_q, pair_d = torch.tensor([0, 2, 2, 1, 0]), torch.tensor([3, 0, 3, 1, 3])
+    q_mask, d_mask = torch.rand(sum(lq)) > 0.2, torch.rand(sum(ld)) > 0.2
+    q_inv, d_inv = torch.rand(sum(lq)) + 0.5, torch.rand(sum(ld)) + 0.5
+    max_q, max_d = max(lq), max(ld)
+    # (pairs, masks, inverse norms, col_lo, col_hi, fp32_precision, strategy)
+    cases = [
+        (None, (q_mask, d_mask), (None, None), 0, -1, "tf32", "auto"),
+        (None, (None, None), (q_inv, d_inv), 1, 3, "ieee", "lowmem"),
+        ((pair_q, pair_d), (q_mask, d_mask), (None, None), 0, -1, "tf32", "unified"),
+        ((pair_q, pair_d), (None, None), (q_inv, d_inv), 0, -1, "ieee", "lowmem"),
+    ]
+    for pairs, masks, norms, col_lo, col_hi, precision, strategy in cases:
+        index = pairs or (None, None)
+        # Inference (no argmax saved) on inputs that need no gradient: a backward would refuse.
+        # A range of documents without autograd: its backward is
+        # test_packed_backward_refuses_a_column_range's.
+        whole = (col_lo, col_hi) == (0, -1)
+        for q, d, save_argmax in ((Q if whole else Q.detach(), D if whole else D.detach(), True),
+                                  (Q.detach(), D.detach(), False)):
+            torch.library.opcheck(fwd, (q, d, cu_q, cu_d, *index, *masks, *norms, max_q, max_d,
+                                        col_lo, col_hi, save_argmax, "torch", precision, strategy))
+        scores, argmax = fwd(Q, D, cu_q, cu_d, *index, *masks, *norms, max_q, max_d, col_lo,
+                             col_hi, True, "torch", precision, strategy)
+        assert scores.shape == ((pair_q.numel(),) if pairs else (len(lq), (col_hi % 5) - col_lo))
+        if not whole:
+            col_lo, col_hi = 0, -1
+            scores, argmax = fwd(Q, D, cu_q, cu_d, *index, *masks, *norms, max_q, max_d, 0, -1,
+                                 True, "torch", precision, strategy)
+        grad = torch.randn_like(scores)
+        for need_q, need_d in ((True, True), (True, False), (False, True)):
+            torch.library.opcheck(bwd, (grad, Q.detach(), D.detach(), argmax.detach(), cu_q, cu_d,
+                                        *index, *norms, max_q, max_d, col_lo, col_hi, need_q,
+                                        need_d, strategy, "torch", precision))
+
+
+@pytest.mark.parametrize("strategy", ["unified", "lowmem"])
+def test_packed_backward_refuses_a_column_range(backend, strategy):
+    """The registered packed forward scores a range of documents ``[1, 3)`` as the whole cross
+    product's columns (inference, as retrieve's chunks); the backward covers every document of
+    its layout, so it refuses a range with a clear error instead of returning wrong gradients."""
+    fwd, bwd = torch.ops.fusedmaxsim.maxsim_packed_fwd, torch.ops.fusedmaxsim.maxsim_packed_bwd
+    lq, ld = [3, 0, 4], [5, 1, 0, 6]
+    Q, D = torch.randn(sum(lq), 16), torch.randn(sum(ld), 16)
+    cu_q, cu_d = offsets(lq), offsets(ld)
+    common = (cu_q, cu_d, None, None)
+    part, part_argmax = fwd(Q, D, *common, None, None, None, None, 4, 6, 1, 3, True, backend,
+                            "ieee", strategy)
+    whole, _ = fwd(Q, D, *common, None, None, None, None, 4, 6, 0, -1, True, backend, "ieee",
+                   strategy)
+    torch.testing.assert_close(part, whole[:, 1:3])
+    with pytest.raises(ValueError, match=r"column range \(col_lo=1, col_hi=3\) is scored for "
+                                         r"inference only"):
+        bwd(torch.randn_like(part), Q, D, part_argmax, *common, None, None, 4, 6, 1, 3, True,
+            True, strategy, backend, "ieee")
+
+
+def _cpu_compiler_missing() -> bool:
+    return not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "c++", "clang++"))
+
+
+@pytest.mark.skipif(_cpu_compiler_missing(),
+                    reason="torch.compile's CPU backend (Inductor) needs a C++ compiler, none found")
+def test_torch_compile_fullgraph_varlen_training_step():
+    """``maxsim_varlen`` and its backward under ``torch.compile(fullgraph=True)`` on the PyTorch
+    path (the registered packed ops traced with their fake tensors): the eager step's scores
+    and gradients. The maxima are given and the checks off: nothing reads the offsets' values
+    on the host while tracing."""
+    torch._dynamo.reset()
+    Q, D = packed(Q_LENGTHS), packed(D_LENGTHS)
+    cu_q, cu_d = offsets(Q_LENGTHS), offsets(D_LENGTHS)
+    q_mask, d_mask = masks()
+    grad = torch.randn(len(Q_LENGTHS), len(D_LENGTHS))
+
+    def step(q, d):
+        scores = maxsim_varlen(q, d, cu_q, cu_d, max(Q_LENGTHS), max(D_LENGTHS), q_mask=q_mask,
+                               d_mask=d_mask, normalize=True, validate=False)
+        return scores * 2.0
+
+    results = []
+    with settings.use_backend("torch"):
+        for fn in (torch.compile(step, fullgraph=True), step):
+            q, d = leaf(Q), leaf(D)
+            out = fn(q, d)
+            out.backward(grad)
+            results.append((out.detach(), q.grad, d.grad))
+    for compiled, eager in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,9 +5,9 @@ import pytest
 import torch
 from helpers import leaf, masks_with_holes
 
-from fusedmaxsim import maxsim, settings
-from fusedmaxsim.ragged import maxsim_varlen
-from fusedmaxsim.retrieval import MaxSimScorer, _as_packed, _corpus, _retrieve, retrieve
+from fusedmaxsim import maxsim, maxsim_varlen, settings
+from fusedmaxsim.planning import recording
+from fusedmaxsim.retrieval import MaxSimScorer, _corpus, _retrieve, retrieve
 
 DIM = 24
 
@@ -123,10 +123,12 @@ def test_streamed_chunks_equal_in_memory_chunks(backend, layout):
         assert torch.equal(streamed[1], in_memory[1]) and torch.equal(streamed[0], in_memory[0])
     public = retrieve(Q, D, 7, d_mask=d_mask, cu_seqlens_d=cu, normalize=True)
     assert torch.equal(public[1], in_memory[1])
-    if layout == "dense":  # the Triton path's view of a dense corpus as a packed one
-        as_packed = _retrieve(Q, None, _as_packed(corpus), 7, True, 4, False, True)
-        assert torch.equal(as_packed[1], in_memory[1])
-        torch.testing.assert_close(as_packed[0], in_memory[0])
+    if layout == "dense":  # the same documents as a packed corpus of equal lengths
+        as_packed = _corpus(D.reshape(-1, DIM), d_mask.reshape(-1), torch.arange(10) * 9, None,
+                            DIM, None)
+        packed_view = _retrieve(Q, None, as_packed, 7, True, 4, False, True)
+        assert torch.equal(packed_view[1], in_memory[1])
+        torch.testing.assert_close(packed_view[0], in_memory[0])
 
 
 def test_default_streamed_chunks_hold_whole_documents():
@@ -136,17 +138,25 @@ def test_default_streamed_chunks_hold_whole_documents():
     assert ranges == [(0, 2), (2, 4), (4, 5)]  # a document longer than the buffer stands alone
 
 
-def test_memory_is_bounded_by_the_chunk(backend, monkeypatch):
-    """Each scoring call sees at most ``chunk`` documents (the dense kernel on the PyTorch path,
-    the packed one, with the dense corpus as its view, on the Triton path)."""
-    from fusedmaxsim import _ops, retrieval
-
-    seen = []
-    dense, packed = _ops.maxsim_fwd_impl, retrieval.forward_impl
-    monkeypatch.setattr(_ops, "maxsim_fwd_impl", lambda *a: seen.append(a[1].shape[0]) or dense(*a))
-    monkeypatch.setattr(retrieval, "forward_impl", lambda *a: seen.append(a[0].n_cols) or packed(*a))
-    retrieve(torch.randn(2, 5, DIM), torch.randn(20, 9, DIM), 3, chunk=6)
-    assert seen == [6, 6, 6, 2]
+@pytest.mark.parametrize("layout", ["dense", "packed"])
+def test_memory_is_bounded_by_the_chunk(backend, layout):
+    """Each scoring call sees at most ``chunk`` documents: a dense corpus through the dense
+    forward, the very problem ``maxsim`` plans for those documents; a packed corpus through the
+    packed kernel, over its columns of the chunk."""
+    Q = torch.randn(2, 5, DIM)
+    if layout == "dense":
+        D, cu = torch.randn(20, 9, DIM), None
+    else:
+        D, cu = packed_corpus(20)
+    with recording() as plans:
+        retrieve(Q, D, 3, cu_seqlens_d=cu, chunk=6)
+    assert [p.Ncols for p, _ in plans] == [6, 6, 6, 2]
+    assert [p.layout for p, _ in plans] == ["cross" if layout == "dense" else "packed"] * 4
+    assert not any(p.save_argmax for p, _ in plans)
+    if layout == "dense":
+        with torch.no_grad(), recording() as maxsim_plans:
+            maxsim(Q, D[:6])
+        assert maxsim_plans == plans[:1]
 
 
 def test_progress_bar_goes_to_stderr(capsys):

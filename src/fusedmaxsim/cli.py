@@ -1,4 +1,4 @@
-"""``fusedmaxsim info | check | bench``: the command-line tool (also ``python -m fusedmaxsim``)."""
+"""fusedmaxsim info | check | bench | explain: the command-line tool (also python -m fusedmaxsim)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 import torch
 
 from . import __version__, settings
-from ._validate import select_backend, triton_available
+from ._problem import select_backend, triton_available
 from .testing import TOLERANCES, relative_error
 
 LAYOUTS = ("cross", "candidates", "pairs", "single")
@@ -30,11 +30,7 @@ def info_report(device: str) -> dict:
         "triton": None,
         "device": device,
         "cuda_available": torch.cuda.is_available(),
-        "settings": {
-            "backend": settings.backend(),
-            "fp32_precision": settings.fp32_precision(),
-            "torch_block_mib": settings.torch_block_bytes() / 2**20,
-        },
+        "settings": dict(settings.effective()),
         "layouts": {},
     }
     if triton_available():
@@ -69,8 +65,9 @@ def _print_info(report: dict) -> None:
     if gpu:
         print(f"{'gpu':<{width}}{gpu['name']} (capability {gpu['capability']}, "
               f"{gpu['multiprocessors']} SMs, {gpu['memory_gib']} GiB)")
+    print("\nsettings in force (docs: README, Settings)")
     for key, value in report["settings"].items():
-        print(f"{key:<{width}}{value}")
+        print(f"  {key:<32}{value}")
     print(f"\n{'dtype':<10}" + "".join(f"{layout:<12}" for layout in LAYOUTS))
     for dtype, row in report["layouts"].items():
         print(f"{dtype:<10}" + "".join(f"{row[layout]:<12}" for layout in LAYOUTS))
@@ -185,11 +182,62 @@ def build_parser() -> argparse.ArgumentParser:
     p_check = sub.add_parser("check", help="self-test of every layout against the float64 reference")
     p_check.add_argument("--device", default=_default_device())
     p_check.add_argument("--json", action="store_true")
-    p_bench = sub.add_parser("bench", help="time fused against naive PyTorch (and peers)")
-    from .benchmarking import add_bench_arguments
+    p_bench = sub.add_parser(
+        "bench", help="time the fused op against naive PyTorch on this device, parity first",
+        description="Times fusedmaxsim.maxsim against naive PyTorch (einsum + amax + sum) on a "
+                    "few shapes, after checking that both give the same scores.")
+    from ._bench import add_bench_arguments
 
     add_bench_arguments(p_bench)
+    p_explain = sub.add_parser(
+        "explain", help="the plan fusedmaxsim.maxsim runs for a shape: kernel, tiles, strategy",
+        description="Prints the plan of fusedmaxsim.maxsim for queries [Nq, Lq, d] against "
+                    "documents [Nd, Ld, d] (or per-query candidates [Nq, K, Ld, d] with "
+                    "--candidates K): the kernel, its tiles and splits and, with --training, the "
+                    "backward's strategy and chunking, each with its reason. Nothing is launched.")
+    p_explain.add_argument("--nq", type=int, default=32, help="queries (default 32)")
+    p_explain.add_argument("--lq", type=int, default=32, help="query tokens (default 32)")
+    p_explain.add_argument("--nd", type=int, default=1000, help="documents (default 1000)")
+    p_explain.add_argument("--ld", type=int, default=300, help="document tokens (default 300)")
+    p_explain.add_argument("--dim", type=int, default=128, help="embedding dim d (default 128)")
+    p_explain.add_argument("--candidates", type=int, default=None, metavar="K",
+                           help="score each query against its own K candidates instead")
+    p_explain.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES),
+                           help="input dtype (default bf16)")
+    p_explain.add_argument("--device", default=_default_device())
+    p_explain.add_argument("--training", action="store_true",
+                           help="a call that saves the argmax for a backward")
+    p_explain.add_argument("--normalize", action="store_true", help="L2-normalize the tokens")
+    p_explain.add_argument("--masks", action="store_true", help="with query and document masks")
+    p_explain.add_argument("--backward", default=None, choices=("auto", "unified", "lowmem"),
+                           help="the backward strategy (default auto)")
     return parser
+
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+           "fp64": torch.float64}
+
+
+def _explain(args) -> int:
+    from .planning import explain
+
+    try:
+        device = torch.device(args.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"device {args.device} is not available here (no CUDA device)")
+        dtype = _DTYPES[args.dtype]
+        Q = torch.empty(args.nq, args.lq, args.dim, dtype=dtype, device=device)
+        d_shape = (args.nd, args.ld) if args.candidates is None else (args.nq, args.candidates,
+                                                                       args.ld)
+        D = torch.empty(*d_shape, args.dim, dtype=dtype, device=device)
+        q_mask = torch.ones(Q.shape[:-1], dtype=torch.bool, device=device) if args.masks else None
+        d_mask = torch.ones(D.shape[:-1], dtype=torch.bool, device=device) if args.masks else None
+        print(explain(Q, D, q_mask, d_mask, normalize=args.normalize, backward=args.backward,
+                      training=args.training))
+    except (RuntimeError, ValueError) as exc:
+        print(f"fusedmaxsim explain: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,7 +255,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.json:
             print(f"({time.perf_counter() - start:.1f} s)")
         return code
-    from .benchmarking import run_bench
+    if args.command == "explain":
+        return _explain(args)
+    from ._bench import run_bench
 
     return run_bench(args)
 

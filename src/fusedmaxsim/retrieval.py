@@ -21,10 +21,18 @@ import time
 import torch
 from torch import Tensor
 
-from . import _ops, settings
-from ._validate import _check_float, _check_mask, check_backward, select_backend
-from ._ops import inverse_norms
-from .ragged import RaggedLayout, build_layout, dense_as_packed, forward_impl
+from ._autograd import inverse_norms, run_forward
+from ._problem import (
+    RaggedLayout,
+    _check_float,
+    _check_mask,
+    build_layout,
+    check_backward,
+    dense_as_packed,
+    dense_problem,
+    options_for,
+    packed_problem,
+)
 
 __all__ = ["MaxSimScorer", "retrieve"]
 
@@ -314,23 +322,6 @@ def _corpus(D: object, d_mask, cu_seqlens_d, max_seqlen_d, dim: int, validate) -
     return _Corpus(D, d_mask, layout.cu_d, host, layout.max_d)
 
 
-def _as_packed(corpus: _Corpus) -> _Corpus:
-    """A dense corpus seen as a packed one of equal lengths, when that is a view.
-
-    The packed kernel orders its programs query block first, so the programs reading one
-    document run together and it comes from HBM about once; the dense kernel's grid walks the
-    whole corpus once per query block.
-    """
-    D = corpus.tokens
-    if corpus.packed or D.stride(0) != D.shape[1] * D.stride(1):
-        return corpus
-    n_docs, length = D.shape[0], D.shape[1]
-    offsets = torch.arange(n_docs + 1, dtype=torch.int64) * length
-    host = offsets.tolist() if D.device.type == "cpu" else None
-    mask = None if corpus.mask is None else corpus.mask.reshape(-1)
-    return _Corpus(D.view(n_docs * length, D.shape[2]), mask, offsets.to(D.device), host, length)
-
-
 def retrieve(
     Q: Tensor,
     D: Tensor,
@@ -347,10 +338,9 @@ def retrieve(
 ) -> tuple[Tensor, Tensor]:
     """The ``top_k`` best documents of every query by MaxSim, in memory bounded by the chunk.
 
-    Inference only (no autograd). On the GPU every corpus is scored by the kernel of
-    :func:`fusedmaxsim.ragged.maxsim_varlen`, a contiguous dense corpus as a packed one of equal
-    lengths (that kernel's grid reads each document from HBM about once); the PyTorch path
-    scores dense corpora as :func:`fusedmaxsim.maxsim` does.
+    Inference only (no autograd). A dense corpus is scored chunk by chunk exactly as
+    :func:`fusedmaxsim.maxsim` scores the same data (the same plan, the same kernel), a packed
+    one as :func:`fusedmaxsim.maxsim_varlen` does.
 
     Args:
         Q (torch.Tensor): queries, `[Nq, Lq, d]` or `[Lq, d]`, on the device that scores.
@@ -366,14 +356,14 @@ def retrieve(
         d_mask (torch.Tensor, optional): `[Nd, Ld]`, or `[ΣLd]` for a packed corpus; on ``D``'s
             device.
         cu_seqlens_d (torch.Tensor, optional): `[Nd + 1]` offsets of a packed corpus (see
-            :mod:`fusedmaxsim.ragged`); on the CPU for a streamed corpus.
+            :func:`fusedmaxsim.maxsim_varlen`); on the CPU for a streamed corpus.
         max_seqlen_d (int, optional): the longest document of a packed corpus.
         normalize (bool): L2-normalize every token first. Default: ``False``.
         chunk (int, optional): documents scored at a time. Default: as many as 256 MiB of scores
             allow (a streamed corpus: as many as fit a 256 MiB buffer).
         progress (bool): draw a progress bar on stderr. Default: ``False``.
         validate (bool, optional): checks of a packed corpus's offsets, as in
-            :func:`fusedmaxsim.ragged.maxsim_varlen`.
+            :func:`fusedmaxsim.maxsim_varlen`.
 
     Returns:
         tuple[torch.Tensor, torch.Tensor]: ``(scores, indices)``, each `[Nq, k]` with
@@ -406,8 +396,6 @@ def retrieve(
             f"Q is on {device} but D is on {corpus.tokens.device}: a corpus may be on Q's device, "
             "or in CPU memory while Q is on a GPU (it is then streamed)"
         )
-    if select_backend(Q) == "triton":
-        corpus = _as_packed(corpus)
     with torch.no_grad():
         scores, indices = _retrieve(
             Q, q_mask, corpus, k, bool(normalize), chunk, bool(progress), stream
@@ -434,16 +422,19 @@ def _chunk_ranges(corpus: _Corpus, chunk: int | None, n_queries: int, stream: bo
 
 class _ChunkScorer:
     """Scores of every query against the documents ``[c0, c1)``, whichever the corpus layout:
-    the dense kernel on a dense chunk, the packed kernel on a streamed packed chunk (its own
-    offsets) or on an in-memory packed corpus (its columns ``[c0, c1)``, no host slicing)."""
+    a dense chunk as :func:`fusedmaxsim.maxsim` scores it (the same problem, so the same plan),
+    a streamed packed chunk through its own offsets, an in-memory packed corpus through its
+    columns ``[c0, c1)`` (no host slicing)."""
 
     def __init__(self, Q: Tensor, q_mask, corpus: _Corpus, normalize: bool, stream: bool):
         self.dtype = torch.promote_types(Q.dtype, corpus.tokens.dtype)
         self.Q, self.q_mask = Q.to(self.dtype), q_mask
         self.corpus, self.normalize, self.stream = corpus, normalize, stream
-        self.backend = select_backend(self.Q)
-        self.precision = settings.fp32_precision()
-        self.q_inv = inverse_norms(self.Q, self.backend) if normalize else None
+        self.options = options_for(self.Q)
+        # A dense chunk on the Triton path normalizes from its tiles, as maxsim's inference does.
+        self.from_tiles = normalize and not corpus.packed and self.options.backend == "triton"
+        self.q_inv = inverse_norms(self.Q, self.options.backend) \
+            if normalize and not self.from_tiles else None
         if corpus.packed:
             self.Qp, self.cu_q, self.qm = dense_as_packed(self.Q, q_mask)
             self.qi = None if self.q_inv is None else self.q_inv.reshape(-1)
@@ -457,7 +448,8 @@ class _ChunkScorer:
 
     def _prepare(self, tokens: Tensor) -> tuple[Tensor, Tensor | None]:
         tokens = tokens.to(self.dtype)
-        return tokens, inverse_norms(tokens, self.backend) if self.normalize else None
+        needs_norms = self.normalize and not self.from_tiles
+        return tokens, inverse_norms(tokens, self.options.backend) if needs_norms else None
 
     def __call__(self, c0: int, c1: int, tokens: Tensor, mask, offsets) -> Tensor:
         if self.corpus.packed and not self.stream:
@@ -465,18 +457,17 @@ class _ChunkScorer:
         else:
             tokens, d_inv = self._prepare(tokens)
             if not self.corpus.packed:
-                return _ops.maxsim_fwd_impl(
-                    self.Q, tokens, self.q_mask, mask, self.q_inv, d_inv, False, self.backend,
-                    self.precision, "auto", 0.0,
-                )[0]
+                p = dense_problem(self.Q, tokens, self.q_mask, mask, normalize=self.normalize,
+                                  norm_from_tiles=self.from_tiles)
+                return run_forward(p, self.options, self.Q, tokens, self.q_mask, mask,
+                                   self.q_inv, d_inv)[0]
             layout = RaggedLayout(
                 self.cu_q, offsets, self.Qp.shape[0], tokens.shape[0], self.Q.shape[1],
                 self.corpus.max_len,
             )
-        return forward_impl(
-            layout, self.Qp, tokens, self.qm, mask, self.qi, d_inv, False, self.backend,
-            self.precision,
-        )[0]
+        p = packed_problem(layout, self.Qp, self.qm, mask, normalize=self.normalize)
+        return run_forward(p, self.options, self.Qp, tokens, self.qm, mask, self.qi, d_inv,
+                           layout)[0]
 
 
 def _retrieve(Q, q_mask, corpus: _Corpus, k: int, normalize: bool, chunk: int | None,
@@ -572,13 +563,12 @@ class MaxSimScorer(torch.nn.Module):
     ) -> Tensor:
         """Scores ``[Nq, Nd]`` (or as :func:`fusedmaxsim.maxsim` shapes them), with autograd.
 
-        * lists of `[L, d]` tensors: :func:`fusedmaxsim.ragged.maxsim_ragged`;
-        * ``cu_seqlens_d`` (packed documents): :func:`fusedmaxsim.ragged.maxsim_varlen`, with
+        * lists of `[L, d]` tensors: :func:`fusedmaxsim.maxsim_ragged`;
+        * ``cu_seqlens_d`` (packed documents): :func:`fusedmaxsim.maxsim_varlen`, with
           ``Q`` packed (``cu_seqlens_q``) or a dense `[Nq, Lq, d]` batch (``q_mask`` allowed);
         * otherwise :func:`fusedmaxsim.maxsim` (dense, masks, per-query candidates).
         """
-        from .api import maxsim
-        from .ragged import maxsim_ragged, maxsim_varlen
+        from .api import maxsim, maxsim_ragged, maxsim_varlen
 
         if isinstance(Q, (list, tuple)) or isinstance(D, (list, tuple)):
             if q_mask is not None or d_mask is not None:

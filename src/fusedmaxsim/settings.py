@@ -8,10 +8,15 @@
 | ``FUSEDMAXSIM_AUTOTUNE`` | ``1`` | time a few tile configurations on the first call of each forward shape class (CUDA) |
 | ``FUSEDMAXSIM_EXACT_TIES`` | ``1`` | the training forward decides every tie and near-tie of the max exactly, on Hopper GPUs too |
 | ``FUSEDMAXSIM_DISABLE`` | ``1`` | patched PyLate / colpali-engine entry points fall through to the host's code |
+| ``FUSEDMAXSIM_HOPPER_KERNEL`` | ``1`` (default), ``0`` | the Gluon forward on Hopper GPUs; ``0`` runs the Triton kernel everywhere |
+| ``FUSEDMAXSIM_TRITON_FAST_LAUNCH`` | ``1`` (default), ``0`` | launch compiled kernels directly; ``0`` goes through Triton's own launch path (read at import) |
+| ``FUSEDMAXSIM_POISON_OUTPUTS`` | ``1`` | fill every output with NaN (or -7) before the kernels write it, so tests catch unwritten elements (read at import) |
 | ``TRITON_INTERPRET`` | ``1`` | Triton kernels run on CPU tensors (slow; for tests) |
 
-``FUSEDMAXSIM_DISABLE`` is read at every call by the integrations. The others are read when
-fusedmaxsim is imported (and again by :func:`reload`); change
+This module is the one reader of these variables. ``FUSEDMAXSIM_DISABLE`` is read at every call
+(:func:`integrations_disabled`); ``TRITON_INTERPRET``, ``FUSEDMAXSIM_TRITON_FAST_LAUNCH`` and
+``FUSEDMAXSIM_POISON_OUTPUTS`` when fusedmaxsim is imported; the others when fusedmaxsim is imported
+and again by :func:`reload`; change
 a setting at run time with its setter or context manager, which take precedence. Reading the
 environment once keeps it off the per-call path, where small calls cost microseconds.
 """
@@ -22,7 +27,19 @@ import contextlib
 import os
 from collections.abc import Iterator
 
+
+def _triton_interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. at import: so does fusedmaxsim.
+INTERPRETER = _triton_interpret()
+
 __all__ = [
+    "effective",
+    "hopper_kernel",
+    "integrations_disabled",
+    "set_hopper_kernel",
     "reload",
     "autotune",
     "set_autotune",
@@ -59,6 +76,15 @@ def reload() -> None:
 reload()
 
 
+def _remember(name: str, value: object) -> None:
+    """Keep a resolved value until the next change; not while ``torch.compile`` traces (its
+    guards on this cache would fail on the frame that wrote it), where it is resolved again."""
+    import torch
+
+    if not torch.compiler.is_compiling():
+        _resolved[name] = value
+
+
 def _choice(name: str, env: str, default: str, allowed: tuple[str, ...]) -> str:
     value = _resolved.get(name)
     if value is not None:
@@ -68,7 +94,7 @@ def _choice(name: str, env: str, default: str, allowed: tuple[str, ...]) -> str:
         value = _environment.get(env, default).strip().lower() or default
     if value not in allowed:
         raise ValueError(f"{env} (or {name}) must be one of {allowed}, got {value!r}")
-    _resolved[name] = value
+    _remember(name, value)
     return value
 
 
@@ -103,7 +129,8 @@ def _flag(name: str, env: str) -> bool:
     value = _overrides.get(name)
     if value is None:
         value = _environment.get(env, "0").strip().lower() in ("1", "true", "yes")
-    value = _resolved[name] = bool(value)
+    value = bool(value)
+    _remember(name, value)
     return value
 
 
@@ -194,3 +221,58 @@ def use_fp32_precision(value: str) -> contextlib.AbstractContextManager[None]:
 def use_exact_ties(value: bool = True) -> contextlib.AbstractContextManager[None]:
     """``with use_exact_ties(): ...`` decides every tie and near-tie of the max exactly."""
     return _scoped("exact_ties", set_exact_ties, value)
+
+
+def hopper_kernel() -> bool:
+    """Whether the Gluon forward may run on Hopper GPUs (``FUSEDMAXSIM_HOPPER_KERNEL``, on by
+    default). It turns itself off for the process if the Gluon kernel fails to build or launch."""
+    value = _resolved.get("hopper_kernel")
+    if value is None:
+        value = _overrides.get("hopper_kernel")
+        if value is None:
+            value = _environment.get("FUSEDMAXSIM_HOPPER_KERNEL", "1").strip() != "0"
+        value = bool(value)
+        _remember("hopper_kernel", value)
+    return value
+
+
+def set_hopper_kernel(value: bool | None) -> None:
+    """The Gluon forward on or off; ``None`` returns to ``FUSEDMAXSIM_HOPPER_KERNEL``."""
+    _set_flag("hopper_kernel", value)
+
+
+def integrations_disabled() -> bool:
+    """``FUSEDMAXSIM_DISABLE=1``: the patched PyLate / colpali-engine entry points fall through to
+    the host library's own code (read at every call, so it can be flipped at run time)."""
+    return os.environ.get("FUSEDMAXSIM_DISABLE", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+# Read once, at import: the launcher and the output allocator consult them on every launch.
+TRITON_FAST_LAUNCH = os.environ.get("FUSEDMAXSIM_TRITON_FAST_LAUNCH", "1").strip() != "0"
+POISON_OUTPUTS = os.environ.get("FUSEDMAXSIM_POISON_OUTPUTS", "0").strip() == "1"
+
+
+def snapshot() -> tuple[str, bool, bool, bool, int]:
+    """``(fp32_precision, exact_ties, autotune, hopper_kernel, torch_block_bytes)`` as in force
+    now, resolved once and kept until a setting changes (every call reads them)."""
+    found = _resolved.get("snapshot")
+    if found is None:
+        found = (fp32_precision(), exact_ties(), autotune(), hopper_kernel(), torch_block_bytes())
+        _remember("snapshot", found)
+    return found
+
+
+def effective() -> list[tuple[str, str]]:
+    """Every setting's variable and its value in force now (``fusedmaxsim info`` prints them)."""
+    return [
+        ("FUSEDMAXSIM_BACKEND", backend()),
+        ("FUSEDMAXSIM_FP32_PRECISION", fp32_precision()),
+        ("FUSEDMAXSIM_TORCH_BLOCK_MB", f"{torch_block_bytes() / 2**20:g}"),
+        ("FUSEDMAXSIM_AUTOTUNE", str(int(autotune()))),
+        ("FUSEDMAXSIM_EXACT_TIES", str(int(exact_ties()))),
+        ("FUSEDMAXSIM_HOPPER_KERNEL", str(int(hopper_kernel()))),
+        ("FUSEDMAXSIM_DISABLE", str(int(integrations_disabled()))),
+        ("FUSEDMAXSIM_TRITON_FAST_LAUNCH", str(int(TRITON_FAST_LAUNCH))),
+        ("FUSEDMAXSIM_POISON_OUTPUTS", str(int(POISON_OUTPUTS))),
+        ("TRITON_INTERPRET", str(int(INTERPRETER))),
+    ]

@@ -17,20 +17,18 @@ runs instead, which is the quickest way to tell whether a difference comes from 
 from __future__ import annotations
 
 import inspect
-import os
 import sys
 from functools import reduce
 
 import torch
 
+from .. import settings
+
 __all__ = ["disabled"]
-
-_TRUE = ("1", "true", "yes", "on")
-
 
 def disabled() -> bool:
     """True when ``FUSEDMAXSIM_DISABLE`` asks every integration to run the host's own code."""
-    return os.environ.get("FUSEDMAXSIM_DISABLE", "").strip().lower() in _TRUE
+    return settings.integrations_disabled()
 
 
 def host_dtype(*tensors: torch.Tensor | None) -> torch.dtype:

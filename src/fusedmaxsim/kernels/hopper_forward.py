@@ -3,7 +3,7 @@ previous tile's max.
 
 Math
 ----
-The forward of ``_kernels._maxsim_fwd_kernel`` without masks or the smooth max, with or without
+The forward of ``forward._maxsim_fwd_kernel`` without masks or the smooth max, with or without
 normalization (the norms from the tiles, ``NORMALIZE``) or, without it, the argmax
 (``SAVE_ARGMAX``): the same products, norms and maxima (a chunk's row sums may be added in
 another order, so scores can differ from Triton's in the last bit)::
@@ -14,7 +14,7 @@ another order, so scores can differ from Triton's in the last bit)::
                     inv(x) = 1 / max(‖x‖, 1e-12) in fp32 from the 16-bit tokens
     SAVE_ARGMAX:    A[i, j, s] = the winning t, from coded similarities (below)
 
-The argmax without a third register tile (benchmarks/NOTES.md sections 42 and 46): each product
+The argmax without a third register tile (docs/design.md, Hopper: the coded argmax): each product
 of pass tile ``p`` (at most ``TILE_CODES`` tiles a pass) is coded as ``(S & -16) | (15 - p)`` on
 its fp32 bits, and the running max folds the coded values with the same one ``max`` an element
 as the scores alone. The end of a pass reduces each row over the columns (the larger coded
@@ -29,7 +29,7 @@ Why a second kernel
 In the Triton kernel each document tile's warp-group product is waited for right after it is
 issued, and the max (and argmax) of its similarities runs while the tensor cores idle: the wait
 is the most-sampled instruction of the forward, 19-21% of all warp samples, and the tensor pipe
-is busy about half the time (benchmarks/NOTES.md section 29). Triton 3.6-3.9 does not reorder
+is busy about half the time (docs/design.md, Forward: chunk splits). Triton 3.6-3.9 does not reorder
 this (section 20). Here the loop is written out: the product of tile ``t`` is issued
 asynchronously, then the kernel waits only for the product of tile ``t - 1`` and folds it into
 the running max while tile ``t``'s product runs. Document tiles arrive by TMA into a ring of
@@ -42,7 +42,7 @@ CTA barrier orders those reads before the slot's refill, and the norms are loade
 buffer in the product's column layout and applied before the fold (section 35: no barrier
 before the product's issue, as a layout conversion there had). With ``TILES_FIRST`` (documents
 streamed from DRAM) a pass requests its first tiles before loading its query chunk, so that the
-two latencies overlap (benchmarks/NOTES.md section 33).
+two latencies overlap (docs/design.md, Hopper).
 
 Grid mapping
 ------------
@@ -54,7 +54,7 @@ the next one (or are TMA's zero fill past the last) and are masked out of the ma
 ``DOCS_PER_PROGRAM > 1`` (one query chunk, documents of at least ``NUM_STAGES`` tiles) program
 ``(j, b)`` owns documents ``j · DOCS_PER_PROGRAM, …`` (fewer in the last), one pass each: the
 query chunk is loaded once, and the refills of a pass request the next document's first tiles,
-so the ring is filled once a program (benchmarks/NOTES.md section 38).
+so the ring is filled once a program (docs/design.md, Hopper: documents a program).
 
 Caveats
 -------
@@ -64,7 +64,7 @@ Caveats
 * Two ``[BLOCK_M, BLOCK_N]`` fp32 products live at once (the one in flight and the one being
   folded), beside the running max: ``BLOCK_N`` stays at 32-64.
 * The argmax as a third register tile beside the running max ran slower than the Triton kernel
-  under every tile, stage and warp count measured (benchmarks/NOTES.md sections 30-31), and so
+  under every tile, stage and warp count measured (docs/design.md, Hopper: tile sets), and so
   did a fold of five instructions an element (section 42): the fold, not the wait for the
   product, sets the pace. The coded fold is two (a ``lop3``, then the ``max``).
 * With ``SAVE_ARGMAX``, an infinite similarity coded with a nonzero code is a NaN: a row whose

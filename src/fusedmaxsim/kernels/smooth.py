@@ -43,7 +43,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._kernels import _dot
+from .common import _dot
 
 
 @triton.jit(do_not_specialize=["Nq", "Ncols", "Lq", "Ld"])

@@ -11,14 +11,18 @@ processed whole.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 from torch import Tensor
 
-from ._configs import argmax_dtype
+from ._plan import argmax_dtype
 
-__all__ = ["maxsim_bwd_blocked", "maxsim_fwd_blocked", "plan_blocks", "smooth_bwd_blocked"]
+__all__ = [
+    "maxsim_bwd_blocked", "maxsim_fwd_blocked", "packed_bwd_torch", "packed_fwd_torch", "plan_blocks",
+    "smooth_bwd_blocked",
+]
 
 _LOG2E = math.log2(math.e)
 
@@ -135,7 +139,7 @@ def maxsim_fwd_blocked(
                     best, arg = sim.max(dim=-1)  # [bq, ls, bc]; NaN propagates; lowest index wins
                 else:
                     # No indices to find: on a CPU `amax` takes a third of the time of `max`'s
-                    # value-and-index pass (benchmarks/NOTES.md section 28). NaN propagates alike.
+                    # value-and-index pass (docs/design.md, PyTorch path). NaN propagates alike.
                     best = sim.amax(dim=-1)
                 del sim
                 none = best == float("-inf")
@@ -266,3 +270,227 @@ def smooth_bwd_blocked(
                         else:
                             grad_d[cs] += torch.einsum("qsct,qsh->cth", weight, q_blk)
     return _out_grads(grad_q, grad_d, Q, D, need_grad_q, need_grad_d, fp32_out, ct)
+
+
+# --------------------------------------------------------------------------------------------
+# The PyTorch path: the packed sequences are padded a bounded block at a time and scored by the
+# dense path's blocked implementation, so that both paths share one contract.
+# --------------------------------------------------------------------------------------------
+
+
+def _lengths(cu: Tensor, rows: int) -> Tensor:
+    """Sequence lengths, with offsets clamped into ``[0, rows]`` as the kernels clamp them."""
+    cu = cu.long()
+    lo = cu[:-1].clamp(0, rows)
+    hi = torch.maximum(cu[1:].clamp(max=rows), lo)
+    return hi - lo
+
+
+def _padded_rows(cu: Tensor, seqs: Tensor, width: int, rows: int) -> tuple[Tensor, Tensor]:
+    """Packed row of every slot of a ``[len(seqs), width]`` padded view, and which slots hold a
+    token of their sequence (the rows of the others are clamped into range and never matter)."""
+    cu = cu.long()
+    lo = cu[seqs].clamp(0, rows)
+    hi = torch.maximum(cu[seqs + 1].clamp(max=rows), lo)
+    slots = torch.arange(width, device=cu.device)
+    inside = slots < (hi - lo)[:, None]
+    return (lo[:, None] + slots).clamp(max=max(rows - 1, 0)), inside
+
+
+def _gather(x: Tensor | None, idx: Tensor) -> Tensor | None:
+    if x is None:
+        return None
+    if x.shape[0] == 0:
+        return x.new_zeros((*idx.shape, *x.shape[1:]))
+    return x[idx]
+
+
+@dataclasses.dataclass
+class _Padded:
+    """Some sequences of one side gathered into a padded block."""
+
+    rows: Tensor  # [n, width] packed row of each slot
+    inside: Tensor  # [n, width] the slot holds a token of its sequence
+    valid: Tensor  # inside, and not masked
+    tokens: Tensor  # [n, width, d]
+    inv: Tensor | None  # [n, width] inverse norms
+
+
+def _pad(cu, seqs, width, rows, X, mask, inv, keep=None) -> _Padded:
+    idx, inside = _padded_rows(cu, seqs, width, rows)
+    if keep is not None:
+        inside = inside & keep[:, None]
+    valid = inside if mask is None else inside & _gather(mask, idx)
+    return _Padded(idx, inside, valid, _gather(X, idx), _gather(inv, idx))
+
+
+def _column_groups(lengths: list[int], max_len: int, dim: int, budget: int):
+    """Consecutive documents whose padded block (``count · width · d``) fits the budget, each
+    padded to its own longest document, not the corpus's."""
+    start, width = 0, 0
+    for n, length in enumerate(lengths):
+        w = max(width, min(length, max_len))
+        if n > start and (n + 1 - start) * max(w, 1) * dim > budget:
+            yield start, n, width
+            start, w = n, min(length, max_len)
+        width = w
+    if start < len(lengths):
+        yield start, len(lengths), width
+
+
+def _too_long(lengths: Tensor, bound: int) -> Tensor:
+    return lengths > bound
+
+
+def _cross_fwd_torch(layout, Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, block_bytes):
+    ct = _compute_dtype(Q)
+    device, dim = Q.device, Q.shape[1]
+    n_q, n_cols, rows_q = layout.n_queries, layout.n_cols, layout.rows_q
+    scores = torch.zeros((n_q, n_cols), dtype=ct, device=device)
+    argmax_shape = (n_cols, rows_q) if save_argmax else (0,)
+    argmax = torch.full(argmax_shape, -1, dtype=torch.int32, device=device)
+    if n_q == 0 or n_cols == 0:
+        return scores, argmax
+    len_q = _lengths(layout.cu_q, rows_q)
+    len_d = _lengths(layout.cu_d[layout.col_lo : layout.col_lo + n_cols + 1], layout.rows_d)
+    width_q = min(int(len_q.max()), layout.max_q)
+    qp = _pad(layout.cu_q, torch.arange(n_q, device=device), width_q, rows_q, Q, q_mask, q_inv)
+    q_rows = qp.rows[qp.inside]
+    for c0, c1, width_d in _column_groups(len_d.tolist(), layout.max_d, dim, block_bytes // 4):
+        docs = torch.arange(layout.col_lo + c0, layout.col_lo + c1, device=device)
+        dp = _pad(layout.cu_d, docs, width_d, layout.rows_d, D, d_mask, d_inv)
+        s, a = maxsim_fwd_blocked(
+            qp.tokens, dp.tokens, qp.valid, dp.valid, qp.inv, dp.inv, save_argmax, block_bytes
+        )
+        scores[:, c0:c1] = s
+        if save_argmax:
+            argmax[c0:c1, q_rows] = a.permute(1, 0, 2)[:, qp.inside].to(argmax.dtype)
+    # As on the GPU: a sequence longer than its promised maximum scores NaN.
+    broken = _too_long(len_q, layout.max_q)[:, None] | _too_long(len_d, layout.max_d)[None, :]
+    return torch.where(broken, float("nan"), scores), argmax
+
+
+def _cross_bwd_torch(layout, grad, Q, D, argmax, q_inv, d_inv, need_q, need_d, block_bytes):
+    ct = _compute_dtype(Q)
+    device, dim = Q.device, Q.shape[1]
+    n_q, n_cols, rows_q = layout.n_queries, layout.n_cols, layout.rows_q
+    grad_q = torch.zeros(Q.shape, dtype=ct, device=device) if need_q else None
+    grad_d = torch.zeros(D.shape, dtype=ct, device=device) if need_d else None
+    if n_q == 0 or n_cols == 0:
+        return grad_q, grad_d
+    len_q = _lengths(layout.cu_q, rows_q)
+    len_d = _lengths(layout.cu_d, layout.rows_d)
+    width_q = min(int(len_q.max()), layout.max_q)
+    qp = _pad(layout.cu_q, torch.arange(n_q, device=device), width_q, rows_q, Q, None, q_inv)
+    q_rows = qp.rows[qp.inside]
+    grad_qp = torch.zeros((n_q, width_q, dim), dtype=ct, device=device) if need_q else None
+    for c0, c1, width_d in _column_groups(len_d.tolist(), layout.max_d, dim, block_bytes // 4):
+        docs = torch.arange(c0, c1, device=device)
+        dp = _pad(layout.cu_d, docs, width_d, layout.rows_d, D, None, d_inv)
+        arg = torch.full((c1 - c0, n_q, width_q), -1, dtype=torch.int32, device=device)
+        arg[:, qp.inside] = argmax[c0:c1, q_rows]
+        gq, gd = maxsim_bwd_blocked(
+            grad[:, c0:c1], qp.tokens, dp.tokens, arg.permute(1, 0, 2), qp.inv, dp.inv,
+            need_q, need_d, True, block_bytes,
+        )
+        if need_q:
+            grad_qp += gq
+        if need_d:
+            grad_d[dp.rows[dp.inside]] = gd[dp.inside]
+    if need_q:
+        grad_q[q_rows] = grad_qp[qp.inside]
+    return grad_q, grad_d
+
+
+class _PairBlocks:
+    """The pair list in blocks of pairs, each side padded to its longest sequence (capped by the
+    promised maximum), a block holding at most the PyTorch path's budget of tokens."""
+
+    def __init__(self, layout, dim: int, block_bytes: int):
+        self.layout = layout
+        self.len_q = _lengths(layout.cu_q, layout.rows_q)
+        self.len_d = _lengths(layout.cu_d, layout.rows_d)
+        self.width_q = min(int(self.len_q.max()) if self.len_q.numel() else 0, layout.max_q)
+        self.width_d = min(int(self.len_d.max()) if self.len_d.numel() else 0, layout.max_d)
+        per_pair = max(1, (self.width_q + self.width_d) * max(dim, 1))
+        self.step = max(1, (block_bytes // 4) // per_pair)
+
+    def __iter__(self):
+        layout = self.layout
+        for p0 in range(0, layout.n_pairs, self.step):
+            sl = slice(p0, min(layout.n_pairs, p0 + self.step))
+            pq, pd = layout.pair_q[sl].long(), layout.pair_d[sl].long()
+            ok = (pq >= 0) & (pq < layout.n_queries) & (pd >= 0) & (pd < layout.n_docs)
+            yield sl, torch.where(ok, pq, 0), torch.where(ok, pd, 0), ok
+
+    def pad(self, pq, pd, ok, Q, D, q_mask, d_mask, q_inv, d_inv) -> tuple[_Padded, _Padded]:
+        layout = self.layout
+        qp = _pad(layout.cu_q, pq, self.width_q, layout.rows_q, Q, q_mask, q_inv, keep=ok)
+        dp = _pad(layout.cu_d, pd, self.width_d, layout.rows_d, D, d_mask, d_inv, keep=ok)
+        return qp, dp
+
+
+def _pairs_fwd_torch(layout, Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, block_bytes):
+    ct = _compute_dtype(Q)
+    n_pairs = layout.n_pairs
+    scores = torch.zeros(n_pairs, dtype=ct, device=Q.device)
+    argmax = torch.full(
+        (n_pairs, layout.max_q) if save_argmax else (0,), -1, dtype=torch.int32, device=Q.device
+    )
+    if n_pairs == 0:
+        return scores, argmax
+    if layout.n_queries == 0 or layout.n_docs == 0:  # every index is out of range
+        return scores.fill_(float("nan")), argmax
+    blocks = _PairBlocks(layout, Q.shape[1], block_bytes)
+    for sl, pq, pd, ok in blocks:
+        qp, dp = blocks.pad(pq, pd, ok, Q, D, q_mask, d_mask, q_inv, d_inv)
+        s, a = maxsim_fwd_blocked(
+            qp.tokens, dp.tokens.unsqueeze(1), qp.valid, dp.valid.unsqueeze(1), qp.inv,
+            None if dp.inv is None else dp.inv.unsqueeze(1), save_argmax, block_bytes,
+        )
+        broken = ~ok | _too_long(blocks.len_q[pq], layout.max_q)
+        broken = broken | _too_long(blocks.len_d[pd], layout.max_d)
+        scores[sl] = torch.where(broken, float("nan"), s[:, 0])
+        if save_argmax:
+            argmax[sl, : blocks.width_q] = a[:, 0].to(argmax.dtype)
+    return scores, argmax
+
+
+def _pairs_bwd_torch(layout, grad, Q, D, argmax, q_inv, d_inv, need_q, need_d, block_bytes):
+    ct = _compute_dtype(Q)
+    grad_q = torch.zeros(Q.shape, dtype=ct, device=Q.device) if need_q else None
+    grad_d = torch.zeros(D.shape, dtype=ct, device=D.device) if need_d else None
+    if layout.n_pairs == 0 or layout.n_queries == 0 or layout.n_docs == 0:
+        return grad_q, grad_d
+    blocks = _PairBlocks(layout, Q.shape[1], block_bytes)
+    for sl, pq, pd, ok in blocks:
+        qp, dp = blocks.pad(pq, pd, ok, Q, D, None, None, q_inv, d_inv)
+        gq, gd = maxsim_bwd_blocked(
+            grad[sl].unsqueeze(1), qp.tokens, dp.tokens.unsqueeze(1),
+            argmax[sl, : blocks.width_q].unsqueeze(1), qp.inv,
+            None if dp.inv is None else dp.inv.unsqueeze(1), need_q, need_d, True, block_bytes,
+        )
+        # Pairs share queries and documents: their gradients add up (index_put_ with
+        # accumulate sorts the indices on CUDA: deterministic, where index_add_ uses atomics).
+        if need_q:
+            grad_q.index_put_((qp.rows[qp.inside],), gq[qp.inside], accumulate=True)
+        if need_d:
+            grad_d.index_put_((dp.rows[dp.inside],), gd[:, 0][dp.inside], accumulate=True)
+    return grad_q, grad_d
+
+
+def packed_fwd_torch(layout, Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, block_bytes):
+    """Scores and argmax of a packed layout (cross product or pair list), as the Triton path."""
+    fwd = _pairs_fwd_torch if layout.pair_q is not None else _cross_fwd_torch
+    return fwd(layout, Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, block_bytes)
+
+
+def packed_bwd_torch(layout, grad, Q, D, argmax, q_inv, d_inv, need_q, need_d, fp32_out,
+                     block_bytes):
+    """Gradients of a packed layout in the inputs' dtypes (fp32 with ``fp32_out``); an
+    unneeded one is an empty tensor."""
+    bwd = _pairs_bwd_torch if layout.pair_q is not None else _cross_bwd_torch
+    grad_q, grad_d = bwd(layout, grad, Q, D, argmax, q_inv, d_inv, need_q, need_d, block_bytes)
+    grad_q, grad_d = _out_grads(grad_q, grad_d, Q, D, need_q, need_d, fp32_out, _compute_dtype(Q))
+    none = Q.new_empty((0,))
+    return (none if grad_q is None else grad_q), (none if grad_d is None else grad_d)

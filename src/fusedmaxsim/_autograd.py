@@ -1,0 +1,438 @@
+"""Autograd for every layout: registered ``torch.library`` ops and an eager fast path.
+
+Two op pairs, each with fake (meta) implementations, so that every front door traces under
+``torch.compile(fullgraph=True)`` and passes ``torch.library.opcheck``:
+
+* ``fusedmaxsim::maxsim_fwd`` / ``maxsim_bwd``: the dense layouts (cross product, per-query
+  candidates, diagonal pairs);
+* ``fusedmaxsim::maxsim_packed_fwd`` / ``maxsim_packed_bwd``: the packed layouts (packed cross
+  product over a range of documents, pair lists), the ``RaggedLayout`` passed as its tensors and
+  integers.
+
+The forward returns the scores and, when a gradient will be needed, what the backward reads (the
+argmax, or under the smooth max each row's log-sum-exp); the backward turns it into gradients.
+Eager calls skip the dispatcher through :class:`MaxSimFunction`, which runs the same code: one
+``run_forward`` / ``run_backward`` that asks the planner (``_plan``) and hands its plan to a
+launcher (``_launch``) or to the PyTorch path (``_torch_path``).
+
+With ``normalize``, the inverse norms enter as inputs (detached); the kernels produce gradients
+with respect to the normalized tokens and this module applies the normalization's Jacobian, so the
+result equals ``F.normalize`` followed by MaxSim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import _torch_path
+from ._plan import argmax_dtype, plan_backward, plan_forward
+from ._problem import Options, Problem, RaggedLayout, dense_problem, options_for, packed_problem
+
+NORM_EPS = 1e-12  # F.normalize's default
+
+__all__ = ["NORM_EPS", "NormalizeTokens", "inverse_norms", "run_backward", "run_forward",
+           "scores_dense", "scores_packed"]
+
+
+def _launch():
+    """The Triton launchers, imported on first use: the PyTorch path never imports Triton."""
+    from ._launch import backward, forward
+
+    return forward, backward
+
+
+# ------------------------------------------------------------------------------------------------
+# One forward and one backward for every layout: plan, then launch
+# ------------------------------------------------------------------------------------------------
+
+
+def run_forward(p: Problem, o: Options, Q, D, q_mask, d_mask, q_inv, d_inv,
+                layout: RaggedLayout | None = None) -> tuple[Tensor, Tensor]:
+    """Scores and what the backward reads (a shared empty tensor when ``p.save_argmax`` is off)."""
+    plan = plan_forward(p, o)
+    if plan.kernel == "torch":
+        if layout is not None:
+            return _torch_path.packed_fwd_torch(layout, Q, D, q_mask, d_mask, q_inv, d_inv,
+                                                p.save_argmax, o.torch_block_bytes)
+        return _torch_path.maxsim_fwd_blocked(Q, D, q_mask, d_mask, q_inv, d_inv, p.save_argmax,
+                                              o.torch_block_bytes, p.tau)
+    forward = _launch()[0]
+    if layout is not None:
+        return forward.forward_packed(plan, p, o.fp32_precision, layout, Q, D, q_mask, d_mask,
+                                      q_inv, d_inv)
+    return forward.forward_dense(plan, p, o.fp32_precision, Q, D, q_mask, d_mask, q_inv, d_inv)
+
+
+def run_backward(p: Problem, o: Options, strategy: str, grad: Tensor, Q, D, saved, q_inv, d_inv,
+                 d_mask, need_q: bool, need_d: bool,
+                 layout: RaggedLayout | None = None) -> tuple[Tensor, Tensor]:
+    """``(grad_Q, grad_D)`` with respect to the (normalized) tokens; an unneeded one is an empty
+    tensor. ``d_mask`` is read only by the smooth max, whose backward recomputes the
+    similarities."""
+    if layout is not None and (layout.col_lo or layout.col_hi is not None):
+        raise ValueError(
+            "fusedmaxsim: the packed backward covers every document of the layout; a column "
+            f"range (col_lo={layout.col_lo}, col_hi={layout.col_hi}) is scored for inference only")
+    plan = plan_backward(p, o, need_q, need_d, strategy)
+    fp32_out = p.normalize
+    if plan.kernel == "torch":
+        block = o.torch_block_bytes
+        if layout is not None:
+            return _torch_path.packed_bwd_torch(layout, grad, Q, D, saved, q_inv, d_inv, need_q,
+                                                need_d, fp32_out, block)
+        if p.tau:
+            return _torch_path.smooth_bwd_blocked(grad, Q, D, d_mask, saved, p.tau, need_q,
+                                                  need_d, fp32_out, block)
+        return _torch_path.maxsim_bwd_blocked(grad, Q, D, saved, q_inv, d_inv, need_q, need_d,
+                                              fp32_out, block)
+    backward = _launch()[1]
+    if layout is not None:
+        return backward.backward_packed(plan, o.fp32_precision, layout, grad, Q, D, saved, q_inv,
+                                        d_inv, need_q, need_d, fp32_out)
+    if plan.kernel == "smooth":
+        return backward.backward_smooth(plan, o.fp32_precision, grad, Q, D, d_mask, saved, p.tau,
+                                        need_q, need_d, fp32_out)
+    return backward.backward_dense(plan, o.fp32_precision, grad, Q, D, saved, q_inv, d_inv,
+                                   need_q, need_d, fp32_out)
+
+
+# ------------------------------------------------------------------------------------------------
+# Normalization
+# ------------------------------------------------------------------------------------------------
+
+
+def inverse_norms(x: Tensor, backend: str) -> Tensor:
+    """``1 / max(‖token‖, 1e-12)`` (fp32; float64 for float64), detached, once per token.
+
+    On the Triton path a kernel reads each token once; ``vector_norm(dtype=float32)`` would first
+    write an fp32 copy of a 16-bit input.
+    """
+    if backend == "triton":
+        return _launch()[0].inverse_norms(x.detach(), NORM_EPS)
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    norm = torch.linalg.vector_norm(x.detach(), dim=-1, dtype=dtype)
+    return 1.0 / norm.clamp_min(NORM_EPS)
+
+
+def normalize_backward(x: Tensor, grad_hat: Tensor, x_inv: Tensor | None = None) -> Tensor:
+    """Vector-Jacobian product of ``F.normalize(x, dim=-1)`` (eps 1e-12), exact, fp32 or fp64.
+
+    ``x_inv``: the forward's inverse norms (:func:`inverse_norms`), so they are not computed again.
+    """
+    xf = x.to(grad_hat.dtype)
+    if x_inv is None:
+        x_inv = 1.0 / torch.linalg.vector_norm(xf, dim=-1).clamp_min(NORM_EPS)
+    inv = x_inv.to(grad_hat.dtype).unsqueeze(-1)
+    x_hat = xf * inv
+    radial = (grad_hat * x_hat).sum(dim=-1, keepdim=True)
+    clamped = inv >= 1.0 / NORM_EPS  # norm <= eps: F.normalize divides by eps, no radial term
+    radial = torch.where(clamped, torch.zeros_like(radial), radial)
+    grad = (grad_hat - radial * x_hat) * inv
+    # Linear in grad_hat, so a token that receives none gets exactly 0, whatever its values
+    # (a masked token may hold NaN, which must not leak in through x_hat).
+    untouched = (grad_hat == 0).all(dim=-1, keepdim=True)
+    return grad.masked_fill(untouched, 0.0).to(x.dtype)
+
+
+class NormalizeTokens(torch.autograd.Function):
+    """``F.normalize(x, dim=-1)`` whose backward is :func:`normalize_backward`: a token that
+    receives no gradient gets exactly 0, so a masked token's values (NaN included) never leak."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return torch.nn.functional.normalize(x, dim=-1, eps=NORM_EPS)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+        return normalize_backward(x, grad.to(compute))
+
+
+# ------------------------------------------------------------------------------------------------
+# The dense ops
+# ------------------------------------------------------------------------------------------------
+
+
+def _score_dtype(Q: Tensor) -> torch.dtype:
+    return torch.float64 if Q.dtype == torch.float64 else torch.float32
+
+
+@torch.library.custom_op("fusedmaxsim::maxsim_fwd", mutates_args=())
+def maxsim_fwd(
+    Q: Tensor, D: Tensor, q_mask: Tensor | None, d_mask: Tensor | None, q_inv: Tensor | None,
+    d_inv: Tensor | None, save_argmax: bool, backend: str, fp32_precision: str, strategy: str,
+    tau: float,
+) -> tuple[Tensor, Tensor]:
+    """Scores ``[Nq, Ncols]`` (fp32; fp64 for fp64 inputs) and argmax ``[Nq, Ncols, Lq]`` (or
+    empty). ``tau > 0``: the smooth max, and each row's log-sum-exp (fp32) in place of the argmax."""
+    p = dense_problem(Q, D, q_mask, d_mask, normalize=q_inv is not None, tau=tau,
+                      save_argmax=save_argmax)
+    scores, saved = run_forward(p, options_for(Q, backend, fp32_precision), Q, D, q_mask, d_mask,
+                                q_inv, d_inv)
+    # An op's outputs must be its own: the launcher's shared empty placeholder is not.
+    return scores, saved if save_argmax else saved.new_empty((0,))
+
+
+@maxsim_fwd.register_fake
+def _(Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy, tau):
+    Nq, Lq = Q.shape[0], Q.shape[1]
+    scores = Q.new_empty((Nq, D.shape[-3]), dtype=_score_dtype(Q))
+    saved_dtype = argmax_dtype(D.shape[-2])
+    if tau:  # float64 always runs on the PyTorch path, which keeps float64 rows
+        saved_dtype = _score_dtype(Q)
+    return scores, Q.new_empty((Nq, D.shape[-3], Lq) if save_argmax else (0,), dtype=saved_dtype)
+
+
+@torch.library.custom_op("fusedmaxsim::maxsim_bwd", mutates_args=())
+def maxsim_bwd(
+    grad_scores: Tensor, Q: Tensor, D: Tensor, argmax: Tensor, q_inv: Tensor | None,
+    d_inv: Tensor | None, d_mask: Tensor | None, need_grad_q: bool, need_grad_d: bool,
+    strategy: str, backend: str, fp32_precision: str, tau: float,
+) -> tuple[Tensor, Tensor]:
+    """``(grad_Q, grad_D)``; an unneeded one is an empty tensor."""
+    p = dense_problem(Q, D, None, d_mask, normalize=q_inv is not None, tau=tau, save_argmax=True)
+    return run_backward(p, options_for(Q, backend, fp32_precision), strategy, grad_scores, Q, D,
+                        argmax, q_inv, d_inv, d_mask, need_grad_q, need_grad_d)
+
+
+def _grad_like(x: Tensor, needed: bool, fp32_out: bool) -> Tensor:
+    if not needed:
+        return x.new_empty((0,))
+    keep = fp32_out and x.dtype != torch.float64
+    return x.new_empty(x.shape, dtype=torch.float32 if keep else x.dtype)
+
+
+@maxsim_bwd.register_fake
+def _(grad_scores, Q, D, argmax, q_inv, d_inv, d_mask, need_grad_q, need_grad_d, strategy,
+      backend, fp32_precision, tau):
+    fp32_out = q_inv is not None
+    return _grad_like(Q, need_grad_q, fp32_out), _grad_like(D, need_grad_d, fp32_out)
+
+
+# ------------------------------------------------------------------------------------------------
+# The packed ops
+# ------------------------------------------------------------------------------------------------
+
+
+def _layout(Q, D, cu_q, cu_d, pair_q, pair_d, max_q, max_d, col_lo, col_hi) -> RaggedLayout:
+    return RaggedLayout(cu_q, cu_d, Q.shape[0], D.shape[0], max_q, max_d, pair_q, pair_d,
+                        col_lo, None if col_hi < 0 else col_hi)
+
+
+@torch.library.custom_op("fusedmaxsim::maxsim_packed_fwd", mutates_args=())
+def maxsim_packed_fwd(
+    Q: Tensor, D: Tensor, cu_q: Tensor, cu_d: Tensor, pair_q: Tensor | None,
+    pair_d: Tensor | None, q_mask: Tensor | None, d_mask: Tensor | None, q_inv: Tensor | None,
+    d_inv: Tensor | None, max_q: int, max_d: int, col_lo: int, col_hi: int, save_argmax: bool,
+    backend: str, fp32_precision: str, strategy: str,
+) -> tuple[Tensor, Tensor]:
+    """Scores of a packed layout (``[Nq, n_cols]``, or ``[P]`` for a pair list; ``col_hi < 0``:
+    up to the last document) and, when saved, the int32 argmax (``[n_cols, ΣLq]`` or
+    ``[P, max_q]``)."""
+    layout = _layout(Q, D, cu_q, cu_d, pair_q, pair_d, max_q, max_d, col_lo, col_hi)
+    p = packed_problem(layout, Q, q_mask, d_mask, normalize=q_inv is not None,
+                       save_argmax=save_argmax)
+    scores, saved = run_forward(p, options_for(Q, backend, fp32_precision), Q, D, q_mask, d_mask,
+                                q_inv, d_inv, layout)
+    return scores, saved if save_argmax else saved.new_empty((0,))
+
+
+@maxsim_packed_fwd.register_fake
+def _(Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask, q_inv, d_inv, max_q, max_d, col_lo,
+      col_hi, save_argmax, backend, fp32_precision, strategy):
+    if pair_q is not None:
+        out, saved = (pair_q.shape[0],), (pair_q.shape[0], max_q)
+    else:
+        n_cols = (cu_d.shape[0] - 1 if col_hi < 0 else col_hi) - col_lo
+        out, saved = (cu_q.shape[0] - 1, n_cols), (n_cols, Q.shape[0])
+    return (Q.new_empty(out, dtype=_score_dtype(Q)),
+            Q.new_empty(saved if save_argmax else (0,), dtype=torch.int32))
+
+
+@torch.library.custom_op("fusedmaxsim::maxsim_packed_bwd", mutates_args=())
+def maxsim_packed_bwd(
+    grad_scores: Tensor, Q: Tensor, D: Tensor, argmax: Tensor, cu_q: Tensor, cu_d: Tensor,
+    pair_q: Tensor | None, pair_d: Tensor | None, q_inv: Tensor | None, d_inv: Tensor | None,
+    max_q: int, max_d: int, col_lo: int, col_hi: int, need_grad_q: bool, need_grad_d: bool,
+    strategy: str, backend: str, fp32_precision: str,
+) -> tuple[Tensor, Tensor]:
+    """``(grad_Q, grad_D)`` of a packed layout; an unneeded one is an empty tensor."""
+    layout = _layout(Q, D, cu_q, cu_d, pair_q, pair_d, max_q, max_d, col_lo, col_hi)
+    p = packed_problem(layout, Q, None, None, normalize=q_inv is not None, save_argmax=True)
+    return run_backward(p, options_for(Q, backend, fp32_precision), strategy, grad_scores, Q, D,
+                        argmax, q_inv, d_inv, None, need_grad_q, need_grad_d, layout)
+
+
+@maxsim_packed_bwd.register_fake
+def _(grad_scores, Q, D, argmax, cu_q, cu_d, pair_q, pair_d, q_inv, d_inv, max_q, max_d, col_lo,
+      col_hi, need_grad_q, need_grad_d, strategy, backend, fp32_precision):
+    fp32_out = q_inv is not None
+    return _grad_like(Q, need_grad_q, fp32_out), _grad_like(D, need_grad_d, fp32_out)
+
+
+# ------------------------------------------------------------------------------------------------
+# Autograd of both: one backward, through the registered op when traced
+# ------------------------------------------------------------------------------------------------
+
+
+class _Call:
+    """What a backward needs of its forward, besides the saved tensors (one object: the eager
+    ``Function.apply`` costs the host about 1 µs an argument)."""
+
+    __slots__ = ("p", "o", "strategy", "q_mask", "d_mask", "q_inv", "d_inv", "layout")
+
+    def __init__(self, p, o, strategy, q_mask, d_mask, q_inv, d_inv, layout=None):
+        self.p, self.o, self.strategy = p, o, strategy
+        self.q_mask, self.d_mask, self.q_inv, self.d_inv = q_mask, d_mask, q_inv, d_inv
+        self.layout = layout
+
+
+def _save(ctx, call: _Call, Q: Tensor, D: Tensor, saved: Tensor) -> None:
+    # Only the tensors there are: each saved entry costs the backward an unpack and a version
+    # check, a few µs on a call that the host's time decides.
+    p = call.p
+    ctx.save_for_backward(
+        Q, D, saved, *((call.q_inv, call.d_inv) if p.normalize else ()),
+        *((call.d_mask,) if p.tau else ()),
+    )
+    ctx.call = call
+
+
+def _grads(ctx, grad_scores: Tensor, traced: bool) -> tuple[Tensor | None, Tensor | None]:
+    """``(grad_Q, grad_D)`` from what ``_save`` kept; None for an input that needs no gradient.
+
+    ``traced``: the backward of a registered op, which the compiler traces with fake tensors, so
+    it must call the registered backward op rather than the launchers.
+    """
+    need_q, need_d = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if not (need_q or need_d):
+        return None, None
+    call = ctx.call
+    p, o, layout = call.p, call.o, call.layout
+    if not p.save_argmax:
+        raise RuntimeError(
+            "fusedmaxsim was called while no input required grad, so no argmax was saved; "
+            "set requires_grad on Q or D before the call"
+        )
+    Q, D, saved, *optional = ctx.saved_tensors
+    q_inv, d_inv = optional[:2] if p.normalize else (None, None)
+    d_mask = optional[-1] if p.tau else None
+    grad_type = _score_dtype(Q)
+    grad = grad_scores if grad_scores.dtype == grad_type else grad_scores.to(grad_type)
+    if traced or torch.compiler.is_compiling():
+        if layout is None:
+            grad_q, grad_d = maxsim_bwd(grad, Q, D, saved, q_inv, d_inv, d_mask, need_q, need_d,
+                                        call.strategy, o.backend, o.fp32_precision, p.tau)
+        else:
+            grad_q, grad_d = maxsim_packed_bwd(
+                grad, Q, D, saved, layout.cu_q, layout.cu_d, layout.pair_q, layout.pair_d, q_inv,
+                d_inv, layout.max_q, layout.max_d, layout.col_lo,
+                -1 if layout.col_hi is None else layout.col_hi, need_q, need_d, call.strategy,
+                o.backend, o.fp32_precision)
+    else:
+        grad_q, grad_d = run_backward(p, o, call.strategy, grad, Q, D, saved, q_inv, d_inv,
+                                      d_mask, need_q, need_d, layout)
+    if p.normalize:
+        grad_q = normalize_backward(Q, grad_q, q_inv) if need_q else None
+        grad_d = normalize_backward(D, grad_d, d_inv) if need_d else None
+    return (grad_q if need_q else None), (grad_d if need_d else None)
+
+
+def _dense_setup_context(ctx, inputs, output) -> None:
+    Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy, tau = inputs
+    ctx.mark_non_differentiable(output[1])  # the smooth max's saved rows are float: no gradient
+    p = dense_problem(Q, D, q_mask, d_mask, normalize=q_inv is not None, tau=tau,
+                      save_argmax=save_argmax)
+    o = options_for(Q, backend, fp32_precision)
+    _save(ctx, _Call(p, o, strategy, q_mask, d_mask, q_inv, d_inv), Q, D, output[1])
+
+
+def _packed_setup_context(ctx, inputs, output) -> None:
+    (Q, D, cu_q, cu_d, pair_q, pair_d, q_mask, d_mask, q_inv, d_inv, max_q, max_d, col_lo, col_hi,
+     save_argmax, backend, fp32_precision, strategy) = inputs
+    ctx.mark_non_differentiable(output[1])
+    layout = _layout(Q, D, cu_q, cu_d, pair_q, pair_d, max_q, max_d, col_lo, col_hi)
+    p = packed_problem(layout, Q, q_mask, d_mask, normalize=q_inv is not None,
+                       save_argmax=save_argmax)
+    o = options_for(Q, backend, fp32_precision)
+    _save(ctx, _Call(p, o, strategy, q_mask, d_mask, q_inv, d_inv, layout), Q, D, output[1])
+
+
+def _dense_backward(ctx, grad_scores: Tensor, _grad_saved):
+    return (*_grads(ctx, grad_scores, traced=True), *(None,) * 9)
+
+
+def _packed_backward(ctx, grad_scores: Tensor, _grad_saved):
+    return (*_grads(ctx, grad_scores, traced=True), *(None,) * 16)
+
+
+torch.library.register_autograd("fusedmaxsim::maxsim_fwd", _dense_backward,
+                                setup_context=_dense_setup_context)
+torch.library.register_autograd("fusedmaxsim::maxsim_packed_fwd", _packed_backward,
+                                setup_context=_packed_setup_context)
+
+
+@torch.autograd.function.once_differentiable
+def _backward_once(ctx, grad_scores):
+    return _grads(ctx, grad_scores, traced=False) + (None,)
+
+
+class MaxSimFunction(torch.autograd.Function):
+    """The registered ops' forward and backward, without the dispatcher's per-call cost.
+
+    Eager calls take this path; under ``torch.compile`` the front doors call the registered ops,
+    which the compiler can trace. Only ``Q`` and ``D`` are inputs to autograd; ``call`` holds the
+    rest (masks and inverse norms, which never receive a gradient, the problem and options).
+    """
+
+    @staticmethod
+    def forward(ctx, Q, D, call: _Call):
+        scores, saved = run_forward(call.p, call.o, Q, D, call.q_mask, call.d_mask, call.q_inv,
+                                    call.d_inv, call.layout)
+        _save(ctx, call, Q, D, saved)
+        return scores
+
+    @staticmethod
+    def backward(ctx, grad_scores):
+        # The engine runs a backward with grad mode on only under create_graph=True: there the
+        # once-differentiable wrapper makes a second backward through these gradients raise.
+        # Without it (every training step) the wrapper's host time is skipped (design.md,
+        # "Host cost").
+        if torch.is_grad_enabled():
+            return _backward_once(ctx, grad_scores)
+        return _grads(ctx, grad_scores, traced=False) + (None,)
+
+
+# ------------------------------------------------------------------------------------------------
+# Entry points of the front doors
+# ------------------------------------------------------------------------------------------------
+
+
+def scores_dense(p: Problem, o: Options, strategy: str, Q, D, q_mask, d_mask, q_inv,
+                 d_inv) -> Tensor:
+    """Scores of a dense problem, with autograd when ``p.save_argmax``."""
+    if not p.save_argmax and not torch.compiler.is_compiling():
+        # Inference: no autograd node, no dispatcher.
+        return run_forward(p, o, Q, D, q_mask, d_mask, q_inv, d_inv)[0]
+    if torch.compiler.is_compiling():
+        return maxsim_fwd(Q, D, q_mask, d_mask, q_inv, d_inv, p.save_argmax, o.backend,
+                          o.fp32_precision, strategy, p.tau)[0]
+    return MaxSimFunction.apply(Q, D, _Call(p, o, strategy, q_mask, d_mask, q_inv, d_inv))
+
+
+def scores_packed(p: Problem, o: Options, strategy: str, layout: RaggedLayout, Q, D, q_mask,
+                  d_mask, q_inv, d_inv) -> Tensor:
+    """Scores of a packed problem, with autograd when ``p.save_argmax``."""
+    if not p.save_argmax and not torch.compiler.is_compiling():
+        return run_forward(p, o, Q, D, q_mask, d_mask, q_inv, d_inv, layout)[0]
+    if torch.compiler.is_compiling():
+        return maxsim_packed_fwd(
+            Q, D, layout.cu_q, layout.cu_d, layout.pair_q, layout.pair_d, q_mask, d_mask, q_inv,
+            d_inv, layout.max_q, layout.max_d, layout.col_lo,
+            -1 if layout.col_hi is None else layout.col_hi, p.save_argmax, o.backend,
+            o.fp32_precision, strategy)[0]
+    return MaxSimFunction.apply(Q, D, _Call(p, o, strategy, q_mask, d_mask, q_inv, d_inv,
+                                            layout))

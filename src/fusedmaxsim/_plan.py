@@ -1,0 +1,902 @@
+"""The planner: every launch decision of every layout, made once per problem into a frozen plan.
+
+A front door describes the call as a :class:`~fusedmaxsim._problem.Problem` (what is asked:
+layout, sizes, dtype, masks, normalization, reduction, whether the argmax is saved) and resolves
+:class:`~fusedmaxsim._problem.Options` from :mod:`fusedmaxsim.settings`. :func:`plan_forward`
+and :func:`plan_backward` turn them into a :class:`ForwardPlan` / :class:`BackwardPlan`: which
+kernel runs (Triton, Gluon or PyTorch), its tiles, the grid's splits, the backward strategy,
+the chunking of its buffers, the winner index. Plans are cached on ``(problem, options)``, so a
+repeated shape costs a dictionary lookup. The launchers (``_launch``) execute a plan and decide
+nothing.
+
+This is the only module with measured constants and branches on shapes. Each constant names the
+topic of ``docs/design.md`` that gives its measurement. :func:`forced_plan` forces any decision
+(or constant) inside a ``with`` block, for tests and probes; :func:`explain` shows the plan of a
+call with the reason for each choice.
+
+Nothing here imports Triton: the PyTorch path plans without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Iterator
+
+import torch
+
+from . import settings
+from ._problem import CANDIDATES, CROSS, PAIRS, PACKED, Options, Problem
+
+__all__ = [
+    "BackwardPlan", "BwdConfig", "ForwardPlan", "FwdConfig", "HopperTiles", "MEASURED",
+    "argmax_dtype", "explain_plans", "forced_plan", "plan_backward", "plan_forward", "recording",
+]
+
+INTERPRETER = settings.INTERPRETER
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis
+
+
+# ------------------------------------------------------------------------------------------------
+# Measured constants (docs/design.md, "Measured constants", gives each one's measurement)
+# ------------------------------------------------------------------------------------------------
+
+MEASURED: dict[str, object] = dict(
+    # Backward strategy ("auto"): below HOST_BOUND_MACS multiply-adds (Nq·Ncols·Lq·Ld·d) a
+    # training call is bound by the host, where lowmem's fewer allocations win; from
+    # LOWMEM_CROSS_MACS up, a 16-bit cross product is bound by the GPU, where lowmem (through the
+    # winner index) is as fast and reproducible. design.md "Backward strategies".
+    HOST_BOUND_MACS=1 << 32,
+    LOWMEM_CROSS_MACS=1 << 36,
+    # Forward: the chunk splits' partial scores stay within this many bytes. design.md "Forward".
+    SPLIT_PARTIALS_MAX_BYTES=64 << 20,
+    # Gluon (Hopper) forward: the least work it takes, the dims it serves. design.md "Hopper".
+    HOPPER_MIN_MACS=1 << 30,
+    HOPPER_DIMS=(128,),
+    # Gluon tile sets (document tile, stages, warps, register cap or None). design.md "Hopper".
+    HOPPER_TILES=(64, 4, 4, None),
+    HOPPER_PACKED_TILES=(64, 3, 4, None),
+    HOPPER_NORM_TILES=(64, 4, 4, None),
+    HOPPER_SHORT_NORM_TILES=(32, 4, 4, 168),
+    HOPPER_FEW_PROGRAMS_TILES=(64, 6, 8, None),
+    HOPPER_SHORT_TILES=(32, 6, 4, None),
+    # Gluon documents a program. design.md "Hopper: documents a program".
+    HOPPER_MAX_DOCS=16,
+    HOPPER_PASS_TILES=128,
+    HOPPER_LONG_DOC_TILES=16,
+    HOPPER_PROGRAM_START=0.3,
+    HOPPER_PROGRAMS_PER_SM_DEFAULT=2,
+    # The unified backward's fp32 grad_D buffer: whole up to this size, else column chunks of at
+    # most a fifth of grad_D's bytes. design.md "Backward strategies".
+    SCATTER_BUFFER_MAX_BYTES=32 << 20,
+    SCATTER_BUFFER_SHARE=5,
+    DRAIN_BLOCK=4096,
+    # Gather: (columns a step, warps) below two and four programs an SM. design.md "Backward".
+    GATHER_FEW_PROGRAMS_STEP=(8, 8),
+    GATHER_SMALL_GRID_STEP=(4, 8),
+    # Document-owned grad_D programs that scan rows run unpipelined. design.md "Backward".
+    DD_SCAN_STAGES=1,
+    # Winner index. design.md "Winner index".
+    INDEX_MIN_MACS=1 << 32,
+    INDEX_SCAN=16 if INTERPRETER else 1024,
+    INDEX_SCAN_TOKENS=4 if INTERPRETER else 128,
+    INDEX_TILES=4,
+    INDEX_SHARE=5,
+)
+# Programs an SM of the Gluon tile sets whose grids are counted in waves (design.md "Hopper").
+_HOPPER_PROGRAMS_PER_SM = {MEASURED["HOPPER_SHORT_TILES"]: 3,
+                           MEASURED["HOPPER_SHORT_NORM_TILES"]: 4}
+
+
+# ------------------------------------------------------------------------------------------------
+# Forcing: tests and probes steer any decision here, never through private names
+# ------------------------------------------------------------------------------------------------
+
+_forced: dict[str, object] = {}
+
+# The decisions forced_plan takes besides the MEASURED constants.
+FORCIBLE = frozenset({
+    "kernel",             # forward: "triton", "gluon" or "torch" (backend and availability permitting)
+    "fwd_tiles",          # forward: a FwdConfig
+    "bwd_tiles",          # backward: a BwdConfig
+    "splits",             # forward: chunk splits
+    "max_grid_y",         # queries blocks a launch (forward), columns split (backward)
+    "hopper_tiles",       # Gluon (document tile, stages, warps, register cap)
+    "docs_per_program",   # Gluon documents a program (where several can apply)
+    "tiles_first",        # Gluon: request a pass's first tiles before the query chunk
+    "descriptor_template",  # Gluon: False builds each TMA descriptor through its constructor
+    "strategy",           # backward: "unified" or "lowmem" (in place of "auto")
+    "scatter_chunk_cols",  # unified backward: columns a chunk of the fp32 grad_D buffer
+    "gather_step",        # (columns a step, warps or None) of the gather kernel
+    "winner_index",       # lowmem cross product: through the winner index or not
+    "index_cols",         # winner index: columns a chunk
+    "index_tiles",        # winner index: token tiles a scan
+    "index_row_dtype",    # winner index: torch.int16 or torch.int32 row numbers
+    "sm_count",           # the device's SM count as the planner sees it
+    "l2_bytes",           # the device's L2 bytes as the planner sees it
+})
+
+
+@contextlib.contextmanager
+def forced_plan(**decisions) -> Iterator[None]:
+    """Force decisions of every plan made inside the block (nested blocks add to each other).
+
+    Keys are the names in :data:`FORCIBLE` or of :data:`MEASURED`; a forced decision replaces
+    the planner's choice wherever that decision is made, and the cache is bypassed meanwhile.
+    ``with forced_plan(kernel="triton", fwd_tiles=FwdConfig(...), strategy="lowmem"): ...``
+    """
+    unknown = set(decisions) - FORCIBLE - set(MEASURED)
+    if unknown:
+        raise ValueError(f"forced_plan: unknown decisions {sorted(unknown)}; "
+                         f"known: {sorted(FORCIBLE | set(MEASURED))}")
+    saved = dict(_forced)
+    _forced.update(decisions)
+    try:
+        yield
+    finally:
+        _forced.clear()
+        _forced.update(saved)
+
+
+_recording: list | None = None
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list]:
+    """``with recording() as plans:`` collects ``(problem, plan)`` for every forward and backward
+    planned inside the block, cached or not, in order: which kernel ran, with which tiles and
+    strategy."""
+    global _recording
+    saved, plans = _recording, []
+    _recording = plans
+    try:
+        yield plans
+    finally:
+        _recording = saved
+
+
+def _measured(name: str):
+    return _forced.get(name, MEASURED[name])
+
+
+# ------------------------------------------------------------------------------------------------
+# Tiles
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdConfig:
+    lq_tile: int  # query rows per chunk, a power of two >= 16
+    queries_per_block: int  # short queries packed into one tile (cross product only)
+    block_n: int  # document tokens per streamed tile
+    block_k: int  # embedding dim, padded to a power of two
+    num_warps: int
+    num_stages: int
+    # ptxas's register cap per thread (None: its own choice); two 8-warp programs fit on one SM
+    # at 128 registers.
+    max_registers: int | None = None
+    # Hopper products read the query tile from registers instead of shared memory (16-bit
+    # inputs, at least 64 rows a block).
+    query_in_registers: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdConfig:
+    block_s: int  # query tokens per program (gather) or per step (owned grad_D)
+    block_t: int  # document tokens per program (owned grad_D)
+    block_r: int  # (query, token) rows per one-hot product (owned grad_D)
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def pow2(n: int) -> int:
+    """The next power of two >= max(n, 1), without triton.next_power_of_2's per-call cost."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def argmax_dtype(Ld: int) -> torch.dtype:
+    """The saved argmax's dtype: int16 while every token index and the ``-1`` of "no valid token"
+    fit (half the bytes of int32 to keep until the backward and to read back there), else int32."""
+    return torch.int16 if Ld <= torch.iinfo(torch.int16).max else torch.int32
+
+
+def block_k_for(dim: int) -> int:
+    return max(16, pow2(dim))
+
+
+@functools.lru_cache(maxsize=1024)
+def fwd_heuristic(Lq: int, dim: int, Nq: int, per_query_docs: bool, elem_bytes: int,
+                  interp: bool = INTERPRETER) -> FwdConfig:
+    """The forward's default tiles for a query-length bucket (design.md "Forward")."""
+    Lq, Nq = pow2(Lq), pow2(Nq)
+    block_k = block_k_for(dim)
+    # Rows of the Q tile kept on chip: 128 fills a Hopper tensor-core tile at d <= 128;
+    # larger d keeps the Q tile near 32 KiB of shared memory.
+    max_rows = 32 if interp else max(16, min(128, (32768 // elem_bytes) // block_k))
+    lq_tile = min(max(16, Lq), max_rows)
+    queries_per_block = 1
+    if not per_query_docs and lq_tile < max_rows:
+        queries_per_block = min(max_rows // lq_tile, Nq)
+    if interp:
+        return FwdConfig(lq_tile, queries_per_block, 32, block_k, 4, 1)
+    block_n = 64 if block_k <= 128 else (32 if block_k <= 256 else 16)
+    num_warps = 4  # 8 warps were 10-25% slower at every shape (design.md "Forward")
+    # Packed short queries: 2 stages measured 5-20% faster (design.md "Forward").
+    num_stages = 2 if queries_per_block > 1 or block_k > 128 else 3
+    return FwdConfig(lq_tile, queries_per_block, block_n, block_k, num_warps, num_stages)
+
+
+@functools.lru_cache(maxsize=1024)
+def fwd_variant(cfg: FwdConfig, *, few_programs: bool, save_argmax: bool, norm_from_tiles: bool,
+                per_query_docs: bool, elem_bytes: int) -> FwdConfig:
+    """Measured departures from the default tiles (16-bit inputs, d <= 128, on the H200;
+    design.md "Forward: tile variants"):
+
+    * at most one program per SM (a few long documents): two warp groups a program, 64-token
+      tiles, 4 stages, 1.1-2x faster there.
+    * the forward that saves the argmax (cross product), and inference on packed short queries:
+      32-token tiles, 4 warps, with the query tile in registers: the default tiles spill with
+      the argmax, and 32-token tiles read from shared memory are bound by its bandwidth unless
+      the query tile comes from registers. 4-7% faster than the tiles before.
+    * the forward that normalizes from the tiles: 8 warps of 32-token tiles capped at 128
+      registers (two programs per SM), 11% faster; the query tile in registers spills.
+    The query in registers needs at least 64 rows a block (a Hopper warp-group product).
+    """
+    if elem_bytes != 2 or cfg.block_k > 128:
+        return cfg
+    if few_programs:
+        return dataclasses.replace(cfg, block_n=64, num_warps=8, num_stages=4, max_registers=None)
+    if norm_from_tiles:
+        return dataclasses.replace(cfg, block_n=32, num_warps=8, num_stages=4, max_registers=128)
+    rows = cfg.lq_tile * cfg.queries_per_block
+    if not per_query_docs and rows >= 64 and (save_argmax or cfg.queries_per_block > 1):
+        return dataclasses.replace(cfg, block_n=32, num_warps=4, num_stages=3, max_registers=None,
+                                   query_in_registers=True)
+    if save_argmax and not per_query_docs:
+        return dataclasses.replace(cfg, block_n=32, num_warps=8, num_stages=4, max_registers=128)
+    return cfg
+
+
+def fwd_candidates(base: FwdConfig) -> list[FwdConfig]:
+    """The forward tiles an autotuning run times: the analytical choice and its neighbours."""
+    variants = [base]
+    for block_n, warps, stages in ((64, 4, 2), (64, 4, 3), (64, 4, 4), (32, 4, 4), (64, 8, 3),
+                                   (128, 8, 3)):
+        if base.block_k > 128 and block_n > 32:
+            continue
+        variants.append(dataclasses.replace(base, block_n=block_n, num_warps=warps,
+                                            num_stages=stages, max_registers=None,
+                                            query_in_registers=False))
+    if base.queries_per_block > 1:
+        variants.append(dataclasses.replace(base, queries_per_block=base.queries_per_block // 2))
+    unique: list[FwdConfig] = []
+    for cfg in variants:
+        if cfg not in unique:
+            unique.append(cfg)
+    return unique
+
+
+@functools.lru_cache(maxsize=1024)
+def bwd_heuristic(Lq: int, dim: int, elem_bytes: int, per_query_docs: bool,
+                  interp: bool = INTERPRETER) -> BwdConfig:
+    """The backward's tiles: 32-token gather blocks; one-hot products over 128 flattened rows
+    when many queries share a document, over the query itself otherwise (design.md
+    "Backward")."""
+    Lq = pow2(Lq)
+    block_k = block_k_for(dim)
+    if interp:
+        return BwdConfig(16, 32, 16, block_k, 4, 1)
+    block_s = min(32, max(16, Lq))
+    block_t = 64 if block_k <= 128 else (32 if block_k <= 256 else 16)
+    block_r = 128 if block_k <= 128 else 64
+    if per_query_docs:
+        block_r = min(64, max(16, Lq))
+    return BwdConfig(block_s, block_t, block_r, block_k, 4, 2)
+
+
+@functools.lru_cache(maxsize=256)
+def smooth_bwd_heuristic(Lq: int, dim: int, interp: bool = INTERPRETER) -> BwdConfig:
+    """Tiles of the smooth-max backward (``block_r`` unused): each program recomputes
+    ``[block_s, block_t]`` similarity tiles, so both stay at tensor-core sizes."""
+    block_k = block_k_for(dim)
+    if interp:
+        return BwdConfig(16, 16, 16, block_k, 4, 1)
+    block_s = min(64, max(16, pow2(Lq)))
+    block_t = 64 if block_k <= 128 else 32
+    return BwdConfig(block_s, block_t, 0, block_k, 4, 2)
+
+
+# ------------------------------------------------------------------------------------------------
+# Device facts (cached; none is read on the PyTorch path)
+# ------------------------------------------------------------------------------------------------
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_facts(device_index: int) -> tuple[int, bool, int]:
+    props = torch.cuda.get_device_properties(device_index)
+    hopper = torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] == 9
+    return props.multi_processor_count, hopper, props.L2_cache_size
+
+
+def sm_count(device: torch.device) -> int:
+    forced = _forced.get("sm_count")
+    if forced is not None:
+        return forced
+    return _cuda_facts(_device_index(device))[0] if device.type == "cuda" else 4
+
+
+def measured_tiles(device: torch.device) -> bool:
+    """Whether the measured tile variants and the Gluon forward apply: NVIDIA Hopper (sm_90),
+    where they were measured; elsewhere the default tiles stay."""
+    return device.type == "cuda" and _cuda_facts(_device_index(device))[1]
+
+
+def l2_bytes(device: torch.device) -> int:
+    forced = _forced.get("l2_bytes")
+    if forced is not None:
+        return forced
+    return _cuda_facts(_device_index(device))[2] if device.type == "cuda" else 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Forward
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperTiles:
+    """The Gluon forward's launch: tile set, queries a block (padded to 64 rows), documents a
+    program, and whether a pass's first tiles are requested before its query chunk."""
+
+    tiles: tuple  # (document tile, stages, warps, register cap or None)
+    queries_per_block: int
+    docs_per_program: int
+    tiles_first: bool
+    descriptor_template: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardPlan:
+    """How a forward runs. ``kernel``: ``"torch"`` (the blocked PyTorch path), ``"triton"``
+    (the dense or packed Triton kernel), ``"gluon"`` (the Hopper forward, dense cross product);
+    ``tiles``: the Triton tiles (the Gluon forward's query chunking too); ``splits``: programs
+    sharing one (document, query block)'s query chunks; ``max_grid_y``: query blocks a launch;
+    ``autotune``: time :func:`fwd_candidates` on the first call; ``reasons``: why, in words."""
+
+    kernel: str
+    tiles: FwdConfig | None = None
+    splits: int = 1
+    max_grid_y: int = MAX_GRID_Y
+    hopper: HopperTiles | None = None
+    autotune: bool = False
+    reasons: tuple[str, ...] = ()
+
+
+def chunk_splits(Lq: int, lq_tile: int, Nq: int, Ncols: int, per_query_docs: bool) -> int:
+    """How many programs share the query chunks of one (document, query block): on the cross
+    product, every chunk its own program where the partial scores fit in
+    ``SPLIT_PARTIALS_MAX_BYTES`` (one program walking the nine chunks of a 1030-token query read
+    each document from DRAM nine times; split, 20% faster); one for a single chunk, and for
+    per-query candidates, measured 7% slower split (design.md "Forward: chunk splits")."""
+    chunks = cdiv(Lq, lq_tile)
+    if chunks <= 1 or per_query_docs or not (Nq and Ncols):
+        return 1
+    fit = _measured("SPLIT_PARTIALS_MAX_BYTES") // (4 * Nq * Ncols)
+    return max(1, min(chunks, fit, (2**31 - 1) // Ncols))
+
+
+def few_programs(Nq: int, queries_per_block: int, n_cols: int, sms: int) -> bool:
+    """Whether the forward's grid holds at most one program an SM (a few long documents)."""
+    return n_cols * cdiv(Nq, queries_per_block) <= sms
+
+
+def _block_rows(cfg: FwdConfig) -> int:
+    return cfg.lq_tile * cfg.queries_per_block
+
+
+def hopper_block(cfg: FwdConfig) -> FwdConfig:
+    """``cfg`` with at least 64 query rows a block, the least a warp-group product takes: a
+    block of fewer (one short query) is padded with empty query slots."""
+    if _block_rows(cfg) >= 64:
+        return cfg
+    return dataclasses.replace(cfg, queries_per_block=64 // cfg.lq_tile)
+
+
+def hopper_tiles(cfg: FwdConfig, normalize: bool, programs: int, sms: int) -> tuple:
+    """The Gluon forward's tile set for a block of ``cfg`` (before :func:`hopper_block` pads
+    it) on a grid of ``programs``: few programs' (a 128-row block), the normalized short
+    queries', the normalizing variant's, a short query's, packed short queries', or a long
+    query's (design.md "Hopper: tile sets")."""
+    few = programs <= sms
+    if few and _block_rows(cfg) == 128:
+        return _measured("HOPPER_FEW_PROGRAMS_TILES")
+    short_queries = cfg.queries_per_block > 1 or _block_rows(cfg) < 64
+    if normalize and short_queries and not few:
+        return _measured("HOPPER_SHORT_NORM_TILES")
+    if normalize:
+        return _measured("HOPPER_NORM_TILES")
+    if _block_rows(cfg) < 64:
+        return _measured("HOPPER_SHORT_TILES")
+    return _measured("HOPPER_PACKED_TILES" if cfg.queries_per_block > 1 else "HOPPER_TILES")
+
+
+def hopper_docs_per_program(tiles: tuple, Lq: int, lq_tile: int, Ld: int, Ncols: int,
+                            blocks: int, sms: int, normalize: bool) -> int:
+    """How many documents a program of the Gluon forward streams one after the other, its ring
+    of tiles running on from one to the next and its query chunk loaded once: several only for
+    one query chunk and documents of at least as many tiles as the ring has slots; how many
+    depends on what bounds the forward (design.md "Hopper: documents a program")."""
+    block_n, stages = tiles[0], tiles[1]
+    tiles_per_doc = cdiv(Ld, block_n)
+    if Lq > lq_tile or tiles_per_doc < stages:
+        return 1
+    forced = _forced.get("docs_per_program")
+    if forced is not None:
+        return forced
+    max_docs, pass_tiles = _measured("HOPPER_MAX_DOCS"), _measured("HOPPER_PASS_TILES")
+    # The candidates double from one while a program streams at most HOPPER_PASS_TILES tiles
+    # and the grid keeps a program an SM.
+    most = 1
+    while (most * 2 <= max_docs and most * 2 * tiles_per_doc <= pass_tiles
+           and cdiv(Ncols, most * 2) * blocks >= sms):
+        most *= 2
+    if not normalize and tiles_per_doc < _measured("HOPPER_LONG_DOC_TILES"):
+        return most
+    per_sm = _HOPPER_PROGRAMS_PER_SM.get(tiles, _measured("HOPPER_PROGRAMS_PER_SM_DEFAULT"))
+    slots = per_sm * sms
+    if not normalize and cdiv(Ncols * blocks, slots) != 2:
+        return 1  # grouping long documents pays only to bring two waves into one
+    start = _measured("HOPPER_PROGRAM_START")
+    best, best_cost, docs = 1, None, 1
+    while docs <= most:
+        waves = cdiv(cdiv(Ncols, docs) * blocks, slots)
+        cost = waves * (docs + start) if normalize else waves
+        if best_cost is None or cost < best_cost:
+            best, best_cost = docs, cost
+        docs *= 2
+    return best
+
+
+def _hopper_available() -> bool:
+    from .kernels import hopper_forward
+
+    return hopper_forward.AVAILABLE
+
+
+def _hopper_code_limit() -> int:
+    from .kernels import hopper_forward
+
+    return hopper_forward.TILE_CODES.value
+
+
+def _gluon_refusal(p: Problem, o: Options, cfg: FwdConfig) -> str | None:
+    """Why the Gluon forward cannot or should not run this problem (None: it runs it)."""
+    if not o.hopper_kernel:
+        return "the Hopper kernel is off (FUSEDMAXSIM_HOPPER_KERNEL=0, or it failed earlier)"
+    if p.layout != CROSS:
+        return "the Gluon forward serves the dense cross product only"
+    if p.has_q_mask or p.has_d_mask or (p.normalize and not p.norm_from_tiles) or p.tau:
+        return "masks, precomputed norms and the smooth max run on the Triton kernel"
+    if p.dtype not in (torch.bfloat16, torch.float16):
+        return "the Gluon forward takes 16-bit inputs"
+    if p.dim != cfg.block_k or p.dim not in _measured("HOPPER_DIMS"):
+        return f"d = {p.dim}: the Gluon forward is measured faster at d in {_measured('HOPPER_DIMS')}"
+    if p.Nq * p.Lq * p.Ncols * p.Ld * p.dim < _measured("HOPPER_MIN_MACS"):
+        return "below HOPPER_MIN_MACS multiply-adds, where its start costs more than it saves"
+    if not measured_tiles(p.device):
+        return "not an NVIDIA Hopper GPU"
+    if not p.tma_ready or p.Ncols * p.Ld >= 2**31:
+        return "the documents must be contiguous, 16-byte aligned and within int32 rows (TMA)"
+    if _block_rows(hopper_block(cfg)) not in (64, 128):
+        return "the query block is not 64 or 128 rows"
+    if not _hopper_available():
+        return "Gluon is not available in this Triton"
+    return None
+
+
+def _plan_forward(p: Problem, o: Options) -> ForwardPlan:
+    if o.backend == "torch":
+        return ForwardPlan("torch", reasons=("backend: the PyTorch path",))
+    forced_kernel = _forced.get("kernel")
+    packed = p.layout in (PACKED, PAIRS)
+    per_query_docs = p.layout in (CANDIDATES, PAIRS)
+    elem_bytes = p.dtype.itemsize
+    Nq, Lq = max(p.Nq, 1), max(p.Lq, 1)
+    sms = sm_count(p.device)
+    reasons = []
+    cfg = _forced.get("fwd_tiles")
+    if cfg is not None:
+        reasons.append("tiles: forced")
+    else:
+        cfg = fwd_heuristic(Lq, p.dim, Nq, per_query_docs, elem_bytes)
+        reasons.append("tiles: the default for this query-length bucket")
+        # The measured variants (Hopper, dense, not the smooth max: its were not measured).
+        if not INTERPRETER and not packed and not p.tau and measured_tiles(p.device):
+            varied = fwd_variant(
+                cfg, few_programs=few_programs(p.Nq, cfg.queries_per_block, p.Ncols, sms),
+                save_argmax=p.save_argmax, norm_from_tiles=p.norm_from_tiles,
+                per_query_docs=per_query_docs, elem_bytes=elem_bytes)
+            if varied != cfg:
+                cfg = varied
+                reasons.append("tiles: a measured Hopper variant")
+    if p.layout == PAIRS and cfg.queries_per_block != 1:
+        cfg = dataclasses.replace(cfg, queries_per_block=1)
+    max_grid_y = _forced.get("max_grid_y", MAX_GRID_Y)
+    if packed:
+        return ForwardPlan("triton", cfg, 1, max_grid_y,
+                           reasons=(*reasons, "kernel: the packed Triton kernel"))
+
+    splits = _forced.get("splits")
+    if splits is None:
+        splits = chunk_splits(Lq, cfg.lq_tile, p.Nq, p.Ncols, per_query_docs)
+    reasons.append(f"splits: {splits} program(s) share a (document, query block)'s chunks")
+    if forced_kernel == "gluon":
+        refusal = None
+    elif forced_kernel == "triton" or _forced.get("fwd_tiles") is not None:
+        refusal = "forced"
+    else:
+        refusal = _gluon_refusal(p, o, cfg)
+    hopper = None
+    if refusal is None:
+        hopper = _plan_hopper(p, o, cfg, sms)
+        if isinstance(hopper, str):
+            refusal, hopper = hopper, None
+    if hopper is not None:
+        reasons.append("kernel: the Gluon (Hopper) forward")
+        return ForwardPlan("gluon", cfg, hopper[1], max_grid_y, hopper[0],
+                           reasons=tuple(reasons))
+    reasons.append(f"kernel: Triton ({refusal})")
+    autotune = o.autotune and p.device.type == "cuda" and not _forced
+    return ForwardPlan("triton", cfg, splits, max_grid_y, autotune=autotune,
+                       reasons=tuple(reasons))
+
+
+def _plan_hopper(p: Problem, o: Options, cfg: FwdConfig, sms: int):
+    """(HopperTiles, splits), or why the argmax cannot be saved by the Gluon forward."""
+    qpb = hopper_block(cfg).queries_per_block
+    splits = _forced.get("splits")
+    if splits is None:
+        splits = chunk_splits(p.Lq, cfg.lq_tile, p.Nq, p.Ncols, False)
+    blocks = cdiv(p.Nq, qpb)
+    tiles = _forced.get("hopper_tiles")
+    if tiles is None:
+        tiles = hopper_tiles(cfg, p.norm_from_tiles, p.Ncols * splits * blocks, sms)
+    if p.save_argmax and (o.exact_ties or cdiv(p.Ld, tiles[0]) > _hopper_code_limit()):
+        # Its coded max decides near-ties by tile; a pass's tiles must fit the codes.
+        return "the argmax needs exact ties or more tile codes than the Gluon forward carries"
+    docs = hopper_docs_per_program(tiles, p.Lq, cfg.lq_tile, p.Ld, p.Ncols, blocks, sms,
+                                   p.norm_from_tiles)
+    tiles_first = _forced.get("tiles_first")
+    if tiles_first is None:
+        # Documents beyond L2 come from DRAM: request a pass's first tiles before its query
+        # chunk there, not where they stay in L2 (design.md "Hopper").
+        tiles_first = p.Ncols * p.Ld * p.dim * p.dtype.itemsize > l2_bytes(p.device)
+    template = _forced.get("descriptor_template", True)
+    return HopperTiles(tiles, qpb, docs, tiles_first, template), splits
+
+
+_forward_plans: dict = {}
+
+
+def plan_forward(p: Problem, o: Options) -> ForwardPlan:
+    """The forward's plan for ``p`` under ``o`` (cached; not while decisions are forced)."""
+    if _forced:
+        plan = _plan_forward(p, o)
+    else:
+        key = (p, o)
+        plan = _forward_plans.get(key)
+        if plan is None:
+            if len(_forward_plans) >= 4096:
+                _forward_plans.clear()
+            plan = _forward_plans[key] = _plan_forward(p, o)
+    if _recording is not None:
+        _recording.append((p, plan))
+    return plan
+
+
+# ------------------------------------------------------------------------------------------------
+# Backward
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardPlan:
+    """How a backward runs. ``kernel``: ``"torch"``, ``"triton"`` or ``"smooth"`` (the smooth
+    max's recomputing kernel). ``strategy``: ``"unified"`` (gather + fp32 atomics for grad_D) or
+    ``"lowmem"`` (row-owned grad_Q, document-owned grad_D). The rest says how the Triton
+    backward is split and chunked; see :func:`plan_backward`."""
+
+    kernel: str
+    strategy: str
+    tiles: BwdConfig | None = None
+    # The gather (grad_Q, and in "unified" the scatter of grad_D):
+    gather_splits: int = 1  # column splits of the first gather
+    split_cap: int = 1  # column splits of each chunk's gather, at most its columns
+    gather_step: tuple = (1, None)  # (columns a step, warps or None) of the first gather
+    atomic_q: bool = False  # grad_Q accumulated in fp32 with atomics (splits > 1)
+    # The unified grad_D: columns a chunk of the fp32 buffer (all columns: one buffer).
+    scatter_chunk_cols: int = 0
+    drain_block: int = 4096
+    # The document-owned grad_D (lowmem):
+    winner_index: bool = False
+    index_cols: int = 0
+    index_tiles: int = 1
+    index_scan: int = 1024
+    index_scan_tokens: int = 128
+    index_row_dtype: torch.dtype = torch.int32
+    rows_in_one_block: bool = False
+    dd_tiles_per_program: int = 1
+    dd_scan_stages: int = 1
+    block_r: int = 0  # the packed layouts' one-hot rows
+    reasons: tuple[str, ...] = ()
+
+
+def refuse_nondeterministic(strategy: str) -> None:
+    """``backward="unified"`` under ``torch.use_deterministic_algorithms(True)``: raise (or warn
+    in warn-only mode), as PyTorch does for its own nondeterministic operations."""
+    if strategy != "unified" or not torch.are_deterministic_algorithms_enabled():
+        return
+    message = (
+        "backward='unified' uses fp32 atomics and is not deterministic, but "
+        "torch.use_deterministic_algorithms(True) is set; use backward='lowmem' or 'auto'"
+    )
+    if torch.is_deterministic_algorithms_warn_only_enabled():
+        import warnings
+
+        warnings.warn(message, stacklevel=5)
+    else:
+        raise RuntimeError(message)
+
+
+def resolve_strategy(p: Problem, strategy: str, deterministic: bool) -> tuple[str, str]:
+    """The backward strategy for ``auto`` and why (design.md "Backward strategies").
+
+    Dense layouts, measured on the H200: per-query candidates share no document, and there the
+    document-owned products win; small problems go by host time; 16-bit cross products from
+    ``LOWMEM_CROSS_MACS`` up are bound by the GPU, where lowmem is as fast and reproducible;
+    in between, unified's atomic scatter. Packed layouts: unified (its split gather keeps the
+    GPU busy when few queries own many pairs)."""
+    forced = _forced.get("strategy")
+    if forced is not None:
+        return forced, "strategy: forced"
+    if strategy != "auto":
+        return strategy, f"strategy: {strategy} as asked"
+    if deterministic:
+        return "lowmem", "strategy: lowmem, deterministic algorithms are on"
+    if p.layout in (PACKED, PAIRS):
+        return "unified", "strategy: unified, the packed layouts' split gather"
+    macs = p.Nq * p.Ncols * p.Lq * p.Ld * p.dim
+    if p.layout == CANDIDATES:
+        return "lowmem", "strategy: lowmem, per-query candidates share no document"
+    if macs <= _measured("HOST_BOUND_MACS"):
+        return "lowmem", "strategy: lowmem, at most HOST_BOUND_MACS (host-bound)"
+    if p.dtype.itemsize == 2 and macs >= _measured("LOWMEM_CROSS_MACS"):
+        return "lowmem", "strategy: lowmem, a 16-bit cross product from LOWMEM_CROSS_MACS up"
+    return "unified", "strategy: unified, between the host- and GPU-bound sizes"
+
+
+def gather_step(programs: int, sms: int, scatters: bool) -> tuple[int, int | None]:
+    """``(columns a step, warps)`` of the gather kernel (None: the tiles' warps). A column's two
+    loads wait on each other; with fewer than four programs an SM too few warps run to cover
+    that wait, so several columns' loads go out together. A gather that also scatters grad_D
+    takes one column a step (design.md "Backward: gather")."""
+    forced = _forced.get("gather_step")
+    if forced is not None:
+        return forced
+    if scatters:
+        return 1, None
+    if programs < 2 * sms:
+        return _measured("GATHER_FEW_PROGRAMS_STEP")
+    if programs < 4 * sms:
+        return _measured("GATHER_SMALL_GRID_STEP")
+    return 1, None
+
+
+def column_splits(row_programs: int, n_cols: int, sms: int, max_grid_y: int) -> int:
+    """Column splits that give a gather grid of ``row_programs`` about four programs an SM."""
+    target = 4 * sms
+    if row_programs >= target or not (row_programs and n_cols):
+        return 1
+    return max(1, min(n_cols, cdiv(target, row_programs), max_grid_y))
+
+
+def scatter_chunk_cols(Ncols: int, numel: int, elem_bytes: int, fp32_grad: bool) -> int:
+    """Columns a chunk of the unified backward's fp32 grad_D buffer: all of them while the
+    buffer is the output (fp32 gradients) or small; else at most ``1 / SCATTER_BUFFER_SHARE`` of
+    grad_D's own bytes a chunk (design.md "Backward strategies")."""
+    forced = _forced.get("scatter_chunk_cols")
+    if forced is not None:
+        return min(forced, Ncols)
+    if fp32_grad or numel * 4 <= _measured("SCATTER_BUFFER_MAX_BYTES"):
+        return Ncols
+    column_bytes = numel // Ncols * 4
+    budget = numel * elem_bytes // _measured("SCATTER_BUFFER_SHARE")
+    return max(1, min(Ncols, budget // column_bytes))
+
+
+def index_row_dtype(Nq: int, Lq: int) -> torch.dtype:
+    """The winner index's row numbers: int16 where every (query, query token) row fits, which
+    halves the index."""
+    forced = _forced.get("index_row_dtype")
+    if forced is not None:
+        return forced
+    return torch.int16 if Nq * Lq <= 1 << 15 else torch.int32
+
+
+def winner_index_cols(Nq: int, Lq: int, Ncols: int, n_tiles: int, grad_d_bytes: int,
+                      row_dtype: torch.dtype) -> int:
+    """Columns a chunk of the winner index (its rows and int32 tile counts), at most
+    ``1 / INDEX_SHARE`` of grad_D's bytes, the chunks as even as their count allows."""
+    forced = _forced.get("index_cols")
+    if forced is not None:
+        return min(forced, Ncols)
+    column_bytes = row_dtype.itemsize * Nq * Lq + 4 * n_tiles
+    budget = grad_d_bytes // _measured("INDEX_SHARE")
+    most = max(1, min(Ncols, budget // column_bytes))
+    return cdiv(Ncols, cdiv(Ncols, most))
+
+
+def index_tiles(n_tiles: int, Nq: int, Lq: int, scan_tokens: int, scan: int) -> int:
+    """Token tiles a winner-index program takes in one scan of its column: up to
+    ``INDEX_TILES`` (four 16-bit fields of an int64), one where a column takes ``2^16`` steps
+    or more (a field's count per entry slot would overflow)."""
+    forced = _forced.get("index_tiles")
+    if forced is not None:
+        return forced
+    steps = cdiv(Lq, scan_tokens) * cdiv(Nq, max(1, scan // scan_tokens))
+    if steps >= 1 << 16:
+        return 1
+    return min(_measured("INDEX_TILES"), pow2(n_tiles))
+
+
+def dd_tiles_per_program(Ld: int, block_t: int, documents: int, sms: int,
+                         rows_in_one_block: bool) -> int:
+    """Token tiles a program of the document-owned grad_D: one, unless its rows are loaded
+    once for all its tiles; then as many as keep about four programs an SM."""
+    tiles = cdiv(Ld, block_t)
+    if not rows_in_one_block or tiles <= 1 or not documents:
+        return 1
+    return cdiv(tiles, min(tiles, cdiv(4 * sms, documents)))
+
+
+def _plan_backward(p: Problem, o: Options, need_q: bool, need_d: bool, strategy: str,
+                   deterministic: bool) -> BackwardPlan:
+    strategy, why = resolve_strategy(p, strategy, deterministic)
+    reasons = [why]
+    if o.backend == "torch":
+        return BackwardPlan("torch", strategy, reasons=(*reasons, "kernel: the PyTorch path"))
+    per_query_docs = p.layout in (CANDIDATES, PAIRS)
+    Lq = max(p.Lq, 1)
+    if p.tau:
+        tiles = _forced.get("bwd_tiles") or smooth_bwd_heuristic(Lq, p.dim)
+        return BackwardPlan("smooth", strategy, tiles,
+                            reasons=(*reasons, "kernel: the smooth max's recomputing backward"))
+    tiles = _forced.get("bwd_tiles") or bwd_heuristic(Lq, p.dim, p.dtype.itemsize, per_query_docs)
+    sms = sm_count(p.device)
+    max_grid_y = _forced.get("max_grid_y", MAX_GRID_Y)
+    unified = strategy == "unified"
+    scan_stages = _measured("DD_SCAN_STAGES")
+    if p.layout in (PACKED, PAIRS):
+        n_sblocks = cdiv(Lq, tiles.block_s)
+        splits = 1
+        if unified and p.Nq > 0:
+            programs = p.Nq * n_sblocks
+            per_query = p.Ncols if p.layout == PACKED else cdiv(p.Ncols, p.Nq)
+            if programs < 4 * sms:
+                splits = max(1, min(per_query, cdiv(4 * sms, programs), max_grid_y))
+        block_r = tiles.block_r
+        if p.layout == PAIRS:
+            block_r = min(tiles.block_r, max(16, pow2(Lq)))  # the pair's own query is all rows
+        return BackwardPlan(
+            "triton", strategy, tiles, gather_splits=splits, atomic_q=splits > 1,
+            dd_scan_stages=scan_stages, block_r=block_r,
+            reasons=(*reasons, f"gather: {splits} split(s) over the pairs"))
+
+    Nq, Ncols, Ld, dim = p.Nq, p.Ncols, p.Ld, p.dim
+    d_numel = (Nq if per_query_docs else 1) * Ncols * Ld * dim
+    scatter_d = unified and need_d
+    fp32_grad = p.normalize or p.dtype == torch.float32
+    chunk_cols = scatter_chunk_cols(Ncols, d_numel, p.dtype.itemsize, fp32_grad) if scatter_d \
+        else Ncols
+    one_buffer = scatter_d and chunk_cols == Ncols
+    row_programs = Nq * cdiv(Lq, tiles.block_s)
+    split_cap = column_splits(row_programs, Ncols, sms, max_grid_y)
+    splits = 1
+    if need_q or one_buffer:
+        # Splitting the documents over programs needs an fp32 grad_Q buffer (atomics, a zero
+        # fill and a cast): where grad_Q is computed, worth it only when the grid would
+        # otherwise leave the GPU idle on real work.
+        if unified and (not need_q or Nq * Ncols * Lq >= 1 << 20):
+            splits = split_cap
+        reasons.append(f"gather: {splits} column split(s)")
+    if one_buffer:
+        reasons.append("grad_D: one fp32 buffer, cast at the end")
+    elif scatter_d:
+        reasons.append(f"grad_D: fp32 buffer chunks of {chunk_cols} column(s)")
+    step = gather_step(row_programs * cdiv(Ncols, max(1, cdiv(Ncols, splits))), sms, one_buffer)
+    plan = dict(
+        gather_splits=splits, split_cap=split_cap, gather_step=step,
+        atomic_q=need_q and splits > 1, scatter_chunk_cols=chunk_cols,
+        drain_block=_measured("DRAIN_BLOCK"), dd_scan_stages=scan_stages,
+        index_scan=_measured("INDEX_SCAN"),
+    )
+    if need_d and not unified:
+        rows_in_one_block = per_query_docs and Lq <= tiles.block_r
+        groups = Nq if per_query_docs else 1
+        plan["rows_in_one_block"] = rows_in_one_block
+        index = _forced.get("winner_index")
+        if index is None:
+            index = (not per_query_docs and Ld > tiles.block_t
+                     and Nq * Ncols * Lq * Ld * dim > _measured("INDEX_MIN_MACS"))
+        if index:
+            n_tiles = cdiv(Ld, tiles.block_t)
+            row_dtype = index_row_dtype(Nq, Lq)
+            scan = plan["index_scan"]
+            scan_tokens = min(pow2(Lq), _measured("INDEX_SCAN_TOKENS"))
+            plan.update(
+                winner_index=True, index_row_dtype=row_dtype, index_scan_tokens=scan_tokens,
+                index_cols=winner_index_cols(Nq, Lq, Ncols, n_tiles,
+                                             d_numel * p.dtype.itemsize, row_dtype),
+                index_tiles=index_tiles(n_tiles, Nq, Lq, scan_tokens, scan),
+            )
+            reasons.append(f"grad_D: document-owned through the winner index, "
+                           f"{plan['index_cols']} column(s) a chunk")
+        else:
+            plan["dd_tiles_per_program"] = dd_tiles_per_program(
+                Ld, tiles.block_t, groups * Ncols, sms, rows_in_one_block)
+            reasons.append("grad_D: document-owned, every token tile scanning its rows")
+    return BackwardPlan("triton", strategy, tiles, reasons=tuple(reasons), **plan)
+
+
+_backward_plans: dict = {}
+
+
+def plan_backward(p: Problem, o: Options, need_q: bool, need_d: bool,
+                  strategy: str) -> BackwardPlan:
+    """The backward's plan (cached; not while decisions are forced). ``strategy`` is the
+    caller's ``backward=`` (``"auto"``, ``"unified"`` or ``"lowmem"``); ``unified`` under
+    deterministic algorithms is refused here, on every call."""
+    refuse_nondeterministic(strategy)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    if _forced:
+        plan = _plan_backward(p, o, need_q, need_d, strategy, deterministic)
+    else:
+        key = (p, o, need_q, need_d, strategy, deterministic)
+        plan = _backward_plans.get(key)
+        if plan is None:
+            if len(_backward_plans) >= 4096:
+                _backward_plans.clear()
+            plan = _backward_plans[key] = _plan_backward(p, o, need_q, need_d, strategy,
+                                                         deterministic)
+    if _recording is not None:
+        _recording.append((p, plan))
+    return plan
+
+
+def explain_plans(p: Problem, o: Options, strategy: str = "auto") -> str:
+    """The forward's and (where the argmax is saved) the backward's plan, in words."""
+    fwd = plan_forward(p, o)
+    lines = [f"problem: {p.describe()}", f"options: {o.describe()}",
+             f"forward: {fwd.kernel}"]
+    if fwd.tiles is not None:
+        lines.append(f"  tiles: {fwd.tiles}")
+    if fwd.hopper is not None:
+        lines.append(f"  gluon: {fwd.hopper}")
+    lines += [f"  - {r}" for r in fwd.reasons]
+    if p.save_argmax:
+        bwd = plan_backward(p, o, True, True, strategy)
+        lines.append(f"backward: {bwd.kernel}, {bwd.strategy}")
+        if bwd.tiles is not None:
+            lines.append(f"  tiles: {bwd.tiles}")
+        lines += [f"  - {r}" for r in bwd.reasons]
+    return "\n".join(lines)

@@ -1,0 +1,622 @@
+"""What a call asks for: the :class:`Problem` and :class:`Options` values, and every argument check.
+
+The front doors (``api.py``, ``retrieval.py``) check their arguments here, bring them to one of
+the layouts below, and describe the call as a :class:`Problem`: a hashable value of plain facts
+(layout, sizes, dtype, device, which masks exist, normalization, reduction, whether the argmax
+is saved). :class:`Options` holds the settings that decide how it runs, resolved once per call
+from :mod:`fusedmaxsim.settings`. The planner (``_plan``) turns the two into launch plans.
+
+Layouts
+-------
+* ``cross``: ``Q [Nq, Lq, d]`` against every document of ``D [Nd, Ld, d]``: ``Ncols = Nd``.
+* ``candidates``: ``Q [Nq, Lq, d]`` against its own ``D [Nq, K, Ld, d]``: ``Ncols = K``
+  (``maxsim_pairs``' diagonal pairs are candidates with ``K = 1``).
+* ``packed``: packed queries against a range of packed documents (``RaggedLayout``), ``Lq`` and
+  ``Ld`` the promised maxima; ``Ncols`` the documents of the range.
+* ``pairs``: a pair list over packed sequences; ``Ncols`` the number of pairs.
+
+Every error names the argument and the shapes, and is raised before anything is launched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import operator
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from . import settings
+
+CROSS, CANDIDATES, PACKED, PAIRS = "cross", "candidates", "packed", "pairs"
+
+
+class Problem(NamedTuple):
+    """What is computed (hashable: the planner's cache key, with :class:`Options`)."""
+
+    layout: str  # CROSS, CANDIDATES, PACKED or PAIRS
+    Nq: int  # queries
+    Ncols: int  # columns of the scores: documents, candidates or pairs
+    Lq: int  # query tokens (packed: the longest)
+    Ld: int  # document tokens (packed: the longest)
+    dim: int
+    dtype: torch.dtype
+    device: torch.device
+    has_q_mask: bool
+    has_d_mask: bool
+    normalize: bool  # L2-normalized tokens
+    norm_from_tiles: bool  # ... their norms computed from the tiles on chip (inference)
+    tau: float  # 0: the max; > 0: the smooth max's temperature
+    save_argmax: bool  # a gradient will be needed
+    tma_ready: bool  # D contiguous and 16-byte aligned (the Gluon forward's TMA)
+
+    def describe(self) -> str:
+        reduction = f"smoothmax(tau={self.tau})" if self.tau else "max"
+        norm = ("normalized, norms from the tiles" if self.norm_from_tiles
+                else "normalized" if self.normalize else "not normalized")
+        masks = [name for name, has in (("q_mask", self.has_q_mask), ("d_mask", self.has_d_mask))
+                 if has]
+        return (f"{self.layout}: Nq={self.Nq} Ncols={self.Ncols} Lq={self.Lq} Ld={self.Ld} "
+                f"d={self.dim} {str(self.dtype).removeprefix('torch.')} on {self.device}; "
+                f"{reduction}, {norm}, masks: {', '.join(masks) or 'none'}; "
+                f"{'saves the argmax' if self.save_argmax else 'inference'}")
+
+
+class Options(NamedTuple):
+    """How it may run: resolved once per call from the settings (hashable)."""
+
+    backend: str  # "triton" or "torch" (resolved from "auto" for the inputs' device)
+    fp32_precision: str  # "tf32" or "ieee"
+    exact_ties: bool
+    autotune: bool
+    hopper_kernel: bool
+    torch_block_bytes: int  # the PyTorch path's bound on similarities held at a time
+
+    def describe(self) -> str:
+        return (f"backend={self.backend} fp32_precision={self.fp32_precision} "
+                f"exact_ties={self.exact_ties} autotune={self.autotune} "
+                f"hopper_kernel={self.hopper_kernel} torch_block_bytes={self.torch_block_bytes}")
+
+
+def options_for(t: Tensor, backend: str | None = None, fp32_precision: str | None = None) -> Options:
+    """The settings in force for inputs like ``t`` (``backend`` and ``fp32_precision`` where the
+    caller resolved them already)."""
+    precision, exact_ties, autotune, hopper_kernel, block_bytes = settings.snapshot()
+    return Options(
+        select_backend(t) if backend is None else backend,
+        precision if fp32_precision is None else fp32_precision,
+        exact_ties, autotune, hopper_kernel, block_bytes,
+    )
+
+
+def dense_problem(Q: Tensor, D: Tensor, q_mask, d_mask, *, normalize: bool = False,
+                  norm_from_tiles: bool = False, tau: float = 0.0,
+                  save_argmax: bool = False) -> Problem:
+    """The :class:`Problem` of ``Q [Nq, Lq, d]`` against ``D [Nd, Ld, d]`` or ``[Nq, K, Ld, d]``."""
+    d_shape = D.shape
+    Nq, Lq, dim = Q.shape
+    return Problem(
+        CANDIDATES if len(d_shape) == 4 else CROSS, Nq, d_shape[-3], Lq, d_shape[-2], dim,
+        Q.dtype, Q.device, q_mask is not None, d_mask is not None, normalize or norm_from_tiles,
+        norm_from_tiles, tau, save_argmax, _tma_ready(D),
+    )
+
+
+def _tma_ready(D: Tensor) -> bool:
+    """Whether the Gluon forward's TMA can read ``D`` as it is: a contiguous 16-bit CUDA cross
+    product, 16-byte aligned (not decided while tracing: the op decides when it runs)."""
+    if not (D.is_cuda and D.dim() == 3 and D.element_size() == 2 and D.is_contiguous()
+            and not torch.compiler.is_compiling()):
+        return False
+    try:
+        return D.data_ptr() % 16 == 0
+    except RuntimeError:  # a fake tensor (an op's autograd traced by torch.compile): no address
+        return False
+
+
+def packed_problem(layout: RaggedLayout, Q: Tensor, q_mask, d_mask, *,
+                   normalize: bool = False, save_argmax: bool = False) -> Problem:
+    """The :class:`Problem` of packed tokens ``Q [ΣLq, d]`` scored as ``layout`` says."""
+    pairs = layout.pair_q is not None
+    return Problem(
+        PAIRS if pairs else PACKED, layout.n_queries, layout.n_pairs if pairs else layout.n_cols,
+        layout.max_q, layout.max_d, Q.shape[1], Q.dtype, Q.device, q_mask is not None,
+        d_mask is not None, normalize, False, 0.0, save_argmax, False,
+    )
+
+
+class DenseInputs(NamedTuple):
+    """``Q [Nq, Lq, d]``; ``D [Nd, Ld, d]`` (cross product) or ``[Nq, K, Ld, d]`` (candidates)."""
+
+    Q: Tensor
+    D: Tensor
+    q_mask: Tensor | None  # bool [Nq, Lq]
+    d_mask: Tensor | None  # bool, D's token axes
+    squeeze_q: bool
+    squeeze_d: bool
+
+
+def _to_device(t: Tensor, device: torch.device) -> Tensor:
+    """A host index tensor on the tokens' device, copied without synchronizing the host."""
+    if t.device == device:
+        return t
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+# ------------------------------------------------------------------------------------------------
+# Dense arguments
+# ------------------------------------------------------------------------------------------------
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+BACKWARD_STRATEGIES = ("auto", "unified", "lowmem")
+
+
+def _shape(t: Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def _check_float(name: str, t: object) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype} with shape {_shape(t)}"
+        )
+    return t
+
+
+def _check_mask(
+    name: str, mask: object, expected: tuple[int, ...], owner: str, device,
+    axes: str = "the token axes",
+) -> Tensor | None:
+    if mask is None:
+        return None
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(mask).__name__}")
+    if mask.is_complex():
+        raise TypeError(f"{name} must be bool or real-valued (nonzero = valid), got {mask.dtype}")
+    if mask.device != device:
+        raise ValueError(f"{name} is on {mask.device} but {owner} is on {device}")
+    if _shape(mask) != expected:
+        raise ValueError(
+            f"{name} must have shape {expected} ({axes} of {owner}), got {_shape(mask)}"
+        )
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+REDUCTIONS = ("max", "smoothmax")
+
+
+def check_reduction(reduction: object, tau: object) -> float:
+    """``reduction=`` and ``tau=`` as the ``tau`` the kernels take: 0.0 for the max."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction= must be one of {REDUCTIONS}, got {reduction!r}")
+    if reduction == "max":
+        return 0.0
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau) or tau <= 0:
+        raise ValueError(f"tau= must be a finite number > 0 for reduction='smoothmax', got {tau!r}")
+    return float(tau)
+
+
+def check_backward(backward: object) -> str:
+    value = "auto" if backward is None else backward
+    if value not in BACKWARD_STRATEGIES:
+        raise ValueError(f"backward= must be one of {BACKWARD_STRATEGIES} or None, got {backward!r}")
+    return value
+
+
+def check_same_space(Q: Tensor, D: Tensor, q_name: str = "Q", d_name: str = "D") -> None:
+    """Query and document tokens must share the embedding dim and the device."""
+    if Q.shape[-1] != D.shape[-1]:
+        raise ValueError(
+            f"{q_name} and {d_name} must share the embedding dim d, got {q_name} {_shape(Q)} "
+            f"and {d_name} {_shape(D)}"
+        )
+    if Q.device != D.device:
+        raise ValueError(f"{q_name} is on {Q.device} but {d_name} is on {D.device}")
+
+
+def promote_pair(Q: Tensor, D: Tensor) -> tuple[Tensor, Tensor]:
+    """Two token tensors in their common dtype (each copied only when its dtype changes)."""
+    if Q.dtype == D.dtype:
+        return Q, D
+    common = torch.promote_types(Q.dtype, D.dtype)
+    return Q.to(common), D.to(common)
+
+
+def canonical(Q: object, D: object, q_mask: object, d_mask: object) -> DenseInputs:
+    """Check ``maxsim``'s arguments and bring them to the 3-D / 4-D form."""
+    Q = _check_float("Q", Q)
+    D = _check_float("D", D)
+    if Q.dim() not in (2, 3):
+        raise ValueError(f"Q must be [Lq, d] or [Nq, Lq, d], got shape {_shape(Q)}")
+    if D.dim() not in (2, 3, 4):
+        raise ValueError(f"D must be [Ld, d], [Nd, Ld, d] or [Nq, K, Ld, d], got shape {_shape(D)}")
+    check_same_space(Q, D)
+    if D.dim() == 4:
+        if Q.dim() != 3:
+            raise ValueError(
+                f"the per-query candidate layout (D [Nq, K, Ld, d] = {_shape(D)}) needs Q [Nq, Lq, d], "
+                f"got Q {_shape(Q)}"
+            )
+        if D.shape[0] != Q.shape[0]:
+            raise ValueError(
+                f"the per-query candidate layout needs D.shape[0] == Nq: D {_shape(D)}, Q {_shape(Q)}"
+            )
+    if q_mask is not None:
+        q_mask = _check_mask("q_mask", q_mask, _shape(Q)[:-1], "Q", Q.device)
+    if d_mask is not None:
+        d_mask = _check_mask("d_mask", d_mask, _shape(D)[:-1], "D", D.device)
+    Q, D = promote_pair(Q, D)
+    squeeze_q, squeeze_d = Q.dim() == 2, D.dim() == 2
+    if squeeze_q:
+        Q = Q.unsqueeze(0)
+        q_mask = None if q_mask is None else q_mask.unsqueeze(0)
+    if squeeze_d:
+        D = D.unsqueeze(0)
+        d_mask = None if d_mask is None else d_mask.unsqueeze(0)
+    return DenseInputs(Q, D, q_mask, d_mask, squeeze_q, squeeze_d)
+
+
+def canonical_pairs(Q: object, D: object, q_mask: object, d_mask: object) -> DenseInputs:
+    """``maxsim_pairs``: ``Q [B, Lq, d]`` and ``D [B, Ld, d]`` become the candidate layout, K = 1."""
+    Q = _check_float("Q", Q)
+    D = _check_float("D", D)
+    if Q.dim() != 3 or D.dim() != 3:
+        raise ValueError(f"maxsim_pairs needs Q [B, Lq, d] and D [B, Ld, d], got Q {_shape(Q)}, D {_shape(D)}")
+    if Q.shape[0] != D.shape[0]:
+        raise ValueError(f"maxsim_pairs needs as many queries as documents, got Q {_shape(Q)}, D {_shape(D)}")
+    d_mask = _check_mask("d_mask", d_mask, _shape(D)[:-1], "D", D.device)
+    return canonical(Q, D.unsqueeze(1), q_mask, None if d_mask is None else d_mask.unsqueeze(1))
+
+
+# Looked up once at import: the lookup cannot run inside a torch.compile trace.
+_TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+
+
+def triton_available() -> bool:
+    return _TRITON_AVAILABLE
+
+
+def select_backend(t: Tensor) -> str:
+    """``"triton"`` or ``"torch"`` for this tensor under the current setting."""
+    wanted = settings.backend()
+    if t.dtype == torch.float64:
+        return "torch"  # exact float64 stays on the PyTorch path, on every device
+    runnable = triton_available() and (t.is_cuda or (t.device.type == "cpu" and settings.INTERPRETER))
+    if wanted == "torch":
+        return "torch"
+    if wanted == "triton":
+        if not runnable:
+            why = "Triton is not installed" if not triton_available() else (
+                f"tensors are on {t.device}; Triton kernels need CUDA tensors "
+                "(or CPU tensors with TRITON_INTERPRET=1)"
+            )
+            raise RuntimeError(f"FUSEDMAXSIM_BACKEND=triton cannot run here: {why}")
+        return "triton"
+    return "triton" if runnable and t.is_cuda else "torch"
+
+# ------------------------------------------------------------------------------------------------
+# Packed layouts: offsets, maxima and pair lists
+# ------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class RaggedLayout:
+    """Which (query, document) pairs are scored, and where each sequence's tokens lie.
+
+    ``pair_q`` / ``pair_d`` name the pairs of a pair list; without them every query meets the
+    documents ``[col_lo, col_hi)``. ``max_q`` / ``max_d`` are the promised maximum lengths.
+    """
+
+    cu_q: Tensor
+    cu_d: Tensor
+    rows_q: int
+    rows_d: int
+    max_q: int
+    max_d: int
+    pair_q: Tensor | None = None
+    pair_d: Tensor | None = None
+    col_lo: int = 0
+    col_hi: int | None = None  # None: the last document
+
+    @property
+    def n_queries(self) -> int:
+        return self.cu_q.numel() - 1
+
+    @property
+    def n_docs(self) -> int:
+        return self.cu_d.numel() - 1
+
+    @property
+    def n_cols(self) -> int:
+        return (self.n_docs if self.col_hi is None else self.col_hi) - self.col_lo
+
+    @property
+    def n_pairs(self) -> int:
+        return 0 if self.pair_q is None else self.pair_q.numel()
+
+    def columns(self, lo: int, hi: int) -> RaggedLayout:
+        """The cross product restricted to the documents ``[lo, hi)``."""
+        return dataclasses.replace(self, col_lo=lo, col_hi=hi)
+
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _check_index(name: str, t: object, device: torch.device, what: str) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor ({what}), got {type(t).__name__}")
+    dtype = t.dtype
+    if dtype not in _INDEX_DTYPES:
+        if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor (int32 or int64), got {dtype}")
+        t = t.long()
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D ({what}), got shape {_shape(t)}")
+    where = t.device
+    if where != device and where.type != "cpu":
+        raise ValueError(f"{name} is on {where} but the tokens are on {device}")
+    return t
+
+
+def _check_offsets(name: str, cu: object, device: torch.device) -> Tensor:
+    cu = _check_index(name, cu, device, "offsets [N + 1]")
+    if cu.numel() == 0:
+        raise ValueError(f"{name} must hold N + 1 offsets starting at 0, got an empty tensor")
+    return cu
+
+
+def _check_max_seqlen(name: str, value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int or None, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int or None, got {type(value).__name__}") from None
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+def _check_validate(validate: object) -> bool | None:
+    if validate not in (None, True, False):
+        raise TypeError(f"validate must be True, False or None, got {validate!r}")
+    return validate
+
+
+def _offset_facts(cu: Tensor) -> Tensor:
+    """``[first, last, shortest, longest]`` of a 1-D offsets tensor, on its device, as int64."""
+    cu = cu.long()
+    if cu.numel() == 1:
+        return torch.stack([cu[0], cu[0], cu.new_zeros(()), cu.new_zeros(())])
+    lengths = cu[1:] - cu[:-1]
+    return torch.stack([cu[0], cu[-1], lengths.min(), lengths.max()])
+
+
+def _index_facts(idx: Tensor) -> Tensor:
+    """``[lowest, highest]`` of an index tensor (``[0, -1]`` when empty: nothing to refuse)."""
+    idx = idx.long()
+    if idx.numel() == 0:
+        return torch.tensor([0, -1], device=idx.device)
+    return torch.stack([idx.min(), idx.max()])
+
+
+def _check_offset_values(name, facts, rows, tokens, max_len, max_name) -> None:
+    first, last, shortest, longest = facts
+    if first != 0:
+        raise ValueError(f"{name} must start at 0, got {name}[0] = {first}")
+    if shortest < 0:
+        raise ValueError(
+            f"{name} must be non-decreasing (every length >= 0); it holds a length of {shortest}"
+        )
+    if last != rows:
+        raise ValueError(
+            f"{name} must end at the number of packed rows, {tokens}.shape[0] = {rows}; "
+            f"got {name}[-1] = {last}"
+        )
+    if max_len is not None and longest > max_len:
+        raise ValueError(
+            f"{max_name}={max_len} is below the longest sequence in {name} ({longest} tokens)"
+        )
+
+
+def _check_pair_values(name: str, facts, count: int, cu_name: str) -> None:
+    low, high = facts
+    if low < 0 or high >= count:
+        raise ValueError(
+            f"{name} must index the {count} sequences of {cu_name} (0 <= index < {count}), "
+            f"got indices in [{low}, {high}]"
+        )
+
+
+def build_layout(
+    Q: Tensor,
+    D: Tensor,
+    cu_seqlens_q: object,
+    cu_seqlens_d: object,
+    max_seqlen_q: object,
+    max_seqlen_d: object,
+    pair_q_idx: object = None,
+    pair_d_idx: object = None,
+    *,
+    validate: object = None,
+    q_name: str = "Q_packed",
+    d_name: str = "D_packed",
+) -> RaggedLayout:
+    """Check offsets, maxima and pair indices (values: see the module docstring) and move them
+    to the tokens' device. At most one host synchronization, and none when the maxima are given
+    for offsets on the GPU without ``validate=True``."""
+    validate = _check_validate(validate)
+    device = Q.device
+    cu_q = _check_offsets("cu_seqlens_q", cu_seqlens_q, device)
+    cu_d = _check_offsets("cu_seqlens_d", cu_seqlens_d, device)
+    max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_d = _check_max_seqlen("max_seqlen_d", max_seqlen_d)
+    pairs = pair_q_idx is not None or pair_d_idx is not None
+    if pairs:
+        if pair_q_idx is None or pair_d_idx is None:
+            raise ValueError("pair_q_idx and pair_d_idx go together; got only one of them")
+        pair_q = _check_index("pair_q_idx", pair_q_idx, device, "query index of each pair [P]")
+        pair_d = _check_index("pair_d_idx", pair_d_idx, device, "document index of each pair [P]")
+        if pair_q.shape != pair_d.shape:
+            raise ValueError(
+                f"pair_q_idx and pair_d_idx must have the same length, got {_shape(pair_q)} "
+                f"and {_shape(pair_d)}"
+            )
+    rows_q, rows_d = Q.shape[0], D.shape[0]
+    tensors = [cu_q, cu_d, pair_q, pair_d] if pairs else [cu_q, cu_d]
+    needs_max = [max_q is None, max_d is None, False, False]
+    remote = [n for n, t in enumerate(tensors) if t.device.type != "cpu"]
+    sync = validate is True or any(needs_max[n] for n in remote)
+    local = [
+        n for n, t in enumerate(tensors)
+        if t.device.type == "cpu" and (validate is not False or needs_max[n])
+    ]
+    facts: dict[int, list[int]] = {}
+    if (sync and remote) or local:  # the fast path (GPU offsets, maxima given) skips all this
+        summarize = [_offset_facts, _offset_facts, _index_facts, _index_facts]
+        if sync and remote:
+            summaries = [summarize[n](tensors[n]) for n in remote]
+            values = torch.cat(summaries).tolist()  # the one host synchronization
+            for n, summary in zip(remote, summaries):
+                facts[n], values = values[: summary.numel()], values[summary.numel() :]
+        for n in local:
+            facts[n] = summarize[n](tensors[n]).tolist()
+        if validate is not False:
+            checks = [
+                lambda f: _check_offset_values(
+                    "cu_seqlens_q", f, rows_q, q_name, max_q, "max_seqlen_q"),
+                lambda f: _check_offset_values(
+                    "cu_seqlens_d", f, rows_d, d_name, max_d, "max_seqlen_d"),
+                lambda f: _check_pair_values(
+                    "pair_q_idx", f, cu_q.numel() - 1, "cu_seqlens_q"),
+                lambda f: _check_pair_values(
+                    "pair_d_idx", f, cu_d.numel() - 1, "cu_seqlens_d"),
+            ]
+            for n in sorted(facts):
+                checks[n](facts[n])
+    max_q = max(0, facts[0][3]) if max_q is None else max_q
+    max_d = max(0, facts[1][3]) if max_d is None else max_d
+    return RaggedLayout(
+        cu_q=_to_device(cu_q, device),
+        cu_d=_to_device(cu_d, device),
+        rows_q=rows_q,
+        rows_d=rows_d,
+        max_q=max_q,
+        max_d=max_d,
+        pair_q=_to_device(pair_q, device) if pairs else None,
+        pair_d=_to_device(pair_d, device) if pairs else None,
+    )
+
+
+def _check_tokens(Q: object, D: object, q_name: str, d_name: str) -> tuple[Tensor, Tensor]:
+    Q = _check_float(q_name, Q)
+    D = _check_float(d_name, D)
+    for name, t, what in ((q_name, Q, "ΣLq"), (d_name, D, "ΣLd")):
+        if t.dim() != 2:
+            raise ValueError(
+                f"{name} must be 2-D [{what}, d] (tokens packed back to back), got shape "
+                f"{_shape(t)}; padded batches go to fusedmaxsim.maxsim or maxsim_padded"
+            )
+    check_same_space(Q, D, q_name, d_name)
+    return promote_pair(Q, D)
+
+
+def _check_packed_mask(name: str, mask: object, rows: int, owner: str, device) -> Tensor | None:
+    return _check_mask(name, mask, (rows,), owner, device, axes="one entry per packed row")
+
+
+# ------------------------------------------------------------------------------------------------
+# Lists and padded candidates
+# ------------------------------------------------------------------------------------------------
+
+def _sequence_list(name: str, seqs: object) -> list[Tensor]:
+    if isinstance(seqs, Tensor):
+        if seqs.dim() != 3:
+            raise ValueError(
+                f"{name} must be a list of [L, d] tensors or one [N, L, d] tensor, got shape "
+                f"{_shape(seqs)}"
+            )
+        return list(seqs.unbind(0))
+    if not isinstance(seqs, (list, tuple)):
+        raise TypeError(f"{name} must be a list or tuple of tensors, got {type(seqs).__name__}")
+    for n, t in enumerate(seqs):
+        _check_float(f"{name}[{n}]", t)
+        if t.dim() != 2:
+            raise ValueError(f"{name}[{n}] must be 2-D [L, d], got shape {_shape(t)}")
+    return list(seqs)
+
+
+def _pack_list(name: str, seqs: list[Tensor], dim: int, dtype, device):
+    """The sequences back to back, their offsets (on the host: known without a sync) and the
+    longest length."""
+    for n, t in enumerate(seqs):
+        if t.shape[1] != dim:
+            raise ValueError(
+                f"every sequence must have the embedding dim d = {dim}; {name}[{n}] has {_shape(t)}"
+            )
+        if t.device != device:
+            raise ValueError(f"every sequence must be on {device}; {name}[{n}] is on {t.device}")
+    lengths = [t.shape[0] for t in seqs]
+    offsets = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
+    if seqs:
+        packed = torch.cat([t.to(dtype) for t in seqs])
+    else:
+        packed = torch.empty((0, dim), dtype=dtype, device=device)
+    return packed, offsets, max(lengths, default=0)
+
+
+def _check_lengths(name: str, lengths: object, shape: tuple[int, ...], device) -> Tensor:
+    if not isinstance(lengths, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(lengths).__name__}")
+    if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {lengths.dtype}")
+    if _shape(lengths) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {_shape(lengths)}")
+    if lengths.device.type != "cpu" and lengths.device != device:
+        raise ValueError(f"{name} is on {lengths.device} but the tokens are on {device}")
+    return lengths
+
+
+def _check_padded(queries: object, documents: object):
+    Q = _check_float("queries", queries)
+    D = _check_float("documents", documents)
+    if Q.dim() != 3:
+        raise ValueError(f"queries must be [B, Lq, d], got shape {_shape(Q)}")
+    if D.dim() != 4:
+        raise ValueError(
+            f"documents must be [B, C, Ld, d] (C candidates per query), got shape {_shape(D)}"
+        )
+    if D.shape[0] != Q.shape[0]:
+        raise ValueError(
+            f"queries and documents must share the batch size B, got {_shape(Q)} and {_shape(D)}"
+        )
+    check_same_space(Q, D, "queries", "documents")
+    return Q, D
+
+
+def _check_length_range(name: str, low: int, high: int, extent: int) -> None:
+    if low < 0 or high > extent:
+        raise ValueError(
+            f"{name} must lie in [0, {extent}] (the padded extent), got values in [{low}, {high}]"
+        )
+
+
+def _length_range_errors(name: str, lengths: Tensor, extent: int) -> None:
+    if lengths.numel():
+        _check_length_range(name, *torch.stack([lengths.min(), lengths.max()]).tolist(), extent)
+
+
+def dense_as_packed(Q: Tensor, q_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """A dense ``[N, L, d]`` batch as packed rows with offsets ``0, L, 2L, …`` (a view when the
+    strides allow), and its mask flattened."""
+    n, length, dim = Q.shape
+    cu = torch.arange(n + 1, device=Q.device, dtype=torch.int64) * length
+    return Q.reshape(n * length, dim), cu, None if q_mask is None else q_mask.reshape(-1)

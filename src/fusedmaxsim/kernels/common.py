@@ -1,0 +1,382 @@
+"""Triton helpers that the MaxSim kernels share: the one inner loop over document tiles
+(``_doc_max``), the query chunks and their scores, the one-hot product of the document-owned
+backwards and the segments of packed sequences.
+
+Math
+----
+For query tokens ``Q [Nq, Lq, d]`` and documents ``D``::
+
+    S[i, j, s, t] = <Q[i, s], D[g(i), j, t]> (· q_inv[i, s] · d_inv[g(i), j, t] when normalizing)
+    A[i, j, s]    = argmax_{t valid} S[i, j, s, t]             (lowest t among ties; -1 if none)
+    score[i, j]   = Σ_{s valid, A >= 0} S[i, j, s, A[i, j, s]]
+
+``g(i)`` is the document group of query ``i``: ``0`` for the cross product (``D [1, Nd, Ld, d]``,
+every query meets every document) and ``i`` for per-query candidates (``D [Nq, K, Ld, d]``).
+A masked doc token is ``-inf`` before every max, so it never wins; a query row whose max stays
+``-inf`` adds 0. The backward needs no second matrix product, only the argmax::
+
+    grad_Q[i, s]       = Σ_j g[i, j] · D[g(i), j, A[i, j, s]]
+    grad_D[g, j, t]    = Σ_{i in group g} Σ_{s: A[i, j, s] = t} g[i, j] · Q[i, s]
+
+(with ``d_inv`` and ``q_inv`` folded in, these are the gradients with respect to the normalized
+tokens; the launcher's caller applies the normalization's Jacobian).
+
+The smooth max (``SMOOTH``) replaces ``max_t`` by ``tau · log Σ_{t valid} exp(S / tau)``, folded
+tile by tile as an online log-sum-exp in base 2 (``y = S · log2(e) / tau``); instead of ``A`` the
+forward saves ``L[i, j, s] = log2 Σ_t exp2(y)`` (``+inf`` where the token adds nothing), from
+which ``smooth`` recomputes the softmax for the gradients.
+
+Packed (ragged) sequences: queries are packed rows ``Q [Tq, d]`` with offsets ``cu_q [Nq + 1]``:
+query ``i`` owns the rows ``[cu_q[i], cu_q[i + 1])``, ``Lq_i`` of them. Documents likewise:
+``D [Td, d]``, ``cu_d [Nd + 1]``. A scored pair ``(i, j)`` is, with the masks and inverse norms
+above::
+
+    A[i, j, s]  = argmax_{t < Ld_j, valid} <Q[cu_q[i] + s], D[cu_d[j] + t]>   (lowest t; -1 if none)
+    score(i, j) = Σ_{s < Lq_i, valid, A >= 0} <Q[cu_q[i] + s], D[cu_d[j] + A[i, j, s]]>
+
+Two sets of pairs share every packed kernel:
+
+* the cross product (``PAIRS=False``): every ``(i, j)``; scores ``[Nq, n_cols]`` for the documents
+  ``col_lo + [0, n_cols)``; argmax ``[n_cols, Tq]``, indexed by (column, packed query row), so
+  its size is independent of any maximum length and every kernel reads it with unit stride;
+* a pair list (``PAIRS=True``): pair ``p`` is ``(pair_q[p], pair_d[p])``; scores ``[P]``; argmax
+  ``[P, max_seqlen_q]``, indexed by (pair, query token). Pairs may repeat queries or documents.
+
+The backward needs no matrix product of the similarities, only the argmax (``A`` is a document
+token index, local to its document)::
+
+    grad_Q[cu_q[i] + s] = Σ_{pairs (i, j)} g(i, j) · D[cu_d[j] + A[i, j, s]]
+    grad_D[cu_d[j] + t] = Σ_{pairs (i, j)} Σ_{s: A[i, j, s] = t} g(i, j) · Q[cu_q[i] + s]
+
+Caveats
+-------
+* NaN: the max propagates NaN (``PropagateNan.ALL``), so a NaN in a valid token makes the affected
+  scores NaN. A NaN in a masked token is ignored, as in the reference.
+* ``UPCAST`` computes dots in fp32: the Triton interpreter's bf16 ``tl.dot`` is wrong on CPU.
+* ``QUERY_IN_REGISTERS`` relies on a Triton rewrite (``MMAV3UseRegOperand``, triton 3.6-3.9):
+  a Hopper product takes its first operand from registers only when that operand comes out of
+  another tensor-core product, so the query tile is passed through one with a zero operand
+  (exact). Where the rewrite does not fire, the kernel is the same with one small product more.
+* Packed sequences: ``max_seqlen_q`` / ``max_seqlen_d`` choose tiles and bound the pair-list
+  argmax; no loop runs to them. A sequence longer than the bound it was promised makes its scores
+  NaN (loud, and never an out-of-bounds access); offsets are clamped into ``[0, rows]`` and
+  argmax entries into ``[0, Ld_j)``, so malformed ``cu_seqlens`` give wrong numbers, never a dead
+  CUDA context. A pair whose index is out of range scores NaN and reads nothing.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..settings import INTERPRETER
+
+NORM_EPS = tl.constexpr(1e-12)  # F.normalize's default; the launchers pass the same to EPS
+# Document-mask bytes read per step by _valid_span; small under the interpreter, so that tiny
+# test documents take several steps.
+MASK_SCAN = tl.constexpr(16 if INTERPRETER else 512)
+
+
+@triton.jit
+def _max_propagate_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _inverse_norm(x, EPS: tl.constexpr):
+    """``1 / max(‖row‖, EPS)`` in fp32 for each row of a tile."""
+    x = x.to(tl.float32)
+    return 1.0 / tl.maximum(tl.sqrt(tl.sum(x * x, axis=1)), EPS)
+
+
+@triton.jit
+def _in_product_layout(b_q):
+    """``b_q`` unchanged in value, produced by a tensor-core product: Triton then feeds it to
+    every Hopper product of the loop from registers, where by default it reads the loop-invariant
+    query tile from shared memory again for every document tile. A product with a 16-deep zero
+    operand costs 1/8 of one query-by-query product, once per query chunk; adding it to zero is
+    exact."""
+    zero_a = tl.zeros([b_q.shape[0], 16], b_q.dtype)
+    zero_b = tl.zeros([16, b_q.shape[1]], b_q.dtype)
+    return tl.dot(zero_a, zero_b, acc=b_q.to(tl.float32)).to(b_q.dtype)
+
+
+@triton.jit
+def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _doc_tile(
+    b_q,
+    acc_max,
+    acc_arg,
+    run_sum,
+    smooth_scale,
+    start,
+    t_hi,
+    p_doc,
+    stride_doc_tok,
+    stride_doc_dim,
+    p_dmask,
+    stride_dmask_tok,
+    p_dinv,
+    stride_dinv_tok,
+    o_k,
+    m_k,
+    MASK_TAIL: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    HAS_D_MASK: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    NORM_FROM_TILES: tl.constexpr,
+    TRACK_ARGMAX: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One document tile folded into the running reduction.
+
+    Max: the element-wise running max ``acc_max [BLOCK_M, BLOCK_N]``; keeping the max per
+    (row, slot) and reducing over slots once per document costs one max instruction per
+    similarity, against a reduction with shuffles per tile.
+    Smooth max (``SMOOTH``): an online log-sum-exp per row, ``acc_max [BLOCK_M]`` the running max
+    and ``run_sum`` the running sum of ``exp2(y - acc_max)``, in log2 units ``y = s · smooth_scale``.
+    """
+    o_t = start + tl.arange(0, BLOCK_N)
+    m_t = o_t < t_hi
+    p = p_doc + o_t[:, None] * stride_doc_tok + o_k[None, :] * stride_doc_dim
+    if MASK_TAIL:
+        b_d = tl.load(p, mask=m_t[:, None] & m_k[None, :], other=0.0)
+    elif EVEN_K:
+        b_d = tl.load(p)
+    else:
+        b_d = tl.load(p, mask=m_k[None, :], other=0.0)
+    b_s = _dot(b_q, tl.trans(b_d), DOT_PRECISION, UPCAST)  # [BLOCK_M, BLOCK_N] fp32
+    if NORMALIZE:
+        if NORM_FROM_TILES:
+            # The tile is on chip already: its norms cost BLOCK_N·BLOCK_K multiply-adds here
+            # instead of a pass over all of D before the kernel.
+            d_inv = _inverse_norm(b_d, NORM_EPS)
+        elif MASK_TAIL:
+            d_inv = tl.load(p_dinv + o_t * stride_dinv_tok, mask=m_t, other=0.0)
+        else:
+            d_inv = tl.load(p_dinv + o_t * stride_dinv_tok)
+        b_s = b_s * d_inv[None, :]
+    if HAS_D_MASK:
+        if MASK_TAIL:
+            m_t = m_t & (tl.load(p_dmask + o_t * stride_dmask_tok, mask=m_t, other=0) != 0)
+        else:
+            m_t = tl.load(p_dmask + o_t * stride_dmask_tok) != 0
+    if HAS_D_MASK or MASK_TAIL:
+        b_s = tl.where(m_t[None, :], b_s, float("-inf"))
+    if SMOOTH:
+        b_y = b_s * smooth_scale
+        new_max = tl.maximum(acc_max, tl.max(b_y, 1))
+        base = tl.where(new_max == float("-inf"), 0.0, new_max)  # no valid token yet: no NaN
+        run_sum = run_sum * tl.exp2(acc_max - base) + tl.sum(tl.exp2(b_y - base[:, None]), 1)
+        acc_max = new_max
+    else:
+        if TRACK_ARGMAX:
+            # Strict '>' keeps the earliest tile per slot: the lowest index among ties.
+            acc_arg = tl.where(b_s > acc_max, o_t[None, :], acc_arg)
+        acc_max = tl.maximum(acc_max, b_s, propagate_nan=tl.PropagateNan.ALL)
+    return acc_max, acc_arg, run_sum
+
+
+@triton.jit
+def _valid_span(p_mask, t_lo, t_hi, BLOCK: tl.constexpr):
+    """``(lo, hi, all_valid)``: the smallest span ``[lo, hi)`` of ``[t_lo, t_hi)`` that holds every
+    valid token of a document mask, and whether every token inside it is valid (``lo == hi`` when
+    none is). Reading the mask once per program lets the tile loop skip padding altogether, and
+    drop the per-similarity mask where the valid tokens are contiguous (padded documents)."""
+    lo = t_hi
+    hi = t_lo + 0 * t_hi  # a run-time value from the start, like the loop's updates
+    n_valid = 0 * t_hi
+    for start in range(t_lo, t_hi, BLOCK):
+        o_t = start + tl.arange(0, BLOCK)
+        valid = tl.load(p_mask + o_t, mask=o_t < t_hi, other=0) != 0
+        lo = tl.minimum(lo, tl.min(tl.where(valid, o_t, t_hi), 0))
+        hi = tl.maximum(hi, tl.max(tl.where(valid, o_t + 1, t_lo), 0))
+        n_valid += tl.sum(valid.to(tl.int32), 0)
+    lo = tl.minimum(lo, hi)
+    return lo, hi, n_valid == hi - lo
+
+
+@triton.jit
+def _doc_max(
+    b_q,
+    p_doc,
+    stride_doc_tok,
+    stride_doc_dim,
+    p_dmask,
+    stride_dmask_tok,
+    p_dinv,
+    stride_dinv_tok,
+    t_lo,
+    t_hi,
+    all_valid,
+    o_k,
+    m_k,
+    smooth_scale,
+    EVEN_K: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    NORM_FROM_TILES: tl.constexpr,
+    TRACK_ARGMAX: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    QUERY_IN_REGISTERS: tl.constexpr,
+):
+    """The MaxSim inner loop: max (and lowest argmax) of ``b_q``'s rows over document tokens
+    ``[t_lo, t_hi)``. Every layout calls this one loop.
+
+    ``b_q [BLOCK_M, BLOCK_K]`` stays on chip; the document streams through in ``BLOCK_N`` tiles,
+    full tiles without bounds checks and the tail tile with them. ``all_valid``: the constant
+    ``True`` without a document mask; with one, :func:`_valid_span`'s run-time flag that every
+    token of the span is valid, in which case the loop runs without reading the mask.
+    Returns ``row_max [BLOCK_M]`` (``-inf`` where no valid token) and ``row_arg [BLOCK_M]``
+    (int32, ``-1`` where no valid token; only meaningful when ``TRACK_ARGMAX``). With ``SMOOTH``,
+    ``row_max`` is ``log2 Σ_t exp2(s_t · smooth_scale)`` instead (``-inf`` where no valid token).
+    ``QUERY_IN_REGISTERS``: keep ``b_q`` in registers for the products (16-bit inputs, at least
+    64 rows: Hopper's warp-group products), which leaves shared memory's bandwidth to the
+    document tiles.
+    """
+    if QUERY_IN_REGISTERS and not UPCAST:
+        b_q = _in_product_layout(b_q)
+    if all_valid:
+        row_max, row_arg = _doc_loop(
+            b_q, p_doc, stride_doc_tok, stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv,
+            stride_dinv_tok, t_lo, t_hi, o_k, m_k, smooth_scale, EVEN_K, False, NORMALIZE,
+            NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST,
+        )
+    else:
+        row_max, row_arg = _doc_loop(
+            b_q, p_doc, stride_doc_tok, stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv,
+            stride_dinv_tok, t_lo, t_hi, o_k, m_k, smooth_scale, EVEN_K, True, NORMALIZE,
+            NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST,
+        )
+    return row_max, row_arg
+
+
+@triton.jit
+def _doc_loop(
+    b_q,
+    p_doc,
+    stride_doc_tok,
+    stride_doc_dim,
+    p_dmask,
+    stride_dmask_tok,
+    p_dinv,
+    stride_dinv_tok,
+    t_lo,
+    t_hi,
+    o_k,
+    m_k,
+    smooth_scale,
+    EVEN_K: tl.constexpr,
+    HAS_D_MASK: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    NORM_FROM_TILES: tl.constexpr,
+    TRACK_ARGMAX: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """:func:`_doc_max`'s tile loop for one masking mode."""
+    if SMOOTH:
+        acc_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    else:
+        acc_max = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
+    acc_arg = tl.full([BLOCK_M, BLOCK_N], -1, tl.int32)
+    run_sum = tl.zeros([BLOCK_M], tl.float32)
+    t_full = t_lo + (t_hi - t_lo) // BLOCK_N * BLOCK_N
+    for start in range(t_lo, t_full, BLOCK_N):
+        acc_max, acc_arg, run_sum = _doc_tile(
+            b_q, acc_max, acc_arg, run_sum, smooth_scale, start, t_hi, p_doc, stride_doc_tok,
+            stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv, stride_dinv_tok, o_k, m_k, False,
+            EVEN_K, HAS_D_MASK, NORMALIZE, NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_N,
+            DOT_PRECISION, UPCAST,
+        )
+    if t_full < t_hi:
+        acc_max, acc_arg, run_sum = _doc_tile(
+            b_q, acc_max, acc_arg, run_sum, smooth_scale, t_full, t_hi, p_doc, stride_doc_tok,
+            stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv, stride_dinv_tok, o_k, m_k, True,
+            EVEN_K, HAS_D_MASK, NORMALIZE, NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_N,
+            DOT_PRECISION, UPCAST,
+        )
+    row_arg = tl.full([BLOCK_M], -1, tl.int32)
+    if SMOOTH:
+        row_max = acc_max + tl.log2(run_sum)
+    else:
+        row_max = tl.reduce(acc_max, 1, _max_propagate_nan)
+        if TRACK_ARGMAX:
+            no_slot = 2147483647
+            row_arg = tl.min(tl.where(acc_max == row_max[:, None], acc_arg, no_slot), axis=1)
+            row_arg = tl.where((row_arg == no_slot) | (row_max == float("-inf")), -1, row_arg)
+    return row_max, row_arg
+
+
+@triton.jit
+def _query_chunk(Q, QMask, row_offsets, mask_index, m_row, o_k, m_k, stride_q_dim, HAS_Q_MASK: tl.constexpr):
+    """A chunk of query rows on chip, with the rows that count (inside, and not masked; the
+    others are loaded as zeros). ``row_offsets``: each row's element offset in ``Q``;
+    ``mask_index``: its index in the contiguous query mask."""
+    m_valid = m_row
+    if HAS_Q_MASK:
+        m_valid = m_valid & (tl.load(QMask + mask_index, mask=m_row, other=0) != 0)
+    b_q = tl.load(
+        Q + row_offsets[:, None] + o_k[None, :] * stride_q_dim,
+        mask=m_valid[:, None] & m_k[None, :],
+        other=0.0,
+    )
+    return b_q, m_valid
+
+
+@triton.jit
+def _chunk_scores(row_max, m_valid, unit, q_inv, QUERIES_PER_BLOCK: tl.constexpr, LQ_TILE: tl.constexpr):
+    """Each query's part of a chunk's score: ``Σ unit · row_max · q_inv`` over its counted rows,
+    where a row without a valid document token adds 0."""
+    contrib = tl.where(row_max == float("-inf"), 0.0, row_max) * unit * q_inv
+    contrib = tl.where(m_valid, contrib, 0.0)
+    return tl.sum(tl.reshape(contrib, (QUERIES_PER_BLOCK, LQ_TILE)), axis=1)
+
+
+@triton.jit
+def _dd_product(
+    o_t, idx, g, b_q, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, G_SCALED: tl.constexpr
+):
+    """``onehot(idx == t)ᵀ @ (g · Q)`` for the tokens ``o_t``, the one-hot built transposed,
+    ``[BLOCK_T, BLOCK_R]``, so that the product needs no layout shuffle. bf16 and fp32 rows, and
+    fp16 rows whose ``g`` the caller has brought into fp16's range (``G_SCALED``,
+    :func:`backward._g_scales`): each row's ``g`` stands in the one-hot in place of 1 (rounded
+    to the input dtype: bf16 has fp32's range), and the query rows go to the product as loaded,
+    with no pass over them. Other fp16 rows: ``g · Q`` rounded to fp16 with an exact one-hot,
+    since a loss-scaled ``g`` (65536 · g under a gradient scaler) can pass fp16's largest value
+    where ``g · Q`` does not."""
+    match = o_t[:, None] == idx[None, :]
+    if b_q.dtype == tl.float16 and not G_SCALED:
+        weights = tl.where(match, 1.0, 0.0).to(tl.float16)
+        rows = (b_q.to(tl.float32) * g[:, None]).to(tl.float16)
+    else:
+        weights = tl.where(match, g[None, :], 0.0).to(b_q.dtype)
+        rows = b_q
+    return _dot(weights, rows, DOT_PRECISION, UPCAST)
+
+
+@triton.jit
+def _segment(Cu, idx, mask, n_rows):
+    """First packed row and length of sequence ``idx`` (scalar or vector), clamped into
+    ``[0, n_rows]`` so that malformed offsets can never address outside the packed tensor."""
+    lo = tl.load(Cu + idx, mask=mask, other=0).to(tl.int64)
+    hi = tl.load(Cu + idx + 1, mask=mask, other=0).to(tl.int64)
+    lo = tl.minimum(tl.maximum(lo, 0), n_rows)
+    hi = tl.minimum(tl.maximum(hi, lo), n_rows)
+    return lo, hi - lo
+
