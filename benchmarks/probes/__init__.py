@@ -4,7 +4,8 @@
 - ``hopper``: the Gluon forward, its tiles and documents a program, and its launch's host side;
 - ``backward``: the backward kernels, their tiles and strategies, and whole training steps;
 - ``host``: the host's side of a call: first calls, issue times, launch paths, timed intervals;
-- ``common``: the helpers they share.
+- ``common``: the helpers they share, among them the library's launchers called under a plan
+  made inside ``fusedmaxsim.forced_plan`` (every probe forces its variants there).
 
 ``python3 benchmarks/probes --help`` lists the sections (no GPU needed); ``__main__`` runs them.
 
@@ -20,7 +21,8 @@ Deleted probes, which A/B'd this tree against copies of older package modules wr
 import sys
 from pathlib import Path
 
-# The package from this checkout, and benchmarks/ (profile_host), whatever the working directory.
+# The package from this checkout, and benchmarks/ (profile_host, harness), whatever the working
+# directory.
 BENCHMARKS = Path(__file__).resolve().parents[1]
 SRC = BENCHMARKS.parent / "src"
 sys.path[:0] = [str(SRC), str(BENCHMARKS)]

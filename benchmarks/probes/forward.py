@@ -18,7 +18,7 @@ from triton.testing import do_bench
 
 # Besides the public API, the package's private modules: the launchers' runtime and kernels, the
 # planner's default tiles.
-from fusedmaxsim import forced_plan, maxsim
+from fusedmaxsim import maxsim
 from fusedmaxsim._launch import runtime
 from fusedmaxsim._launch.forward import inverse_norms
 from fusedmaxsim._plan import fwd_heuristic
@@ -31,7 +31,10 @@ from .common import bench, bf16, forward_call, forward_plan
 
 
 def normalize_sweep() -> None:
-    """rerank_colpali_norm: 1 query of 128 tokens against 1000 pages of 1024, bf16."""
+    """rerank_colpali_norm: 1 query of 128 tokens against 1000 pages of 1024, bf16. The tile
+    variants run the forward launcher under a plan made once with ``fwd_tiles`` forced (a call
+    through ``maxsim`` would plan anew on every call while forcing); the launcher under the
+    library's own plan is their reference."""
     Q = torch.randn(1, 128, 128, device="cuda", dtype=torch.bfloat16)
     D = torch.randn(1000, 1024, 128, device="cuda", dtype=torch.bfloat16) * 3
     ref = maxsim_ref(Q.double(), D.double(), normalize=True)
@@ -45,18 +48,20 @@ def normalize_sweep() -> None:
         print(f"inverse norms of D      {bench(lambda: inverse_norms(D, 1e-12)):.4f}")
         print(f"fwd with given norms    "
               f"{bench(forward_call(Q, D, q_inv=q_inv, d_inv=d_inv)):.4f}")
+        planned = forward_call(Q, D, norm_from_tiles=True)
+        print(f"from tiles, launcher    {bench(planned):.4f} ({planned.plan.kernel}, "
+              f"{planned.plan.tiles})")
         for block_n in (32, 64, 128):
             for warps in (4, 8):
                 for stages in (2, 3, 4):
                     cfg = FwdConfig(128, 1, block_n, 128, warps, stages)
-                    with forced_plan(fwd_tiles=cfg):
-                        try:
-                            out = maxsim(Q, D, normalize=True)
-                            err = relative_error(out, ref)
-                            ms = bench(lambda: maxsim(Q, D, normalize=True))
-                            print(f"  tiles bn={block_n:3d} w={warps} s={stages}: {ms:.4f} ms  err {err:.1e}")
-                        except Exception as exc:  # noqa: BLE001
-                            print(f"  tiles bn={block_n:3d} w={warps} s={stages}: {type(exc).__name__}")
+                    run = forward_call(Q, D, norm_from_tiles=True, fwd_tiles=cfg)
+                    try:
+                        err = relative_error(run()[0], ref)
+                        ms = bench(run)
+                        print(f"  tiles bn={block_n:3d} w={warps} s={stages}: {ms:.4f} ms  err {err:.1e}")
+                    except Exception as exc:  # noqa: BLE001
+                        print(f"  tiles bn={block_n:3d} w={warps} s={stages}: {type(exc).__name__}")
 
 
 def masked() -> None:
@@ -84,7 +89,9 @@ def masked() -> None:
 
 
 def rerank_tiles() -> None:
-    """Forward tiles of two reranking shapes (1 query against 1000 documents, bf16, no_grad)."""
+    """Forward tiles of two reranking shapes (1 query against 1000 documents, bf16, no_grad):
+    the forward launcher under the library's plan, then under plans made once with ``fwd_tiles``
+    forced."""
     sweeps = {
         (32, 300): ((32, 64, 128), (2, 4), (2, 3, 4, 5)),
         (128, 1024): ((64, 128), (4, 8), (2, 3, 4)),
@@ -94,21 +101,23 @@ def rerank_tiles() -> None:
         D = torch.randn(1000, ld, 128, device="cuda", dtype=torch.bfloat16)
         ref = maxsim_ref(Q.double(), D.double())
         default = fwd_heuristic(lq, 128, 1, False, 2)
+        planned = forward_call(Q, D)
         with torch.no_grad():
-            print(f"Lq={lq} Ld={ld} default {default}: {bench(lambda: maxsim(Q, D)):.4f}")
+            print(f"Lq={lq} Ld={ld} default {default}: {bench(planned):.4f} (as planned: "
+                  f"{planned.plan.kernel}, {planned.plan.tiles})")
             results = []
             for block_n in block_ns:
                 for warps in warp_counts:
                     for stages in stage_counts:
                         cfg = dataclasses.replace(default, block_n=block_n, num_warps=warps,
                                                   num_stages=stages)
-                        with forced_plan(fwd_tiles=cfg):
-                            try:
-                                err = relative_error(maxsim(Q, D), ref)
-                                ms = bench(lambda: maxsim(Q, D))
-                            except Exception as exc:  # noqa: BLE001
-                                print(f"  bn={block_n} w={warps} s={stages}: {type(exc).__name__}")
-                                continue
+                        run = forward_call(Q, D, fwd_tiles=cfg)
+                        try:
+                            err = relative_error(run()[0], ref)
+                            ms = bench(run)
+                        except Exception as exc:  # noqa: BLE001
+                            print(f"  bn={block_n} w={warps} s={stages}: {type(exc).__name__}")
+                            continue
                         results.append((ms, block_n, warps, stages, err))
             for ms, block_n, warps, stages, err in sorted(results)[:6]:
                 print(f"  bn={block_n:3d} w={warps} s={stages}: {ms:.4f} ms  err {err:.1e}")
@@ -116,18 +125,21 @@ def rerank_tiles() -> None:
 
 def small_tiles() -> None:
     """The forward of one 32-token query per program, the default tiles against the former
-    (64-token tiles, 4 warps, 3 stages): reranking and per-query candidates, bf16, no_grad."""
+    (64-token tiles, 4 warps, 3 stages): reranking and per-query candidates, bf16, no_grad; the
+    forward launcher under the library's plan and under one made once with ``fwd_tiles``
+    forced."""
     old = FwdConfig(32, 1, 64, 128, 4, 3)
     for name, q_shape, d_shape in (("rerank_colbert", (1, 32, 128), (1000, 300, 128)),
                                    ("kd 64x32", (64, 32, 128), (64, 32, 300, 128)),
                                    ("kd_colpali 32x16", (32, 32, 128), (32, 16, 1030, 128))):
         Q = torch.randn(q_shape, device="cuda", dtype=torch.bfloat16)
         D = torch.randn(d_shape, device="cuda", dtype=torch.bfloat16)
+        planned = forward_call(Q, D)
         with torch.no_grad():
-            new_ms = bench(lambda: maxsim(Q, D))
-            with forced_plan(fwd_tiles=old):
-                old_ms = bench(lambda: maxsim(Q, D))
-        print(f"{name:18s} default {new_ms:.4f} ms, former tiles {old_ms:.4f} ms")
+            new_ms = bench(planned)
+            old_ms = bench(forward_call(Q, D, fwd_tiles=old))
+        print(f"{name:18s} default {new_ms:.4f} ms ({planned.plan.kernel}), former tiles "
+              f"{old_ms:.4f} ms")
 
 
 def _forward_shapes():

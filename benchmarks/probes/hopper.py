@@ -64,6 +64,15 @@ def _overlap_kernel():
     return hopper_forward._maxsim_fwd_overlap_kernel
 
 
+def _gluon_against(want, Q, D, *, normalize: bool = False, **forced) -> tuple[float, float]:
+    """The Gluon forward under ``forced_plan(**forced)`` (:func:`gluon_call`) into NaN-poisoned
+    scores: their error against ``want``, and its GPU ms."""
+    scores = torch.full_like(want, float("nan"))
+    run = gluon_call(Q, D, scores, normalize=normalize, **forced)
+    run()
+    return relative_error(scores, want), bench(run)
+
+
 def hopper_forward() -> None:
     """The Gluon forward (``kernels.hopper_forward``: each tile's product overlapping the
     previous tile's max; benchmarks/NOTES.md section 30) against the Triton forward: scores
@@ -93,12 +102,8 @@ def hopper_forward() -> None:
         row = f"-- {name}: Triton {triton_ms:.4f} ms"
         for stages in (4, 3):
             tiles = (64, stages, 4, None)
-            scores = torch.full_like(want, float("nan"))
             try:
-                run = gluon_call(Q, D, scores, HOPPER_TILES=tiles, HOPPER_PACKED_TILES=tiles)
-                run()
-                err = relative_error(scores, want)
-                ms = bench(run)
+                err, ms = _gluon_against(want, Q, D, HOPPER_TILES=tiles, HOPPER_PACKED_TILES=tiles)
             except Exception as exc:  # noqa: BLE001
                 row += f" | Gluon {stages} stages: {type(exc).__name__}: {str(exc)[:200]}"
                 continue
@@ -257,13 +262,9 @@ def hopper_variants() -> None:
         row = f"-- {name}: Triton {triton_ms:.4f} ms ({relative_error(want, ref):.0e} from float64)"
         for tiles in ((64, 4, 4, None), (64, 3, 4, None), (64, 5, 4, None), (32, 6, 4, None)):
             block_n, stages, warps, _ = tiles
-            scores = torch.full_like(want, float("nan"))
             try:
-                run = gluon_call(Q, D, scores, normalize=normalize, HOPPER_TILES=tiles,
-                                 HOPPER_NORM_TILES=tiles, HOPPER_PACKED_TILES=tiles)
-                run()
-                err = relative_error(scores, want)
-                ms = bench(run)
+                err, ms = _gluon_against(want, Q, D, normalize=normalize, HOPPER_TILES=tiles,
+                                         HOPPER_NORM_TILES=tiles, HOPPER_PACKED_TILES=tiles)
             except Exception as exc:  # noqa: BLE001
                 row += f"\n   Gluon {tiles}: {type(exc).__name__}: {str(exc)[:300]}"
                 continue

@@ -341,13 +341,21 @@ def _grads(ctx, grad_scores: Tensor, traced: bool) -> tuple[Tensor | None, Tenso
     return (grad_q if need_q else None), (grad_d if need_d else None)
 
 
+def _traced_options(backend: str, fp32_precision: str) -> Options:
+    """The options a registered op's autograd keeps: on that path the backward calls the
+    registered backward op with the backend and precision only, and the op resolves the other
+    settings when it runs. (Reading the settings here, while torch.compile traces, would make its
+    guards on the settings' cache fail.)"""
+    return Options(backend, fp32_precision, False, False, False, 0)
+
+
 def _dense_setup_context(ctx, inputs, output) -> None:
     Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, backend, fp32_precision, strategy, tau = inputs
     ctx.mark_non_differentiable(output[1])  # the smooth max's saved rows are float: no gradient
     p = dense_problem(Q, D, q_mask, d_mask, normalize=q_inv is not None, tau=tau,
                       save_argmax=save_argmax)
-    o = options_for(Q, backend, fp32_precision)
-    _save(ctx, _Call(p, o, strategy, q_mask, d_mask, q_inv, d_inv), Q, D, output[1])
+    _save(ctx, _Call(p, _traced_options(backend, fp32_precision), strategy, q_mask, d_mask, q_inv,
+                     d_inv), Q, D, output[1])
 
 
 def _packed_setup_context(ctx, inputs, output) -> None:
@@ -357,8 +365,8 @@ def _packed_setup_context(ctx, inputs, output) -> None:
     layout = _layout(Q, D, cu_q, cu_d, pair_q, pair_d, max_q, max_d, col_lo, col_hi)
     p = packed_problem(layout, Q, q_mask, d_mask, normalize=q_inv is not None,
                        save_argmax=save_argmax)
-    o = options_for(Q, backend, fp32_precision)
-    _save(ctx, _Call(p, o, strategy, q_mask, d_mask, q_inv, d_inv, layout), Q, D, output[1])
+    _save(ctx, _Call(p, _traced_options(backend, fp32_precision), strategy, q_mask, d_mask, q_inv,
+                     d_inv, layout), Q, D, output[1])
 
 
 def _dense_backward(ctx, grad_scores: Tensor, _grad_saved):

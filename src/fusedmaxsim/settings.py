@@ -70,10 +70,18 @@ def reload() -> None:
     """Read the ``FUSEDMAXSIM_*`` environment variables again."""
     _environment.clear()
     _environment.update({k: v for k, v in os.environ.items() if k.startswith("FUSEDMAXSIM_")})
+    _changed()
+
+
+def _changed() -> None:
+    """A setting changed: forget what was resolved, and resolve the values every call reads at
+    once (outside any ``torch.compile`` trace, so that a compiled call finds them there and guards
+    on their values; a bad value raises at the first call instead)."""
     _resolved.clear()
-
-
-reload()
+    try:
+        snapshot()
+    except ValueError:
+        _resolved.clear()
 
 
 def _remember(name: str, value: object) -> None:
@@ -135,11 +143,11 @@ def _flag(name: str, env: str) -> bool:
 
 
 def _set_flag(name: str, value: bool | None) -> None:
-    _resolved.clear()
     if value is None:
         _overrides.pop(name, None)
     else:
         _overrides[name] = bool(value)
+    _changed()
 
 
 def autotune() -> bool:
@@ -170,14 +178,16 @@ def _set(name: str, value: object, check) -> None:
     _resolved.clear()
     if value is None:
         _overrides.pop(name, None)
+        _changed()
         return
     _overrides[name] = value
     try:
         check()
     except ValueError:
         _overrides.pop(name, None)
-        _resolved.clear()
         raise
+    finally:
+        _changed()
 
 
 def set_backend(value: str | None) -> None:
@@ -205,7 +215,7 @@ def _scoped(name: str, setter, value) -> Iterator[None]:
         _overrides.pop(name, None)
         if saved is not None:
             _overrides[name] = saved
-        _resolved.clear()
+        _changed()
 
 
 def use_backend(value: str) -> contextlib.AbstractContextManager[None]:
@@ -276,3 +286,6 @@ def effective() -> list[tuple[str, str]]:
         ("FUSEDMAXSIM_POISON_OUTPUTS", str(int(POISON_OUTPUTS))),
         ("TRITON_INTERPRET", str(int(INTERPRETER))),
     ]
+
+
+reload()
