@@ -142,6 +142,35 @@ def test_packed_equals_padded_on_equal_lengths(backend):
     torch.testing.assert_close(pairs, dense[:, :3].diagonal(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("strategy", ["unified", "lowmem"])
+@pytest.mark.parametrize("normalize", [False, True], ids=["raw", "normalize"])
+def test_varlen_and_maxsim_on_the_padded_equivalent_agree(backend, strategy, normalize):
+    """The same problem through two front doors: ``maxsim_varlen`` on ragged sequences and
+    ``maxsim`` on their padded, masked equivalent give the same scores and gradients (1e-4
+    relative, IEEE fp32), with a random and a stride-0 ``grad_output``."""
+    lq, ld = [5, 1, 0, 7], [9, 3, 12, 0, 6]
+    Qp, Dp = packed(lq), packed(ld)
+    Qd = torch.zeros(len(lq), max(lq), DIM)
+    Dd = torch.zeros(len(ld), max(ld), DIM)
+    q_mask = torch.zeros(len(lq), max(lq), dtype=torch.bool)
+    d_mask = torch.zeros(len(ld), max(ld), dtype=torch.bool)
+    for i, n in enumerate(lq):
+        Qd[i, :n], q_mask[i, :n] = Qp[sum(lq[:i]):sum(lq[:i + 1])], True
+    for j, n in enumerate(ld):
+        Dd[j, :n], d_mask[j, :n] = Dp[sum(ld[:j]):sum(ld[:j + 1])], True
+    with settings.use_fp32_precision("ieee"):
+        for grad in (torch.randn(len(lq), len(ld)), None):
+            Qv, Dv, Qm, Dm = leaf(Qp), leaf(Dp), leaf(Qd), leaf(Dd)
+            varlen = maxsim_varlen(Qv, Dv, offsets(lq), offsets(ld), normalize=normalize,
+                                   backward=strategy)
+            dense = maxsim(Qm, Dm, q_mask, d_mask, normalize=normalize, backward=strategy)
+            torch.testing.assert_close(varlen, dense, rtol=1e-4, atol=1e-5)
+            (varlen.sum() if grad is None else (varlen * grad).sum()).backward()
+            (dense.sum() if grad is None else (dense * grad).sum()).backward()
+            torch.testing.assert_close(Qv.grad, Qm.grad[q_mask], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(Dv.grad, Dm.grad[d_mask], rtol=1e-4, atol=1e-5)
+
+
 def test_ragged_lists_match_a_loop_and_reach_every_tensor(backend):
     qs = [leaf(torch.randn(n, DIM)) for n in Q_LENGTHS]
     ds = [leaf(torch.randn(n, DIM)) for n in D_LENGTHS]

@@ -797,10 +797,16 @@ def _plan_backward(p: Problem, o: Options, need_q: bool, need_d: bool, strategy:
         block_r = tiles.block_r
         if p.layout == PAIRS:
             block_r = min(tiles.block_r, max(16, pow2(Lq)))  # the pair's own query is all rows
+        reasons.append(f"gather: {splits} split(s) over the pairs")
+        if unified and need_d:
+            reasons.append("grad_D: one fp32 buffer of all of grad_D (the packed gather kernel "
+                           "takes no column range, so it is not chunked as the dense one is)")
+        elif need_d:
+            reasons.append("grad_D: document-owned, every token tile scanning its rows (the "
+                           "packed kernel has no winner index and no fp16 g scaling yet)")
         return BackwardPlan(
             "triton", strategy, tiles, gather_splits=splits, atomic_q=splits > 1,
-            dd_scan_stages=scan_stages, block_r=block_r,
-            reasons=(*reasons, f"gather: {splits} split(s) over the pairs"))
+            dd_scan_stages=scan_stages, block_r=block_r, reasons=tuple(reasons))
 
     Nq, Ncols, Ld, dim = p.Nq, p.Ncols, p.Ld, p.dim
     d_numel = (Nq if per_query_docs else 1) * Ncols * Ld * dim
