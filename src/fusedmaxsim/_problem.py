@@ -371,18 +371,25 @@ def _check_offsets(name: str, cu: object, device: torch.device) -> Tensor:
     return cu
 
 
-def _check_max_seqlen(name: str, value: object) -> int | None:
-    if value is None:
+def check_int(name: str, value: object, *, optional: bool, low: int, bound: str) -> int | None:
+    """An integer argument (no bool, no float), at least ``low`` (else ``{name} must be
+    {bound}``); None passes where ``optional``."""
+    if value is None and optional:
         return None
+    kind = "an int or None" if optional else "an int"
     if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int or None, got {value!r}")
+        raise TypeError(f"{name} must be {kind}, got {value!r}")
     try:
         value = operator.index(value)
     except TypeError:
-        raise TypeError(f"{name} must be an int or None, got {type(value).__name__}") from None
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
+        raise TypeError(f"{name} must be {kind}, got {type(value).__name__}") from None
+    if value < low:
+        raise ValueError(f"{name} must be {bound}, got {value}")
     return value
+
+
+def _check_max_seqlen(name: str, value: object) -> int | None:
+    return check_int(name, value, optional=True, low=0, bound=">= 0")
 
 
 def _check_validate(validate: object) -> bool | None:

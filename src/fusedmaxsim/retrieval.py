@@ -14,7 +14,6 @@ nothing but, on the PyTorch path, the last bit of a score (BLAS blocks its produ
 from __future__ import annotations
 
 import dataclasses
-import operator
 import sys
 import time
 
@@ -28,6 +27,7 @@ from ._problem import (
     _check_mask,
     build_layout,
     check_backward,
+    check_int,
     dense_as_packed,
     dense_problem,
     options_for,
@@ -263,29 +263,11 @@ class _Prefetcher:
 
 
 def _check_top_k(top_k: object) -> int:
-    if isinstance(top_k, bool):
-        raise TypeError(f"top_k must be an int, got {top_k!r}")
-    try:
-        k = operator.index(top_k)
-    except TypeError:
-        raise TypeError(f"top_k must be an int, got {type(top_k).__name__}") from None
-    if k <= 0:
-        raise ValueError(f"top_k must be positive, got {k}")
-    return k
+    return check_int("top_k", top_k, optional=False, low=1, bound="positive")
 
 
 def _check_chunk(chunk: object) -> int | None:
-    if chunk is None:
-        return None
-    if isinstance(chunk, bool):
-        raise TypeError(f"chunk must be an int or None, got {chunk!r}")
-    try:
-        value = operator.index(chunk)
-    except TypeError:
-        raise TypeError(f"chunk must be an int or None, got {type(chunk).__name__}") from None
-    if value <= 0:
-        raise ValueError(f"chunk must be positive (documents per chunk), got {value}")
-    return value
+    return check_int("chunk", chunk, optional=True, low=1, bound="positive (documents per chunk)")
 
 
 def _corpus(D: object, d_mask, cu_seqlens_d, max_seqlen_d, dim: int, validate) -> _Corpus:
