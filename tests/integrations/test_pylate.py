@@ -486,7 +486,9 @@ def test_swap_references_covers_globals_and_defaults(monkeypatch):
 
 
 def test_patch_without_pylate_says_what_is_missing(monkeypatch):
-    monkeypatch.setattr(fp, "_SCORES_MODULES", ("no_such_host.scores.colbert",))
+    # PyLate made unimportable, as where it is not installed (None in sys.modules stops an import).
+    for name in ("pylate", "pylate.scores", "pylate.scores.colbert", "pylate.scores.scores"):
+        monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(ImportError, match="needs PyLate"):
         fp.patch()
     assert not fp.is_patched()
