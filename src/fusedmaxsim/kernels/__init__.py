@@ -1,4 +1,4 @@
-"""The Triton (and Gluon) kernels of fusedmaxsim; the launchers (``fusedmaxsim._launch*``) import
+"""The Triton (and Gluon) kernels of fusedmaxsim; the launchers (``fusedmaxsim._launch``) import
 them. This package imports none of them, nor Triton.
 
 * ``common``: what the kernels share: the math, the one MaxSim inner loop (``_doc_max``), query
