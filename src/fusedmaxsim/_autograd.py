@@ -35,11 +35,18 @@ __all__ = ["NORM_EPS", "NormalizeTokens", "inverse_norms", "run_backward", "run_
            "scores_dense", "scores_packed"]
 
 
-def _launch():
-    """The Triton launchers, imported on first use: the PyTorch path never imports Triton."""
-    from ._launch import backward, forward
+_launchers: tuple | None = None
 
-    return forward, backward
+
+def _launch():
+    """The Triton launchers ``(forward, backward)``, imported on first use (the PyTorch path never
+    imports Triton) and kept: an import statement on every call costs the host time."""
+    global _launchers
+    if _launchers is None:
+        from ._launch import backward, forward
+
+        _launchers = forward, backward
+    return _launchers
 
 
 # ------------------------------------------------------------------------------------------------
