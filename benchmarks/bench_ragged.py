@@ -527,7 +527,7 @@ def run_retrieve_case(case: Case, dtype, device, args, ceilings) -> dict:
               "shape": {**_shape_info(case, data), "top_k": case.top_k}, "providers": {}}
     record["floor_ms"] = floor_ms(case, data, ceilings, data.Q_packed.element_size())
 
-    runs = {"fusedmaxsim.retrieve": ("ours", lambda: retrieve(Q, corpus, case.top_k, **kwargs))}
+    runs = {"fusedmaxsim.retrieve": ("ours", lambda: retrieve(Q, corpus, case.top_k, normalize=False, **kwargs))}
     if args.peers and not packed and not stream:
         runs["lik.retrieve"] = ("peer", lambda: _lik_retrieve(Q, corpus, case.top_k, device))
     for name, (role, call) in runs.items():

@@ -7,8 +7,9 @@
 #   STAGES="tests check ragged e2e" OUT=/some/dir bash benchmarks/run_h200.sh
 #
 # STAGES picks and orders the stages (default: tests check suite cold memory report); GPU_TESTS
-# narrows the tests (pytest arguments). Three more stages are off by default: `probe`
-# (benchmarks/probes/ with the sections named in PROBES), `ragged` (benchmarks/bench_ragged.py)
+# narrows the tests (pytest arguments). More stages are off by default: `probe`
+# (benchmarks/probes/ with the sections named in PROBES), `fp32` (fp32 inputs, IEEE beside TF32),
+# `host` (benchmarks/bench_host.py), `ragged` (benchmarks/bench_ragged.py)
 # and `e2e` (the PyLate fine-tune of benchmarks/train_pylate_e2e.py, which needs its wheels in
 # .whl/e2e/ and the fp16 model that `train_pylate_e2e.py --export-model .whl/minilm-fp16` writes).
 #
@@ -126,7 +127,7 @@ for name in $STAGES; do
             "${XDIST[@]}" ${GPU_TESTS:--m gpu}
         ;;
     probe) stage "probe" "${PROBE_CAP:-240}" "$OUT/probe.log" python3 benchmarks/probes ${PROBES:-memory} ;;
-    check) stage "check" 150 "$OUT/check.log" python3 -m fusedmaxsim check ;;
+    check) stage "check" "${CHECK_CAP:-150}" "$OUT/check.log" python3 -m fusedmaxsim check ;;
     suite)
         # The suite gets what the later stages leave (SUITE_RESERVE, default 225 s: cold start
         # 90, memory table 120, report 15), up to SUITE_MAX (default 300 s); it stops starting
@@ -150,6 +151,14 @@ for name in $STAGES; do
         # leaves 30 s of the cap (HOST_CAP, default 200 s) to what rounds do not bound (compiles).
         stage "host bench" "${HOST_CAP:-200}" "$OUT/host.log" python3 benchmarks/bench_host.py \
             --device cuda --out "$OUT/host" --budget-s $((${HOST_CAP:-200} - 30))
+        ;;
+    fp32)
+        # Off by default: fp32 inputs on a few suite shapes, fusedmaxsim's default (IEEE under
+        # PyTorch's default precision) beside TF32 (precision "high") and the peers; in $OUT/fp32/.
+        stage "fp32" "${FP32_CAP:-150}" "$OUT/fp32.log" python3 benchmarks/bench_maxsim.py \
+            --out "$OUT/fp32" --dtype float32 --providers fusedmaxsim,fusedmaxsim_tf32,lik,flash,naive \
+            --shapes "${FP32_SHAPES:-rerank_colbert,rerank_colpali,batch_colbert,small_batch,train_colbert,train_colpali,train_small_batch,train_kd}" \
+            --warmup-ms 25 --rep-ms 100 --budget-s $((${FP32_CAP:-150} - 30))
         ;;
     *) note "unknown stage: $name" ;;
     esac

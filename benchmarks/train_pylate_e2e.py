@@ -62,8 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--fp32-precision",
         choices=("ieee", "tf32"),
         default="ieee",
-        help="how fusedmaxsim multiplies fp32 on the GPU; ieee (default here) compares like for "
-        "like with PyLate's fp32 einsum, tf32 is the library's faster default",
+        help="how fusedmaxsim multiplies fp32 on the GPU; ieee (default, as the library's "
+        "default under PyTorch's default matmul precision) compares like for like with PyLate's "
+        "fp32 einsum, tf32 is faster",
     )
     p.add_argument("--out", type=Path, help="where result.json and loss_curves.png go")
     p.add_argument(

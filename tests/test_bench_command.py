@@ -21,7 +21,12 @@ def test_bench_prints_the_table_with_its_baseline_and_parity(capsys):
     rows = [line for line in out.splitlines() if line.startswith(("2x3x4x16x8", "1x5x3x7x16"))]
     assert len(rows) == 2 and all(line.endswith("ok") for line in rows)
     assert "parity failed on 0 of 2" in out
-    assert "fused slower than naive on " in out and " of 2 timed shapes" in out
+    assert "the sides timed in alternation" in out
+    summary = [line for line in out.splitlines() if line.startswith("against ")]
+    assert len(summary) == 1
+    assert summary[0].startswith("against naive PyTorch in float32: fused slower on ")
+    assert " of 2 timed shapes (median speedup " in summary[0]
+    assert "fp32 ms" not in out  # float32 inputs: the one baseline
 
 
 def test_bench_training_step_checks_gradients(capsys):
@@ -49,3 +54,34 @@ def test_bench_refuses_a_speedup_when_fused_disagrees(monkeypatch, capsys):
 def test_bench_refuses_an_unknown_shape(capsys):
     assert main(["bench", "--device", "cpu", "--shapes", "nope"]) == 2
     assert "unknown shape 'nope'" in capsys.readouterr().err
+
+
+def test_bench_names_both_baselines_for_16_bit_inputs(capsys):
+    """bf16 inputs: the naive formula in bf16 (similarities rounded to bf16) and on fp32 copies
+    (as precise as the fused similarities), each with its own count of shapes where fused loses."""
+    assert main(["bench", *TINY, "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "baseline: naive PyTorch in bfloat16: einsum over the [Nq, Nd, Lq, Ld] grid" in out
+    assert "and the same on float32 copies of the bfloat16 inputs, the copies timed too" in out
+    header = next(line for line in out.splitlines() if line.startswith("shape "))
+    assert "naive ms  speedup   fp32 ms  speedup" in header
+    rows = [line for line in out.splitlines() if line.startswith(("2x3x4x16x8", "1x5x3x7x16"))]
+    assert len(rows) == 2
+    assert all(len(re.findall(r"\d\.\d\dx", line)) == 2 and line.endswith("ok") for line in rows)
+    summary = [line for line in out.splitlines() if line.startswith("against ")]
+    assert [line.split(":")[0] for line in summary] == [
+        "against naive PyTorch in bfloat16", "against naive PyTorch on float32 copies"]
+    assert all(" of 2 timed shapes (median speedup " in line for line in summary)
+
+
+def test_bench_json_counts_the_shapes_where_fused_loses(capsys):
+    assert main(["bench", *TINY, "--dtype", "float16", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["baseline"] == "naive PyTorch in float16"
+    assert result["baseline_fp32"] == "naive PyTorch on float32 copies"
+    assert result["timed"] == 2 and result["parity_failed"] == 0
+    for key, speedup in (("slower", "speedup"), ("slower_fp32", "speedup_fp32")):
+        assert result[key] == sum(row[speedup] < 1 for row in result["rows"])
+    for row in result["rows"]:
+        assert row["naive_fp32_ms"] > 0
+        assert row["speedup_fp32"] == row["naive_fp32_ms"] / row["fused_ms"]

@@ -73,14 +73,27 @@ def test_pairs_parity(strategy):
     check_against_reference(Q, D, pairs=True, backward=strategy, tol=BOUNDS[torch.bfloat16])
 
 
-def test_fp32_ieee_is_exact_and_tf32_is_close():
+def test_fp32_ieee_is_exact_tf32_is_close_and_the_default_follows_torch():
     Q = torch.randn(4, 37, 128, device="cuda")
     D = torch.randn(6, 123, 128, device="cuda")
     with settings.use_fp32_precision("ieee"):
         check_against_reference(Q, D, tol=(1e-5, 1e-5))
         check_against_reference(Q * 300, D * 300, tol=(1e-5, 1e-5))  # far above fp16's range
     ref = maxsim_ref(Q.double(), D.double())
-    assert_close_to_reference(maxsim(Q, D), ref, 2e-3, "tf32 scores")
+    with settings.use_fp32_precision("tf32"):
+        tf32 = maxsim(Q, D)
+    assert_close_to_reference(tf32, ref, 2e-3, "tf32 scores")
+    # The default follows PyTorch: IEEE under its default "highest", TF32 under "high".
+    saved = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        with settings.use_fp32_precision("ieee"):
+            ieee = maxsim(Q, D)
+        assert torch.equal(maxsim(Q, D), ieee)
+        torch.set_float32_matmul_precision("high")
+        assert torch.equal(maxsim(Q, D), tf32)
+    finally:
+        torch.set_float32_matmul_precision(saved)
 
 
 def test_nan_and_fully_masked_on_gpu():

@@ -183,9 +183,13 @@ def test_retrieve_never_records_a_graph(backend):
         (lambda: retrieve(torch.randn(1, 2, 5, 8), torch.randn(6, 9, 8), 3), ValueError, r"Q must be \[Lq, d\] or \[Nq, Lq, d\]"),
         (lambda: retrieve(torch.randn(2, 5, 8), torch.randn(1, 6, 9, 8), 3), ValueError, r"D must be \[Nd, Ld, d\]"),
         (lambda: retrieve(torch.randn(2, 5, 8), torch.randn(6, 9, 7), 3), ValueError, "share the embedding dim d"),
-        (lambda: retrieve(torch.randn(2, 5, 8), torch.randn(6, 9, 8).to("meta"), 3), ValueError, "Q is on cpu but D is on meta"),
-        (lambda: retrieve(torch.randn(2, 5, 8), torch.randn(6, 9, 8), 3, q_mask=torch.ones(2, 4)), ValueError, r"q_mask must have shape \(2, 5\)"),
-        (lambda: retrieve(torch.randn(2, 5, 8), torch.randn(6, 9, 8), 3, d_mask=torch.ones(6, 8)), ValueError, r"d_mask must have shape \(6, 9\)"),
+        (lambda: retrieve(torch.randn(2, 5, 8), torch.randn(6, 9, 8).to("meta"), 3), ValueError, "Q is on cpu but D is on meta: Q and D must be on the same device"),
+        (lambda: retrieve(torch.randn(2, 5, 8), torch.randn(6, 9, 8), 3, q_mask=torch.ones(2, 4)), ValueError, r"q_mask must be \[Nq, Lq\] = \(2, 5\)"),
+        (lambda: retrieve(torch.randn(5, 8), torch.randn(6, 9, 8), 3, q_mask=torch.ones(4)), ValueError, r"q_mask must be \[Lq\] = \(5,\)"),
+        (lambda: retrieve(torch.randn(2, 5, 8), torch.randn(6, 9, 8), 3, d_mask=torch.ones(6, 8)), ValueError, r"d_mask must be \[Nd, Ld\] = \(6, 9\)"),
+        (lambda: retrieve(torch.randn(2, 5, 8), torch.randn(6, 9, 8), 3, normalize="yes"), TypeError, r"normalize must be True or False \(a Python bool\), got 'yes'"),
+        (lambda: retrieve(torch.randn(2, 5, 8), torch.randn(6, 9, 8), 3, largest=0), TypeError, r"largest must be True or False \(a Python bool\), got 0"),
+        (lambda: retrieve(torch.randn(2, 5, 8), torch.randn(6, 9, 8), 3, sorted="no"), TypeError, r"sorted must be True or False"),
         (lambda: retrieve(torch.randn(2, 5, 8), torch.randn(6, 9, 8), 3, max_seqlen_d=9), ValueError, "max_seqlen_d goes with a packed corpus"),
         (lambda: retrieve(torch.randn(2, 5, 8), torch.randn(10, 8), 3, cu_seqlens_d=torch.tensor([0, 4, 9])), ValueError, r"cu_seqlens_d must end at .* D.shape\[0\] = 10"),
         (lambda: retrieve(torch.randn(2, 5, 8), torch.randn(10, 8), 3, cu_seqlens_d=torch.tensor([0, 6, 10]), max_seqlen_d=5), ValueError, r"max_seqlen_d=5 is below"),
@@ -252,3 +256,115 @@ def test_scorer_retrieve_uses_its_normalize(backend):
 def test_streaming_a_cpu_corpus_needs_a_gpu_or_the_same_device():
     with settings.use_backend("torch"), pytest.raises(ValueError, match="in CPU memory while Q is on a GPU"):
         retrieve(torch.randn(2, 5, 8).to("meta"), torch.randn(6, 9, 8), 3)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.topk's keywords, mask_pad_token, the default of normalize
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk", [None, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_largest_false_returns_the_lowest_scores_first(backend, chunk, dtype):
+    if backend == "triton" and dtype == torch.float64:
+        pytest.skip("float64 runs on the PyTorch path")
+    Q, D = torch.randn(3, 5, DIM, dtype=dtype), torch.randn(11, 9, DIM, dtype=dtype)
+    D[4] = float("nan")  # a NaN score ranks last of the lowest, as in torch.topk
+    d_mask = masks_with_holes((11, 9), "cpu")  # document 0 is empty: it scores 0
+    D[7], d_mask[7] = D[2], d_mask[2]  # a tie: the lower index first
+    full = maxsim(Q, D, d_mask=d_mask)
+    scores, indices = retrieve(Q, D, 11, d_mask=d_mask, normalize=False, largest=False, chunk=chunk)
+    order = torch.sort(full, dim=-1, stable=True)  # ascending, NaN last
+    assert torch.equal(indices, order.indices)
+    torch.testing.assert_close(scores, order.values, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert torch.equal(indices[:, -1], torch.full((3,), 4))
+    assert (indices == 2).nonzero()[:, 1].lt((indices == 7).nonzero()[:, 1]).all()
+    scores, indices = retrieve(Q, D, 4, d_mask=d_mask, normalize=False, largest=False, chunk=chunk)
+    assert torch.equal(indices, order.indices[:, :4])
+
+
+def test_sorted_false_is_accepted_and_still_sorted(backend):
+    Q, D = torch.randn(2, 5, DIM), torch.randn(9, 6, DIM)
+    for largest in (True, False):
+        assert all(torch.equal(a, b) for a, b in zip(
+            retrieve(Q, D, 5, normalize=False, largest=largest, sorted=False),
+            retrieve(Q, D, 5, normalize=False, largest=largest)))
+
+
+def test_scorer_forward_with_ids_masks_the_pad_token(backend):
+    Q, D = leaf(torch.randn(2, 5, DIM)), leaf(torch.randn(3, 9, DIM))
+    q_ids, d_ids = torch.randint(1, 50, (2, 5)), torch.randint(1, 50, (3, 9))
+    q_ids[:, -2:] = -100
+    d_ids[0] = -100  # a document made of padding scores 0
+    d_ids[1, 4:] = -100
+    scorer = MaxSimScorer(normalize=True, mask_pad_token=-100)
+    assert "mask_pad_token=-100" in repr(scorer)
+    out = scorer.forward_with_ids(Q, D, q_ids, d_ids)
+    torch.testing.assert_close(out, maxsim(Q, D, q_ids != -100, d_ids != -100, normalize=True))
+    assert torch.equal(out[:, 0], torch.zeros(2))
+    out.sum().backward()
+    assert torch.equal(Q.grad[:, -2:], torch.zeros(2, 2, DIM))
+    # Packed documents: ids of the packed rows.
+    D, cu = packed_corpus(4)
+    d_ids = torch.randint(0, 3, (D.shape[0],))
+    packed = scorer.forward_with_ids(Q, D, q_ids, d_ids, cu_seqlens_d=cu)
+    torch.testing.assert_close(packed, scorer(Q, D, q_ids != -100, d_ids != -100, cu_seqlens_d=cu))
+
+
+@pytest.mark.parametrize(
+    "call,error,pattern",
+    [
+        (lambda: MaxSimScorer(normalize=False).forward_with_ids(torch.randn(2, 5, 8), torch.randn(3, 6, 8), torch.zeros(2, 5), torch.zeros(3, 6)),
+         ValueError, r"forward_with_ids requires mask_pad_token set on the scorer"),
+        (lambda: MaxSimScorer(normalize=False, mask_pad_token=0).forward_with_ids(torch.randn(2, 5, 8), torch.randn(3, 6, 8), torch.zeros(2, 4), torch.zeros(3, 6)),
+         ValueError, r"q_ids must have shape \(2, 5\) \(the token axes of Q \(2, 5, 8\)\), got \(2, 4\)"),
+        (lambda: MaxSimScorer(normalize=False, mask_pad_token=0).forward_with_ids(torch.randn(2, 5, 8), torch.randn(3, 6, 8), torch.zeros(2, 5), [0] * 6),
+         TypeError, r"d_ids must be a torch.Tensor of token ids, got list"),
+        (lambda: MaxSimScorer(normalize=False, mask_pad_token=1.0), TypeError, r"mask_pad_token must be an int token id or None, got float"),
+        (lambda: MaxSimScorer(normalize=False, mask_pad_token=True), TypeError, r"mask_pad_token must be an int token id or None, got True"),
+        (lambda: MaxSimScorer(normalize=1), TypeError, r"normalize must be True or False \(a Python bool\), got 1"),
+    ],
+)
+def test_scorer_bad_input_is_refused_with_a_clear_message(call, error, pattern):
+    with pytest.raises(error, match=pattern):
+        call()
+
+
+_DEFAULT_NORMALIZE_SCRIPT = """
+import warnings
+import torch
+from fusedmaxsim import MaxSimScorer, retrieve
+
+Q, D = torch.randn(2, 5, 8), torch.randn(6, 9, 8)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    retrieve(Q, D, 3, normalize=False)  # explicit: silent
+    MaxSimScorer(normalize=True)
+    plain = retrieve(Q, D, 3)  # the default: one warning per function and process
+    retrieve(Q, D, 3)
+    scorer = MaxSimScorer()
+    MaxSimScorer()
+assert scorer.normalize is False
+assert torch.equal(plain[1], retrieve(Q, D, 3, normalize=False)[1])
+for w in caught:
+    print(w.category.__name__, w.filename == __file__, w.message)
+"""
+
+
+def test_leaving_normalize_unset_warns_once_per_function(tmp_path):
+    """retrieve and MaxSimScorer default to normalize=False where late-interaction-kernels
+    defaults to True: a call relying on the default warns once per process (a fresh process, as
+    the warning is once per process)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "default_normalize.py"
+    script.write_text(_DEFAULT_NORMALIZE_SCRIPT)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True)
+    expected = [
+        f"UserWarning True fusedmaxsim.{name} defaults to normalize=False "
+        f"(late-interaction-kernels' {name} defaults to normalize=True); "
+        "pass normalize= explicitly to silence this"
+        for name in ("retrieve", "MaxSimScorer")
+    ]
+    assert out.stdout.splitlines() == expected, out.stdout + out.stderr

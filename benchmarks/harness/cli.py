@@ -10,6 +10,7 @@ fusedmaxsim failed on some suite item, 2 on bad arguments.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -42,6 +43,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "--providers", default=None,
         help=f"comma list from {', '.join(PROVIDERS_BY_KEY)}. Default: fusedmaxsim and the "
              "naive baselines (compile_fp32 on CUDA only), plus the peers with --peers.")
+    parser.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                        help="run every selected shape in this dtype instead of its own (the "
+                             "anchors, measured in the shapes' own dtypes, are then left out)")
     parser.add_argument("--peers", action="store_true",
                         help="also time late-interaction-kernels and flash-maxsim when importable")
     parser.add_argument("--device", default=None,
@@ -128,6 +132,9 @@ def run_bench(args: argparse.Namespace) -> int:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("CUDA is not available")
         shapes = select_shapes(args.shapes, device)
+        if args.dtype is not None:
+            shapes = [dataclasses.replace(s, dtype=args.dtype, anchor=None)
+                      if s.dtype != args.dtype else s for s in shapes]
         modes = parse_modes(args.modes)
         providers = select_providers(args.providers, args.peers, device)
         batches = [int(b) for b in str(args.memory_batches).split(",") if b.strip()]

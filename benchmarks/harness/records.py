@@ -90,6 +90,23 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _fp32_matmul_precision() -> str:
+    """PyTorch's fp32 matmul precision (its per-backend setting where a program used that API)."""
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:
+        return f"cuda matmul {torch.backends.cuda.matmul.fp32_precision}"
+
+
+def _fusedmaxsim_fp32_precision() -> str | None:
+    """What fusedmaxsim's fp32 inputs use now (``tf32`` or ``ieee``), where it is importable."""
+    try:
+        from fusedmaxsim import settings
+    except ImportError:
+        return None
+    return settings.fp32_precision()
+
+
 def environment(device) -> dict:
     """Everything a reader needs to trust or reproduce a record."""
     device = torch.device(device)
@@ -111,7 +128,8 @@ def environment(device) -> dict:
         env.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
                    capability=f"{props.major}.{props.minor}", driver=_nvidia_driver(),
                    cuda=torch.version.cuda,
-                   tf32_matmul=torch.backends.cuda.matmul.allow_tf32)
+                   fp32_matmul_precision=_fp32_matmul_precision(),
+                   fusedmaxsim_fp32_precision=_fusedmaxsim_fp32_precision())
     else:
         env.update(gpu=None, cpu=_cpu_name(), threads=torch.get_num_threads())
     return env

@@ -1,5 +1,14 @@
 """fusedmaxsim: fused GPU kernels for late-interaction (MaxSim) scoring."""
 
+import warnings
+
+# fusedmaxsim needs torch and Triton only. Where NumPy is not installed, importing torch warns
+# "Failed to initialize NumPy" although nothing here uses NumPy: keep that warning out of
+# fusedmaxsim's import (and so out of every command of the command-line tool).
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+    import torch  # noqa: F401
+
 from . import reference, settings
 from .api import (
     PackedBatch,

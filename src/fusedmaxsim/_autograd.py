@@ -31,8 +31,8 @@ from ._problem import Options, Problem, RaggedLayout, dense_problem, options_for
 
 NORM_EPS = 1e-12  # F.normalize's default
 
-__all__ = ["NORM_EPS", "NormalizeTokens", "inverse_norms", "run_backward", "run_forward",
-           "scores_dense", "scores_packed"]
+__all__ = ["DOUBLE_BACKWARD_MESSAGE", "NORM_EPS", "NormalizeTokens", "inverse_norms",
+           "run_backward", "run_forward", "scores_dense", "scores_packed"]
 
 
 _launchers: tuple | None = None
@@ -390,9 +390,36 @@ torch.library.register_autograd("fusedmaxsim::maxsim_packed_fwd", _packed_backwa
                                 setup_context=_packed_setup_context)
 
 
-@torch.autograd.function.once_differentiable
-def _backward_once(ctx, grad_scores):
-    return _grads(ctx, grad_scores, traced=False) + (None,)
+DOUBLE_BACKWARD_MESSAGE = (
+    "fusedmaxsim: double backward is not supported. fusedmaxsim's scores cannot be "
+    "differentiated twice (their backward is not itself differentiable), so gradients taken "
+    "with create_graph=True cannot be backpropagated again; fusedmaxsim.reference.maxsim_ref "
+    "(which materializes the similarity grid) supports higher-order gradients"
+)
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """Passes a gradient through unchanged and raises :data:`DOUBLE_BACKWARD_MESSAGE` when
+    differentiated. ``anchors`` (the forward's inputs) tie the gradient to the graph, so that a
+    second backward reaches this node rather than failing with PyTorch's generic "does not
+    require grad"."""
+
+    @staticmethod
+    def forward(ctx, grad, *anchors):
+        return grad.view_as(grad)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(DOUBLE_BACKWARD_MESSAGE)
+
+
+def _first_order_grads(ctx, grad_scores: Tensor) -> tuple:
+    """The backward under ``create_graph=True``: the gradients computed as usual (without
+    recording a graph through them), each marked first order only."""
+    with torch.no_grad():
+        grads = _grads(ctx, grad_scores, traced=False)
+    anchors = (*ctx.saved_tensors[:2], grad_scores)
+    return tuple(None if g is None else _FirstOrderOnly.apply(g, *anchors) for g in grads)
 
 
 class MaxSimFunction(torch.autograd.Function):
@@ -413,11 +440,11 @@ class MaxSimFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_scores):
         # The engine runs a backward with grad mode on only under create_graph=True: there the
-        # once-differentiable wrapper makes a second backward through these gradients raise.
-        # Without it (every training step) the wrapper's host time is skipped (design.md,
-        # "Host cost").
+        # gradients are marked first order, so that a second backward through them raises a
+        # clear error. Without it (every training step) that marking's host time is skipped
+        # (design.md, "Host cost").
         if torch.is_grad_enabled():
-            return _backward_once(ctx, grad_scores)
+            return _first_order_grads(ctx, grad_scores) + (None,)
         return _grads(ctx, grad_scores, traced=False) + (None,)
 
 

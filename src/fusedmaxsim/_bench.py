@@ -2,10 +2,13 @@
 
 For a few cross-product shapes (``D [Nd, Ld, d]``, no masks) it times ``fusedmaxsim.maxsim`` and
 the naive formula (einsum over the full ``[Nq, Nd, Lq, Ld]`` grid, amax, sum) on the same inputs
-in the same dtype: the median wall time of one synchronized call, after a warm-up. First, the
-fused scores (and gradients with ``--backward``) are compared with the naive formula in float32
-on the same inputs; past ``fusedmaxsim.testing.TOLERANCES`` no speedup is reported and the
-command exits with 1. The suite against the peer libraries is in the repository's benchmarks/.
+in the same dtype and, for 16-bit inputs, the naive formula on float32 copies too (the precision
+of the fused similarities): the median wall time of one synchronized call, after a warm-up, the
+sides called in alternation. First, the fused scores (and gradients with ``--backward``) are
+compared with the naive formula in float32 on the same inputs; past
+``fusedmaxsim.testing.TOLERANCES`` no speedup is reported and the command exits with 1. The
+summary counts, for each baseline, the shapes where the fused op is slower. The suite against
+the peer libraries is in the repository's benchmarks/.
 """
 
 from __future__ import annotations
@@ -78,9 +81,12 @@ def _parse_shapes(spec: str | None, presets: dict) -> dict:
     return shapes
 
 
-def _median_ms(fn, sync, rep_ms: float, before=lambda: None) -> float:
-    """Median of synchronized calls over about ``rep_ms`` (at least 5), after two warm-up calls."""
-    def call() -> float:
+def _interleaved_medians(fns: dict, sync, rep_ms: float, before=lambda: None) -> dict:
+    """Median ms of one synchronized call of each of ``fns`` (and the error of any that failed its
+    warm-up, left out), timed in rounds that call each once,
+    in an order that rotates from round to round, so that a slow spell of a busy machine falls on
+    every side alike. About ``rep_ms`` per side, at least 7 rounds, after two warm-up calls each."""
+    def call(fn) -> float:
         before()
         sync()
         start = time.perf_counter()
@@ -88,10 +94,22 @@ def _median_ms(fn, sync, rep_ms: float, before=lambda: None) -> float:
         sync()
         return (time.perf_counter() - start) * 1e3
 
-    call()
-    estimate = max(call(), 1e-3)
-    times = sorted(call() for _ in range(max(5, min(1000, int(rep_ms / estimate)))))
-    return times[len(times) // 2]
+    estimate, errors = {}, {}
+    for name, fn in fns.items():
+        try:
+            call(fn)
+            estimate[name] = max(call(fn), 1e-3)
+        except Exception as exc:  # noqa: BLE001 - e.g. the naive grid out of memory: reported
+            errors[name] = _error(exc)
+    names = list(estimate)
+    if not names:
+        return {}, errors
+    rounds = max(7, min(1000, int(rep_ms / max(estimate.values()))))
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(call(fns[name]))
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}, errors
 
 
 def _error(exc: BaseException) -> str:
@@ -110,6 +128,8 @@ def bench_shape(name, dims, dtype, device, backward: bool, rep_ms: float) -> dic
     grad = torch.randn(nq, nd, generator=gen, device=device)
     row = {"shape": name, "dims": list(dims), "fused_ms": None, "naive_ms": None, "speedup": None,
            "score_err": None, "grad_err": None, "parity": False, "error": None}
+    if dtype != torch.float32:
+        row.update(naive_fp32_ms=None, speedup_fp32=None)
     score_tol, grad_tol = TOLERANCES[dtype]
     try:  # the parity gate: fused against the naive formula in float32, on the same inputs
         Q32, D32 = (x.detach().float().requires_grad_(backward) for x in (Q, D))
@@ -132,7 +152,13 @@ def bench_shape(name, dims, dtype, device, backward: bool, rep_ms: float) -> dic
     def reset():
         Q.grad = D.grad = None
 
-    for key, fn in (("fused_ms", maxsim), ("naive_ms", naive_maxsim)):
+    sides = {"fused_ms": maxsim, "naive_ms": naive_maxsim}
+    if dtype != torch.float32:
+        # The naive formula on fp32 copies (the copies timed too): the precision the fused op's
+        # similarities have, where the naive formula in a 16-bit dtype rounds them to it.
+        sides["naive_fp32_ms"] = lambda Q, D: naive_maxsim(Q.float(), D.float())
+    steps = {}
+    for key, fn in sides.items():
         if backward:
             def step(fn=fn):
                 fn(Q, D).backward(grad)
@@ -140,42 +166,55 @@ def bench_shape(name, dims, dtype, device, backward: bool, rep_ms: float) -> dic
             def step(fn=fn):
                 with torch.no_grad():
                     fn(Q, D)
-        try:
-            row[key] = _median_ms(step, sync, rep_ms, reset)
-        except Exception as exc:  # noqa: BLE001 - e.g. the naive grid out of memory: reported
-            row["error"] = f"{key[:-3]}: {_error(exc)}"
+        steps[key] = step
+    medians, errors = _interleaved_medians(steps, sync, rep_ms, reset)
+    row.update(medians)
+    if errors:
+        row["error"] = "; ".join(f"{key[:-3]}: {err}" for key, err in errors.items())
     if row["fused_ms"] and row["naive_ms"]:
         row["speedup"] = row["naive_ms"] / row["fused_ms"]
+    if row["fused_ms"] and row.get("naive_fp32_ms"):
+        row["speedup_fp32"] = row["naive_fp32_ms"] / row["fused_ms"]
     return row
+
+
+def _cell(value, fmt: str, width: int) -> str:
+    return format(value, fmt) if value is not None else f"{'-':>{width}}"
 
 
 def run_bench(args: argparse.Namespace) -> int:
     """Prints the table; 0 when every shape passed parity and was timed, 1 otherwise, 2 on bad
-    arguments."""
+    arguments. ``args.device``: a device this machine has (the command line checks it)."""
+    device = torch.device(args.device)
     try:
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("CUDA is not available")
         shapes = _parse_shapes(args.shapes, GPU_SHAPES if device.type == "cuda" else CPU_SHAPES)
     except ValueError as exc:
-        print(f"fusedmaxsim bench: {exc}", file=sys.stderr)
+        print(f"fusedmaxsim bench: error: {exc}", file=sys.stderr)
         return 2
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     dtype = getattr(torch, dtype_name)
+    fp32_too = dtype != torch.float32
     mode = "forward + backward" if args.backward else "forward"
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     fused = "fusedmaxsim.maxsim"
     if device.type == "cpu" and settings.backend() != "triton":
-        fused += ", on a CPU its blocked PyTorch path (it bounds the grid's memory, not its time)"
+        fused += (", on a CPU its PyTorch path: similarities in fp32 (float64 for float64), "
+                  "in blocks that bound their memory")
+    baseline = f"naive PyTorch in {dtype_name}"
     grads = " (scores; gradients in the Frobenius norm)" if args.backward else ""
     header = (f"{'shape':<20}{'Nq x Nd, Lq x Ld, d':<26}{'fused ms':>10}{'naive ms':>10}"
-              f"{'speedup':>9}{'error':>9}  parity")
+              f"{'speedup':>9}" + (f"{'fp32 ms':>10}{'speedup':>9}" if fp32_too else "")
+              + f"{'error':>9}  parity")
     if not args.json:
         print(f"fusedmaxsim bench on {device} ({where}): {mode}, {dtype_name} inputs, no masks")
         print(f"fused:    {fused}")
-        print(f"baseline: naive PyTorch in {dtype_name}: einsum over the [Nq, Nd, Lq, Ld] grid, "
-              "amax, sum")
-        print("time:     median wall ms of one synchronized call, after a warm-up")
+        print(f"baseline: {baseline}: einsum over the [Nq, Nd, Lq, Ld] grid, amax, sum "
+              "(naive ms; speedup = naive ms / fused ms)")
+        if fp32_too:
+            print(f"          and the same on float32 copies of the {dtype_name} inputs, the "
+                  "copies timed too (fp32 ms), as precise as the fused similarities")
+        print("time:     median wall ms of one synchronized call, after a warm-up, the sides "
+              "timed in alternation")
         print(f"parity:   relative error of fused against the naive formula in float32 on the "
               f"same inputs, at most {TOLERANCES[dtype][0]:.0e}{grads}; past it, no speedup\n")
         print(header + "\n" + "-" * len(header), flush=True)
@@ -186,20 +225,47 @@ def run_bench(args: argparse.Namespace) -> int:
         if not args.json:
             nq, nd, lq, ld, dim = dims
             errs = [e for e in (row["score_err"], row["grad_err"]) if e is not None]
-            err = f"{max(errs):>9.1e}" if errs else f"{'-':>9}"
-            cells = "".join(f"{row[k]:>10.3f}" if row[k] is not None else f"{'-':>10}"
-                            for k in ("fused_ms", "naive_ms"))
-            speedup = f"{row['speedup']:>8.2f}x" if row["speedup"] else f"{'-':>9}"
+            cells = (_cell(row["fused_ms"], ">10.3f", 10) + _cell(row["naive_ms"], ">10.3f", 10)
+                     + _cell(row["speedup"], ">8.2f", 9) + ("x" if row["speedup"] else ""))
+            if fp32_too:
+                cells += (_cell(row["naive_fp32_ms"], ">10.3f", 10)
+                          + _cell(row["speedup_fp32"], ">8.2f", 9)
+                          + ("x" if row["speedup_fp32"] else ""))
+            err = _cell(max(errs) if errs else None, ">9.1e", 9)
             note = f"  ({row['error']})" if row["error"] else ""
-            print(f"{name:<20}{f'{nq} x {nd}, {lq} x {ld}, {dim}':<26}{cells}{speedup}{err}"
+            print(f"{name:<20}{f'{nq} x {nd}, {lq} x {ld}, {dim}':<26}{cells}{err}"
                   f"  {'ok' if row['parity'] else 'FAIL'}{note}", flush=True)
     failed = sum(not r["parity"] for r in rows)
-    slower = sum(r["speedup"] is not None and r["speedup"] < 1 for r in rows)
     timed = sum(r["speedup"] is not None for r in rows)
+    summary = {"baseline": baseline, "timed": timed, "slower": _slower(rows, "speedup"),
+               "median_speedup": _median(rows, "speedup"), "parity_failed": failed}
+    if fp32_too:
+        summary.update(baseline_fp32="naive PyTorch on float32 copies",
+                       slower_fp32=_slower(rows, "speedup_fp32"),
+                       median_speedup_fp32=_median(rows, "speedup_fp32"))
     if args.json:
-        print(json.dumps({"device": str(device), "dtype": dtype_name, "mode": mode,
-                          "baseline": f"naive PyTorch in {dtype_name}", "rows": rows}, indent=1))
+        print(json.dumps({"device": str(device), "dtype": dtype_name, "mode": mode, **summary,
+                          "rows": rows}, indent=1))
     else:
-        print(f"\nfused slower than naive on {slower} of {timed} timed shapes; parity failed on "
-              f"{failed} of {len(rows)}" + (" (no speedup reported there)" if failed else ""))
+        print(f"\nagainst {baseline}: fused slower on {summary['slower']} of {timed} timed "
+              f"shapes{_median_text(summary['median_speedup'])}")
+        if fp32_too:
+            print(f"against naive PyTorch on float32 copies: fused slower on "
+                  f"{summary['slower_fp32']} of {timed} timed shapes"
+                  f"{_median_text(summary['median_speedup_fp32'])}")
+        print(f"parity failed on {failed} of {len(rows)}"
+              + (" (no speedup reported there)" if failed else ""))
     return 1 if failed or timed < len(rows) else 0
+
+
+def _slower(rows: list[dict], key: str) -> int:
+    return sum(r.get(key) is not None and r[key] < 1 for r in rows)
+
+
+def _median(rows: list[dict], key: str) -> float | None:
+    values = sorted(r[key] for r in rows if r.get(key) is not None)
+    return values[len(values) // 2] if values else None
+
+
+def _median_text(value: float | None) -> str:
+    return "" if value is None else f" (median speedup {value:.2f}x)"

@@ -69,7 +69,7 @@ class Options(NamedTuple):
     """How it may run: resolved once per call from the settings (hashable)."""
 
     backend: str  # "triton" or "torch" (resolved from "auto" for the inputs' device)
-    fp32_precision: str  # "tf32" or "ieee"
+    fp32_precision: str  # "tf32" or "ieee" ("torch", resolved by the op, while compiling)
     exact_ties: bool
     autotune: bool
     hopper_kernel: bool
@@ -85,10 +85,16 @@ def options_for(t: Tensor, backend: str | None = None, fp32_precision: str | Non
     """The settings in force for inputs like ``t`` (``backend`` and ``fp32_precision`` where the
     caller resolved them already)."""
     precision, exact_ties, autotune, hopper_kernel, block_bytes = settings.snapshot()
+    if fp32_precision is not None:
+        precision = fp32_precision
+    if precision == "torch" and not torch.compiler.is_compiling():
+        # Resolved at every call: PyTorch's setting can change at any time. A compiled front door
+        # passes "torch" on to the registered op, which resolves it when it runs (reading
+        # PyTorch's setting inside a trace would break the graph).
+        precision = settings.torch_fp32_precision()
     return Options(
         select_backend(t) if backend is None else backend,
-        precision if fp32_precision is None else fp32_precision,
-        exact_ties, autotune, hopper_kernel, block_bytes,
+        precision, exact_ties, autotune, hopper_kernel, block_bytes,
     )
 
 
@@ -170,10 +176,17 @@ def _check_float(name: str, t: object) -> Tensor:
     return t
 
 
+# The token axes of a dense tensor, by its number of dimensions, as masks spell them.
+Q_AXES = {2: "[Lq]", 3: "[Nq, Lq]"}
+D_AXES = {2: "[Ld]", 3: "[Nd, Ld]", 4: "[Nq, K, Ld]"}
+
+
 def _check_mask(
     name: str, mask: object, expected: tuple[int, ...], owner: str, device,
-    axes: str = "the token axes",
+    axes: str = "the token axes", dims: str | None = None,
 ) -> Tensor | None:
+    """A mask of shape ``expected`` on ``device``, as bool. ``dims`` names its axes (``"[Nq, Lq]"``)
+    in the message of a wrong shape."""
     if mask is None:
         return None
     if not isinstance(mask, Tensor):
@@ -181,12 +194,27 @@ def _check_mask(
     if mask.is_complex():
         raise TypeError(f"{name} must be bool or real-valued (nonzero = valid), got {mask.dtype}")
     if mask.device != device:
-        raise ValueError(f"{name} is on {mask.device} but {owner} is on {device}")
-    if _shape(mask) != expected:
         raise ValueError(
-            f"{name} must have shape {expected} ({axes} of {owner}), got {_shape(mask)}"
+            f"{name} is on {mask.device} but {owner} is on {device}: {name} must be on the same "
+            f"device as {owner}"
+        )
+    if _shape(mask) != expected:
+        if dims is None:
+            raise ValueError(
+                f"{name} must have shape {expected} ({axes} of {owner}), got {_shape(mask)}"
+            )
+        raise ValueError(
+            f"{name} must be {dims} = {expected} ({axes} of {owner}), got {_shape(mask)}"
         )
     return mask if mask.dtype == torch.bool else mask != 0
+
+
+def check_bool(name: str, value: object) -> bool:
+    """A boolean option: Python ``True`` or ``False`` only (no 0/1, strings, NumPy or tensor
+    booleans), so that ``normalize="no"`` cannot pass as true."""
+    if value is True or value is False:
+        return value
+    raise TypeError(f"{name} must be True or False (a Python bool), got {value!r}")
 
 
 REDUCTIONS = ("max", "smoothmax")
@@ -218,7 +246,10 @@ def check_same_space(Q: Tensor, D: Tensor, q_name: str = "Q", d_name: str = "D")
             f"and {d_name} {_shape(D)}"
         )
     if Q.device != D.device:
-        raise ValueError(f"{q_name} is on {Q.device} but {d_name} is on {D.device}")
+        raise ValueError(
+            f"{q_name} is on {Q.device} but {d_name} is on {D.device}: {q_name} and {d_name} must "
+            "be on the same device"
+        )
 
 
 def promote_pair(Q: Tensor, D: Tensor) -> tuple[Tensor, Tensor]:
@@ -241,17 +272,18 @@ def canonical(Q: object, D: object, q_mask: object, d_mask: object) -> DenseInpu
     if D.dim() == 4:
         if Q.dim() != 3:
             raise ValueError(
-                f"the per-query candidate layout (D [Nq, K, Ld, d] = {_shape(D)}) needs Q [Nq, Lq, d], "
-                f"got Q {_shape(Q)}"
+                f"the per-query candidate layout (D [Nq, K, Ld, d] = {_shape(D)}) needs Q to be "
+                f"[Nq, Lq, d], got Q {_shape(Q)}"
             )
         if D.shape[0] != Q.shape[0]:
             raise ValueError(
-                f"the per-query candidate layout needs D.shape[0] == Nq: D {_shape(D)}, Q {_shape(Q)}"
+                "the per-query candidate layout (D [Nq, K, Ld, d]) needs D.shape[0] == Q.shape[0] "
+                f"(K candidates for each of the Nq queries), got D {_shape(D)} and Q {_shape(Q)}"
             )
     if q_mask is not None:
-        q_mask = _check_mask("q_mask", q_mask, _shape(Q)[:-1], "Q", Q.device)
+        q_mask = _check_mask("q_mask", q_mask, _shape(Q)[:-1], "Q", Q.device, dims=Q_AXES[Q.dim()])
     if d_mask is not None:
-        d_mask = _check_mask("d_mask", d_mask, _shape(D)[:-1], "D", D.device)
+        d_mask = _check_mask("d_mask", d_mask, _shape(D)[:-1], "D", D.device, dims=D_AXES[D.dim()])
     Q, D = promote_pair(Q, D)
     squeeze_q, squeeze_d = Q.dim() == 2, D.dim() == 2
     if squeeze_q:
@@ -268,10 +300,16 @@ def canonical_pairs(Q: object, D: object, q_mask: object, d_mask: object) -> Den
     Q = _check_float("Q", Q)
     D = _check_float("D", D)
     if Q.dim() != 3 or D.dim() != 3:
-        raise ValueError(f"maxsim_pairs needs Q [B, Lq, d] and D [B, Ld, d], got Q {_shape(Q)}, D {_shape(D)}")
+        raise ValueError(
+            "maxsim_pairs needs both Q and D to be [B, L, d] (Q [B, Lq, d], D [B, Ld, d]), got "
+            f"Q {_shape(Q)}, D {_shape(D)}"
+        )
     if Q.shape[0] != D.shape[0]:
-        raise ValueError(f"maxsim_pairs needs as many queries as documents, got Q {_shape(Q)}, D {_shape(D)}")
-    d_mask = _check_mask("d_mask", d_mask, _shape(D)[:-1], "D", D.device)
+        raise ValueError(
+            "maxsim_pairs needs as many queries as documents (Q.shape[0] == D.shape[0]), got "
+            f"Q {_shape(Q)}, D {_shape(D)}"
+        )
+    d_mask = _check_mask("d_mask", d_mask, _shape(D)[:-1], "D", D.device, dims="[B, Ld]")
     return canonical(Q, D.unsqueeze(1), q_mask, None if d_mask is None else d_mask.unsqueeze(1))
 
 
@@ -393,9 +431,9 @@ def _check_max_seqlen(name: str, value: object) -> int | None:
 
 
 def _check_validate(validate: object) -> bool | None:
-    if validate not in (None, True, False):
-        raise TypeError(f"validate must be True, False or None, got {validate!r}")
-    return validate
+    if validate is None or validate is True or validate is False:
+        return validate
+    raise TypeError(f"validate must be True, False or None, got {validate!r}")
 
 
 def _offset_facts(cu: Tensor) -> Tensor:

@@ -83,6 +83,55 @@ def _out_grads(grad_q, grad_d, Q, D, need_grad_q, need_grad_d, fp32_out, ct):
     return grad_q, grad_d
 
 
+def _fwd_block(q_blk, d_blk, q_valid, d_valid, q_scale, d_scale, save_argmax: bool, tau: float):
+    """One block: ``q_blk [bq, ls, d]`` against ``d_blk`` (``[bc, Ld, d]``, or ``[bq, bc, Ld, d]``
+    per query), both in the compute dtype; masks and scales sliced alike, the document side's
+    shaped to broadcast over ``[bq, ls, bc, Ld]``. Returns the block's scores summed over its query
+    tokens ``[bq, bc]`` and, with ``save_argmax``, what the backward reads ``[bq, bc, ls]`` (a
+    permuted view), else ``None``."""
+    nq, nl, dim = q_blk.shape
+    nc, Ld = d_blk.shape[-3], d_blk.shape[-2]
+    if d_blk.dim() == 4:
+        sim = torch.bmm(q_blk, d_blk.reshape(nq, nc * Ld, dim).transpose(1, 2))
+    else:
+        sim = q_blk.reshape(nq * nl, dim) @ d_blk.reshape(nc * Ld, dim).T
+    sim = sim.view(nq, nl, nc, Ld)
+    if d_scale is not None:
+        sim.mul_(d_scale)
+    if d_valid is not None:
+        sim.masked_fill_(~d_valid, float("-inf"))
+    arg = None
+    if tau:
+        lse2 = torch.logsumexp(sim / tau, dim=-1) * _LOG2E  # [bq, ls, bc]
+        best, arg = lse2 * (tau / _LOG2E), (lse2 if save_argmax else None)
+    elif save_argmax:
+        best, arg = sim.max(dim=-1)  # [bq, ls, bc]; NaN propagates; lowest index wins
+    else:
+        # No indices to find: on a CPU `amax` takes a third of the time of `max`'s
+        # value-and-index pass (docs/design.md, PyTorch path). NaN propagates alike.
+        best = sim.amax(dim=-1)
+    del sim
+    # `best` is a new tensor: rows that add nothing (no valid document token, so a max of -inf;
+    # or a masked query token) are zeroed in place. Where nothing else needs to know which rows
+    # those were, one pass that keeps NaN and +inf does it (a comparison and a fill are two).
+    if q_valid is None and arg is None:
+        torch.nan_to_num_(best, nan=math.nan, posinf=math.inf, neginf=0.0)
+        if q_scale is not None:
+            best.mul_(q_scale.unsqueeze(-1))
+        return best.sum(dim=1), None
+    none = best == float("-inf")
+    best.masked_fill_(none, 0.0)
+    if q_scale is not None:
+        best.mul_(q_scale.unsqueeze(-1))
+    if q_valid is not None:
+        q_valid = q_valid.unsqueeze(-1)
+        best.masked_fill_(~q_valid, 0.0)
+        none = none | ~q_valid
+    if arg is not None:
+        arg = arg.masked_fill(none, float("inf") if tau else -1).permute(0, 2, 1)
+    return best.sum(dim=1), arg
+
+
 def maxsim_fwd_blocked(
     Q: Tensor,
     D: Tensor,
@@ -101,16 +150,31 @@ def maxsim_fwd_blocked(
     Nq, Lq, dim = Q.shape
     Ncols, Ld = D.shape[-3], D.shape[-2]
     ct = _compute_dtype(Q)
+    saved_dtype = ct if tau else argmax_dtype(Ld)
+    if Nq * Ncols * Lq * Ld == 0:
+        saved_shape = (Nq, Ncols, Lq) if save_argmax else (0,)
+        argmax = torch.full(saved_shape, float("inf") if tau else -1, dtype=saved_dtype,
+                            device=Q.device)
+        return torch.zeros((Nq, Ncols), dtype=ct, device=Q.device), argmax
+
+    bq, bc, ls = plan_blocks(Nq, Ncols, Lq, Ld, dim, per_query_docs,
+                             block_bytes // (torch.finfo(ct).bits // 8))
+    if bq == Nq and bc == Ncols and ls == Lq:
+        # The whole problem in one block (the common case): one product, one reduction, one sum,
+        # as the naive formula, with no accumulator.
+        every = slice(None)
+        d_valid = _doc_side(d_mask, every, every, per_query_docs)
+        d_scale = _doc_side(d_inv, every, every, per_query_docs)
+        q_scale = None if q_inv is None else q_inv.to(ct)
+        scores, arg = _fwd_block(Q.to(ct), D.to(ct), q_mask, d_valid, q_scale, d_scale,
+                                 save_argmax, tau)
+        if arg is None:
+            return scores, Q.new_empty((0,), dtype=saved_dtype)
+        return scores, Q.new_empty((Nq, Ncols, Lq), dtype=saved_dtype).copy_(arg)
+
     scores = torch.zeros((Nq, Ncols), dtype=ct, device=Q.device)
     saved_shape = (Nq, Ncols, Lq) if save_argmax else (0,)
-    if tau:
-        argmax = torch.full(saved_shape, float("inf"), dtype=ct, device=Q.device)
-    else:
-        argmax = torch.full(saved_shape, -1, dtype=argmax_dtype(Ld), device=Q.device)
-    if scores.numel() == 0 or Lq == 0 or Ld == 0:
-        return scores if ct == torch.float64 else scores.float(), argmax
-
-    bq, bc, ls = plan_blocks(Nq, Ncols, Lq, Ld, dim, per_query_docs, block_bytes // scores.element_size())
+    argmax = torch.empty(saved_shape, dtype=saved_dtype, device=Q.device)
     for i0 in range(0, Nq, bq):
         qs = slice(i0, min(Nq, i0 + bq))
         for j0 in range(0, Ncols, bc):
@@ -120,41 +184,14 @@ def maxsim_fwd_blocked(
             d_scale = _doc_side(d_inv, qs, cs, per_query_docs)
             for s0 in range(0, Lq, ls):
                 ss = slice(s0, min(Lq, s0 + ls))
-                q_blk = Q[qs, ss].to(ct)  # [bq, ls, d]
-                nq, nl = q_blk.shape[:2]
-                nc = d_blk.shape[-3]
-                if per_query_docs:
-                    sim = torch.bmm(q_blk, d_blk.reshape(nq, nc * Ld, dim).transpose(1, 2))
-                else:
-                    sim = q_blk.reshape(nq * nl, dim) @ d_blk.reshape(nc * Ld, dim).T
-                sim = sim.view(nq, nl, nc, Ld)
-                if d_scale is not None:
-                    sim.mul_(d_scale)
-                if d_valid is not None:
-                    sim.masked_fill_(~d_valid, float("-inf"))
-                if tau:
-                    lse2 = torch.logsumexp(sim / tau, dim=-1) * _LOG2E  # [bq, ls, bc]
-                    best, arg = lse2 * (tau / _LOG2E), lse2
-                elif save_argmax:
-                    best, arg = sim.max(dim=-1)  # [bq, ls, bc]; NaN propagates; lowest index wins
-                else:
-                    # No indices to find: on a CPU `amax` takes a third of the time of `max`'s
-                    # value-and-index pass (docs/design.md, PyTorch path). NaN propagates alike.
-                    best = sim.amax(dim=-1)
-                del sim
-                none = best == float("-inf")
-                contrib = torch.where(none, torch.zeros_like(best), best)
-                if q_inv is not None:
-                    contrib = contrib * q_inv[qs, ss].to(ct).unsqueeze(-1)
-                if q_mask is not None:
-                    q_valid = q_mask[qs, ss].unsqueeze(-1)
-                    contrib = torch.where(q_valid, contrib, torch.zeros_like(contrib))
-                    none = none | ~q_valid
-                scores[qs, cs] += contrib.sum(dim=1)
-                if save_argmax:
-                    arg = torch.where(none, torch.full_like(arg, float("inf") if tau else -1), arg)
-                    argmax[qs, cs, ss] = arg.permute(0, 2, 1).to(argmax.dtype)
-    return scores if ct == torch.float64 else scores.float(), argmax
+                q_valid = None if q_mask is None else q_mask[qs, ss]
+                q_scale = None if q_inv is None else q_inv[qs, ss].to(ct)
+                part, arg = _fwd_block(Q[qs, ss].to(ct), d_blk, q_valid, d_valid, q_scale,
+                                       d_scale, save_argmax, tau)
+                scores[qs, cs] += part
+                if arg is not None:
+                    argmax[qs, cs, ss] = arg
+    return scores, argmax
 
 
 def maxsim_bwd_blocked(

@@ -14,11 +14,17 @@ Semantics shared by every function here
 * Ties in the max: the lowest document-token index wins and alone receives the gradient.
 * ``normalize=True`` L2-normalizes every token (``F.normalize``, eps 1e-12) inside the computation
   and backpropagates through the normalization exactly.
-* fp16, bf16 and fp32 inputs; fp32 is never computed in half precision. On the GPU fp32 uses TF32
-  tensor cores by default and exact IEEE fp32 under ``FUSEDMAXSIM_FP32_PRECISION=ieee`` or
-  :func:`fusedmaxsim.settings.use_fp32_precision`. float64 runs on the PyTorch path (gradcheck).
+* fp16, bf16 and fp32 inputs; fp32 is never computed in half precision. On the GPU fp32 follows
+  PyTorch's matmul precision: TF32 tensor cores where ``torch.get_float32_matmul_precision()`` is
+  ``"high"`` or ``"medium"``, exact IEEE fp32 under its default ``"highest"``; an explicit
+  ``FUSEDMAXSIM_FP32_PRECISION`` or :func:`fusedmaxsim.settings.use_fp32_precision` wins. float64
+  runs on the PyTorch path (gradcheck).
   Inputs of two different dtypes are promoted to a common one.
 * NaN in a valid token propagates to the scores it takes part in.
+* Boolean options (``normalize=`` and every other flag) take a Python ``True`` or ``False``;
+  anything else (``"yes"``, 1, a NumPy or tensor boolean) is a ``TypeError`` naming the argument.
+* Gradients are first order: a second backward through the scores (``create_graph=True``, then
+  backward again) raises a ``RuntimeError`` saying so.
 * Any strides are accepted, no copies made. Empty batches return empty outputs without a launch;
   ``Lq = 0`` or ``Ld = 0`` score 0.
 * Gradients come in the input dtype, and only those that are needed are computed. The argmax is
@@ -86,6 +92,7 @@ from ._problem import (
     canonical,
     canonical_pairs,
     check_backward,
+    check_bool,
     check_reduction,
     dense_problem,
     options_for,
@@ -114,7 +121,6 @@ def _score_dense(x: DenseInputs, normalize: bool, strategy: str, tau: float = 0.
     Q, D = x.Q, x.D
     o = options_for(Q)
     save_argmax = _needs_grad(Q, D)
-    normalize = bool(normalize)
     if tau and normalize:
         # The smooth max is not scale-invariant per query token, so the inverse norms cannot be
         # applied after the reduction as for the max: normalize first.
@@ -138,7 +144,7 @@ def _score_packed(layout: RaggedLayout, Q: Tensor, D: Tensor, q_mask, d_mask, no
     o = options_for(Q)
     q_inv = inverse_norms(Q, o.backend) if normalize else None
     d_inv = inverse_norms(D, o.backend) if normalize else None
-    p = packed_problem(layout, Q, q_mask, d_mask, normalize=bool(normalize),
+    p = packed_problem(layout, Q, q_mask, d_mask, normalize=normalize,
                        save_argmax=_needs_grad(Q, D))
     return scores_packed(p, o, strategy, layout, Q, D, q_mask, d_mask, q_inv, d_inv)
 
@@ -180,6 +186,7 @@ def maxsim(
         torch.Size([4, 10])
     """
     x = canonical(Q, D, q_mask, d_mask)
+    normalize = check_bool("normalize", normalize)
     scores = _score_dense(x, normalize, check_backward(backward), check_reduction(reduction, tau))
     if x.squeeze_d:
         scores = scores.squeeze(1)
@@ -211,6 +218,7 @@ def maxsim_pairs(
         torch.Tensor: `[B]` float32 scores. Same semantics and keywords as :func:`maxsim`.
     """
     x = canonical_pairs(Q, D, q_mask, d_mask)
+    normalize = check_bool("normalize", normalize)
     return _score_dense(x, normalize, check_backward(backward),
                         check_reduction(reduction, tau)).squeeze(1)
 
@@ -264,11 +272,12 @@ def maxsim_varlen(
     Q, D = _check_tokens(Q_packed, D_packed, "Q_packed", "D_packed")
     q_mask = _check_packed_mask("q_mask", q_mask, Q.shape[0], "Q_packed", Q.device)
     d_mask = _check_packed_mask("d_mask", d_mask, D.shape[0], "D_packed", D.device)
+    normalize = check_bool("normalize", normalize)
     strategy = check_backward(backward)
     layout = build_layout(
         Q, D, cu_seqlens_q, cu_seqlens_d, max_seqlen_q, max_seqlen_d, validate=validate
     )
-    return _score_packed(layout, Q, D, q_mask, d_mask, bool(normalize), strategy)
+    return _score_packed(layout, Q, D, q_mask, d_mask, normalize, strategy)
 
 
 def score_pairs_packed(
@@ -312,12 +321,14 @@ def score_pairs_packed(
     Q, D = _check_tokens(Q_packed, D_packed, "Q_packed", "D_packed")
     q_mask = _check_packed_mask("q_mask", q_mask, Q.shape[0], "Q_packed", Q.device)
     d_mask = _check_packed_mask("d_mask", d_mask, D.shape[0], "D_packed", D.device)
+    normalize = check_bool("normalize", normalize)
     strategy = check_backward(backward)
     layout = build_layout(
         Q, D, cu_seqlens_q, cu_seqlens_d, max_seqlen_q, max_seqlen_d, pair_q_idx, pair_d_idx,
         validate=validate,
     )
-    return _score_packed(layout, Q, D, q_mask, d_mask, bool(normalize), strategy)
+    return _score_packed(layout, Q, D, q_mask, d_mask, normalize, strategy)
+
 
 def maxsim_ragged(
     queries: list[Tensor] | Tensor,
@@ -343,6 +354,7 @@ def maxsim_ragged(
     """
     qs = _sequence_list("queries", queries)
     ds = _sequence_list("documents", documents)
+    normalize = check_bool("normalize", normalize)
     strategy = check_backward(backward)
     everything = qs + ds
     if not everything:
@@ -354,7 +366,8 @@ def maxsim_ragged(
     Q, cu_q, max_q = _pack_list("queries", qs, dim, dtype, device)
     D, cu_d, max_d = _pack_list("documents", ds, dim, dtype, device)
     layout = build_layout(Q, D, cu_q, cu_d, max_q, max_d, validate=False)
-    return _score_packed(layout, Q, D, None, None, bool(normalize), strategy)
+    return _score_packed(layout, Q, D, None, None, normalize, strategy)
+
 
 def maxsim_padded(
     queries: Tensor,
@@ -387,6 +400,8 @@ def maxsim_padded(
     Q, D = _check_padded(queries, documents)
     B, C, Ld = D.shape[0], D.shape[1], D.shape[2]
     Lq = Q.shape[1]
+    check_bool("normalize", normalize)
+    check_backward(backward)
     validate = _check_validate(validate)
     qlen = _check_lengths("query_lengths", query_lengths, (B,), Q.device)
     dlen = _check_lengths("doc_lengths", doc_lengths, (B, C), Q.device)
@@ -431,7 +446,12 @@ def _int32_if_fits(t: Tensor, bound: int) -> Tensor:
 
 
 def pack_padded(
-    queries: Tensor, documents: Tensor, query_lengths: Tensor, doc_lengths: Tensor
+    queries: Tensor,
+    documents: Tensor,
+    query_lengths: Tensor,
+    doc_lengths: Tensor,
+    *,
+    validate: bool | None = None,
 ) -> PackedBatch:
     """Drop the padding of padded candidates: the :class:`PackedBatch` for
     :func:`score_pairs_packed` (or :func:`maxsim_varlen`), differentiable with respect to
@@ -445,12 +465,15 @@ def pack_padded(
         documents (torch.Tensor): `[B, C, Ld, d]`.
         query_lengths (torch.Tensor): `[B]`.
         doc_lengths (torch.Tensor): `[B, C]`.
+        validate (bool, optional): accepted for the keyword's sake (``True``, ``False`` or
+            ``None``): the lengths are read on the host in any case, so they are always checked.
 
     Returns:
         PackedBatch: packed tokens, int32 offsets, pair indices ``b`` and ``b·C + c``, and the
         maxima as Python ints.
     """
     Q, D = _check_padded(queries, documents)
+    _check_validate(validate)
     B, C, Ld = D.shape[0], D.shape[1], D.shape[2]
     Lq, dim, device = Q.shape[1], Q.shape[2], Q.device
     qlen = _to_device(_check_lengths("query_lengths", query_lengths, (B,), device), device).long()

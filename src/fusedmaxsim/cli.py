@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import subprocess
 import sys
 import time
 
@@ -19,6 +21,37 @@ LAYOUTS = ("cross", "candidates", "pairs", "single")
 
 def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class DeviceError(ValueError):
+    """A device the command cannot use here: reported in one line, exit status 2."""
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """``name`` (default: cuda when available, else cpu) as a device this machine has."""
+    try:
+        device = torch.device(name or _default_device())
+    except (RuntimeError, ValueError):
+        raise DeviceError(f"unknown device {name!r}: a torch device such as cpu, cuda or "
+                          "cuda:1") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = ("this PyTorch was built without CUDA" if torch.version.cuda is None
+                   else "no CUDA device is visible")
+            raise DeviceError(f"device {name!r} is not available here: {why} "
+                              f"(torch {torch.__version__}); use --device cpu")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise DeviceError(f"device {name!r} is not available here: {count} CUDA device(s)")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise DeviceError(f"device {name!r} is not available here (no MPS device)")
+    elif device.type != "cpu":
+        try:
+            torch.empty(0, device=device)
+        except Exception as exc:  # noqa: BLE001 - any backend's own refusal, in one line
+            first = (str(exc).splitlines() or [""])[0].split(". ")[0][:160]
+            raise DeviceError(f"device {name!r} is not available here: {first}") from None
+    return device
 
 
 # ---------------------------------------------------------------------------------------- info
@@ -114,74 +147,173 @@ def _format_row(row: dict) -> str:
     grads = [f"{row[k]:>10.1e}" if row[k] is not None else f"{'-':>10}" for k in ("grad_Q", "grad_D")]
     return (
         f"{row['layout']:<11}{row['dtype']:<10}{row['fp32']:<6}{row['backward']:<9}"
-        f"{str(row['normalize']):<6}{row['backend']:<8}{row['scores']:>10.1e}{''.join(grads)}"
+        f"{row['normalize']!s:<6}{row['backend']:<8}{row['scores']:>10.1e}{''.join(grads)}"
         f"{row['tol'][0]:>9.0e}  {'PASS' if row['ok'] else 'FAIL'}"
         + (f"  {row['error']}" if row["error"] else "")
     )
 
 
-def run_check(device: str, as_json: bool = False) -> int:
+# The Triton interpreter takes seconds a case: on a CPU, ``check --triton`` runs twelve cases
+# (every --all), three per layout, so that each combination of dtype, backward strategy and
+# normalization appears once.
+def _triton_subset(dtypes: list[torch.dtype]) -> list[tuple]:
+    strategies = ("unified", "lowmem", "smooth")
+    return [(LAYOUTS[i // 3], dtypes[i % 2], strategies[i % 3], (i // 2) % 2 == 1)
+            for i in range(12)]
+
+
+def _fp32_note(on_gpu: bool) -> str:
+    """What the fp32 rows run in, and the precision in force outside the check, as ``info``
+    prints it."""
+    in_force = dict(settings.effective())["FUSEDMAXSIM_FP32_PRECISION"]
+    rows = ("ieee rows check scores and gradients in exact fp32, tf32 rows the scores in TF32"
+            if on_gpu else "fp32 rows run in exact fp32 (ieee)")
+    return (f"{rows}, whatever the setting (TF32 can change the winner of a near-tie of the "
+            f"max, which the gradient follows); in force outside this check, as fusedmaxsim "
+            f"info prints it: {in_force}")
+
+
+def run_check(device: str, as_json: bool = False, triton: bool = False,
+              every_case: bool = False) -> int:
     """Every layout, forward and backward, against the float64 reference; 1 if anything fails.
 
-    The ``backward`` column is the max's backward strategy, or ``smooth`` for the smooth max
-    (``reduction="smoothmax"``, tau 0.5)."""
+    The backward column is the max's backward strategy, or smooth for the smooth max
+    (reduction="smoothmax", tau 0.5). ``triton``: the Triton kernels (under the Triton
+    interpreter on a CPU, where only a subset of the cases runs unless ``every_case``)."""
+    start = time.perf_counter()
     torch.manual_seed(0)
     on_gpu = device.startswith("cuda")
     # fp16 on the GPU is covered by the test suite; every extra dtype here is another set of
     # kernels to compile, and this command should finish in about a minute on a fresh machine.
     dtypes = [torch.bfloat16, torch.float32] if on_gpu else [torch.float32, torch.float16]
+    cases = [(layout, dtype, strategy, normalize) for layout in LAYOUTS for dtype in dtypes
+             for strategy in ("unified", "lowmem", "smooth") for normalize in (False, True)]
+    interpreted = triton and not on_gpu
+    if interpreted and not every_case:
+        cases, total = _triton_subset(dtypes), len(cases)
+        path = (f"the Triton kernels under the Triton interpreter, {len(cases)} of {total} cases "
+                "(the interpreter is slow; --all runs every case, a few minutes)")
+    elif interpreted:
+        path = "the Triton kernels under the Triton interpreter, every case"
+    else:
+        try:
+            backend = select_backend(torch.empty(0, device=device))
+        except RuntimeError as exc:  # a forced backend that cannot run here: every row says so
+            backend = f"none ({exc})"
+        if backend == "triton":
+            path = "the Triton kernels"
+        elif on_gpu:
+            path = f"the PyTorch path only (FUSEDMAXSIM_BACKEND={settings.backend()})"
+        elif backend == "torch":
+            path = ("the PyTorch path only; the Triton kernels run on CUDA devices, or here "
+                    "under the Triton interpreter: fusedmaxsim check --triton")
+        else:
+            path = backend
+    fp32 = _fp32_note(on_gpu)
     rows = []
     if not as_json:
-        print(f"fusedmaxsim check on {device}: max|out - ref| / max|ref| against float64\n", flush=True)
+        print(f"fusedmaxsim check on {device}: max|out - ref| / max|ref| against float64")
+        print(f"checks:   {path}")
+        print(f"fp32:     {fp32}\n", flush=True)
         print(_HEADER)
         print("-" * len(_HEADER), flush=True)
-    for layout in LAYOUTS:
-        for dtype in dtypes:
-            for strategy in ("unified", "lowmem", "smooth"):
-                for normalize in (False, True):
-                    # TF32 moves similarities by ~1e-3, enough to change the winner of a near-tie,
-                    # so gradients are checked in exact fp32; the forward is checked in TF32 too.
-                    precisions = ["ieee", "tf32"] if dtype == torch.float32 and on_gpu else ["ieee"]
-                    for precision in precisions:
-                        backend = select_backend(torch.empty(0, device=device, dtype=dtype))
-                        try:
-                            errs = _check_case(layout, dtype, strategy, normalize, device, precision)
-                            error = None
-                        except Exception as exc:  # reported, never hidden
-                            errs, error = (float("inf"),) * 3, f"{type(exc).__name__}: {exc}"
-                        score_tol, grad_tol = TOLERANCES[dtype]
-                        grads_checked = precision == "ieee" or dtype != torch.float32
-                        ok = errs[0] <= score_tol and (not grads_checked or max(errs[1:]) <= grad_tol)
-                        row = {
-                            "layout": layout, "dtype": str(dtype).replace("torch.", ""),
-                            "fp32": precision if dtype == torch.float32 else "-",
-                            "backward": strategy, "normalize": normalize, "backend": backend,
-                            "scores": errs[0], "grad_Q": errs[1] if grads_checked else None,
-                            "grad_D": errs[2] if grads_checked else None,
-                            "tol": (score_tol, grad_tol), "ok": ok, "error": error,
-                        }
-                        rows.append(row)
-                        if not as_json:
-                            print(_format_row(row), flush=True)
+    for layout, dtype, strategy, normalize in cases:
+        # TF32 moves similarities by ~1e-3, enough to change the winner of a near-tie, so
+        # gradients are checked in exact fp32; the forward is checked in TF32 too.
+        precisions = ["ieee", "tf32"] if dtype == torch.float32 and on_gpu else ["ieee"]
+        for precision in precisions:
+            backend = "-"
+            try:
+                backend = select_backend(torch.empty(0, device=device, dtype=dtype))
+                errs = _check_case(layout, dtype, strategy, normalize, device, precision)
+                error = None
+            except Exception as exc:  # noqa: BLE001 - reported, never hidden
+                errs, error = (float("inf"),) * 3, f"{type(exc).__name__}: {exc}"
+            score_tol, grad_tol = TOLERANCES[dtype]
+            grads_checked = precision == "ieee" or dtype != torch.float32
+            ok = errs[0] <= score_tol and (not grads_checked or max(errs[1:]) <= grad_tol)
+            row = {
+                "layout": layout, "dtype": str(dtype).replace("torch.", ""),
+                "fp32": precision if dtype == torch.float32 else "-",
+                "backward": strategy, "normalize": normalize, "backend": backend,
+                "scores": errs[0], "grad_Q": errs[1] if grads_checked else None,
+                "grad_D": errs[2] if grads_checked else None,
+                "tol": (score_tol, grad_tol), "ok": ok, "error": error,
+            }
+            rows.append(row)
+            if not as_json:
+                print(_format_row(row), flush=True)
     failed = sum(not row["ok"] for row in rows)
     if as_json:
-        print(json.dumps({"device": device, "rows": rows, "passed": len(rows) - failed, "failed": failed}, indent=1))
+        print(json.dumps({"device": device, "checks": path, "fp32": fp32, "rows": rows,
+                          "passed": len(rows) - failed, "failed": failed}, indent=1))
     else:
-        print(f"\n{len(rows) - failed} passed, {failed} failed")
+        print(f"\n{len(rows) - failed} passed, {failed} failed "
+              f"({time.perf_counter() - start:.1f} s)")
     return 1 if failed else 0
 
 
+def _check_triton_here(args) -> int:
+    """``check --triton``: on a CUDA device in this process; on a CPU in a new one under the
+    Triton interpreter, which must be on before the kernels are defined (at import)."""
+    if not triton_available():
+        raise DeviceError("--triton needs Triton, which is not installed here")
+    if not args.device.startswith(("cuda", "cpu")):
+        raise DeviceError(f"--triton runs on CUDA devices, or on the CPU under the Triton "
+                          f"interpreter; not on {args.device}")
+    if args.device == "cpu":
+        try:
+            import numpy  # noqa: F401
+        except ImportError:
+            raise DeviceError("--triton on a CPU runs the Triton interpreter, which needs NumPy "
+                              "(pip install numpy)") from None
+    if args.device.startswith("cuda") or settings.INTERPRETER:
+        with settings.use_backend("triton"):
+            return run_check(args.device, args.json, triton=True, every_case=args.all)
+    command = [sys.executable, "-m", "fusedmaxsim", "check", "--triton", "--device", args.device]
+    command += ["--json"] * args.json + ["--all"] * args.all
+    env = {**os.environ, "TRITON_INTERPRET": "1", "FUSEDMAXSIM_BACKEND": "triton"}
+    # Its output passes through this process's stdout, so that a caller capturing it sees it.
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True) as child:
+        for line in child.stdout:
+            print(line, end="", flush=True)
+    return child.returncode
+
+
 # ---------------------------------------------------------------------------------------- main
+_DEVICE_HELP = "torch device: cpu, cuda, cuda:1, ... (default: cuda when available, else cpu)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fusedmaxsim", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="fusedmaxsim",
+        description="Fused late-interaction (MaxSim) scoring: what runs here (info), a self-test "
+                    "against float64 (check), timings against naive PyTorch (bench), the plan "
+                    "for a shape (explain). Also runs as python -m fusedmaxsim.")
     parser.add_argument("--version", action="version", version=f"fusedmaxsim {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p_info = sub.add_parser("info", help="versions, device, and which backend each layout uses")
-    p_info.add_argument("--device", default=_default_device())
-    p_info.add_argument("--json", action="store_true")
-    p_check = sub.add_parser("check", help="self-test of every layout against the float64 reference")
-    p_check.add_argument("--device", default=_default_device())
-    p_check.add_argument("--json", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p_info = sub.add_parser(
+        "info", help="versions, device, settings, and which backend each layout uses",
+        description="Prints the versions of fusedmaxsim, Python, PyTorch and Triton, the device, "
+                    "every setting in force (FUSEDMAXSIM_* variables) and, for each dtype, the "
+                    "backend (Triton kernels or the PyTorch path) that each layout runs on.")
+    p_info.add_argument("--device", default=None, help=_DEVICE_HELP)
+    p_info.add_argument("--json", action="store_true", help="print the report as JSON")
+    p_check = sub.add_parser(
+        "check", help="self-test of every layout against the float64 reference",
+        description="Scores every layout (cross product, per-query candidates, pairs, single), "
+                    "forward and backward, with each backward strategy and with and without "
+                    "normalization, and compares scores and gradients with the float64 "
+                    "reference. Exits with 1 if any case is outside its tolerance. On a CPU it "
+                    "checks the PyTorch path; --triton checks the Triton kernels instead.")
+    p_check.add_argument("--device", default=None, help=_DEVICE_HELP)
+    p_check.add_argument("--json", action="store_true",
+                         help="print the cases and their errors as JSON")
+    p_check.add_argument("--triton", action="store_true",
+                         help="check the Triton kernels: on a CPU under the Triton interpreter "
+                              "(TRITON_INTERPRET=1, in a new process), a subset of the cases")
+    p_check.add_argument("--all", action="store_true",
+                         help="with --triton on a CPU: every case, not a subset (a few minutes)")
     p_bench = sub.add_parser(
         "bench", help="time the fused op against naive PyTorch on this device, parity first",
         description="Times fusedmaxsim.maxsim against naive PyTorch (einsum + amax + sum) on a "
@@ -204,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
                            help="score each query against its own K candidates instead")
     p_explain.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES),
                            help="input dtype (default bf16)")
-    p_explain.add_argument("--device", default=_default_device())
+    p_explain.add_argument("--device", default=None, help=_DEVICE_HELP)
     p_explain.add_argument("--training", action="store_true",
                            help="a call that saves the argmax for a backward")
     p_explain.add_argument("--normalize", action="store_true", help="L2-normalize the tokens")
@@ -221,27 +353,20 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
 def _explain(args) -> int:
     from .planning import explain
 
-    try:
-        device = torch.device(args.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError(f"device {args.device} is not available here (no CUDA device)")
-        dtype = _DTYPES[args.dtype]
-        Q = torch.empty(args.nq, args.lq, args.dim, dtype=dtype, device=device)
-        d_shape = (args.nd, args.ld) if args.candidates is None else (args.nq, args.candidates,
-                                                                       args.ld)
-        D = torch.empty(*d_shape, args.dim, dtype=dtype, device=device)
-        q_mask = torch.ones(Q.shape[:-1], dtype=torch.bool, device=device) if args.masks else None
-        d_mask = torch.ones(D.shape[:-1], dtype=torch.bool, device=device) if args.masks else None
-        print(explain(Q, D, q_mask, d_mask, normalize=args.normalize, backward=args.backward,
-                      training=args.training))
-    except (RuntimeError, ValueError) as exc:
-        print(f"fusedmaxsim explain: {exc}", file=sys.stderr)
-        return 2
+    device = torch.device(args.device)
+    dtype = _DTYPES[args.dtype]
+    Q = torch.empty(args.nq, args.lq, args.dim, dtype=dtype, device=device)
+    d_shape = (args.nd, args.ld) if args.candidates is None else (args.nq, args.candidates, args.ld)
+    D = torch.empty(*d_shape, args.dim, dtype=dtype, device=device)
+    q_mask = torch.ones(Q.shape[:-1], dtype=torch.bool, device=device) if args.masks else None
+    d_mask = torch.ones(D.shape[:-1], dtype=torch.bool, device=device) if args.masks else None
+    print(explain(Q, D, q_mask, d_mask, normalize=args.normalize, backward=args.backward,
+                  training=args.training))
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _run(args) -> int:
+    args.device = str(resolve_device(args.device))
     if args.command == "info":
         report = info_report(args.device)
         if args.json:
@@ -250,16 +375,30 @@ def main(argv: list[str] | None = None) -> int:
             _print_info(report)
         return 0
     if args.command == "check":
-        start = time.perf_counter()
-        code = run_check(args.device, args.json)
-        if not args.json:
-            print(f"({time.perf_counter() - start:.1f} s)")
-        return code
+        if args.all and not args.triton:
+            raise DeviceError("--all goes with --triton (the PyTorch path runs every case)")
+        if args.triton:
+            return _check_triton_here(args)
+        return run_check(args.device, args.json)
     if args.command == "explain":
-        return _explain(args)
+        try:
+            return _explain(args)
+        except RuntimeError as exc:  # e.g. a backend that cannot run this dtype here
+            raise ValueError(str(exc)) from None
     from ._bench import run_bench
 
     return run_bench(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except ValueError as exc:
+        # Bad arguments, an unavailable device, a bad setting: one line, no traceback.
+        message = (str(exc).splitlines() or [type(exc).__name__])[0]
+        print(f"fusedmaxsim {args.command}: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

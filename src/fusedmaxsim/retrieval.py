@@ -6,27 +6,39 @@ never the ``[Nq, Nd]`` matrix. A corpus may be dense (``[Nd, Ld, d]`` with a mas
 (``[ΣLd, d]`` with ``cu_seqlens_d``), on the GPU or in CPU memory: a CPU corpus scored by GPU
 queries is streamed, the copy of the next chunk overlapping the scoring of this one.
 
-Ranking: scores in decreasing order; equal scores go to the lowest document index; NaN ranks
-above every number (as in :func:`torch.topk`). The merge is exact, so the chunking changes
-nothing but, on the PyTorch path, the last bit of a score (BLAS blocks its products by shape).
+Ranking: scores in decreasing order (increasing with ``largest=False``, as in :func:`torch.topk`);
+equal scores go to the lowest document index; NaN ranks above every number (as in
+:func:`torch.topk`: first by default, last with ``largest=False``). The merge is exact, so the
+chunking changes nothing but, on the PyTorch path, the last bit of a score (BLAS blocks its
+products by shape).
+
+Defaults: ``normalize`` defaults to ``False`` here as everywhere in the library, where
+late-interaction-kernels' ``retrieve`` and ``MaxSimScorer`` default to ``True``. A call that leaves
+it unset gets a one-time ``UserWarning`` saying so (per function, per process); passing
+``normalize=`` explicitly silences it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 import sys
 import time
+import warnings
 
 import torch
 from torch import Tensor
 
 from ._autograd import inverse_norms, run_forward
 from ._problem import (
+    D_AXES,
+    Q_AXES,
     RaggedLayout,
     _check_float,
     _check_mask,
     build_layout,
     check_backward,
+    check_bool,
     check_int,
     dense_as_packed,
     dense_problem,
@@ -47,12 +59,23 @@ _LOW = 1 << 32
 # --------------------------------------------------------------------------------------------
 
 
-def _order_keys(scores: Tensor, first: int) -> Tensor:
+_NEGATIVE_NAN_BITS = -(1 << 22)  # 0xFFC00000: a NaN with the sign bit set, below -inf in a key
+
+
+def _order_keys(scores: Tensor, first: int, largest: bool = True) -> Tensor:
     """One int64 per score whose order is (score, then lower index): the float's bits made
     monotone in the high half, the complement of the document index in the low half. Unique
-    keys make ``topk`` exact and deterministic, with no tie left to an unstable sort."""
+    keys make ``topk`` exact and deterministic, with no tie left to an unstable sort.
+
+    ``largest=False`` keys the negated scores, NaN still last: the best keys are then the lowest
+    scores (:func:`_decode_keys` and ``0.0 - value`` bring the scores back)."""
     s = scores.float() + 0.0  # -0.0 becomes +0.0
-    s = torch.where(torch.isnan(s), float("nan"), s)  # one NaN, above +inf
+    if largest:
+        s = torch.where(torch.isnan(s), float("nan"), s)  # one NaN, above +inf
+    else:
+        s = 0.0 - s  # +0.0 stays +0.0
+        low_nan = torch.tensor(_NEGATIVE_NAN_BITS, dtype=torch.int32).view(torch.float32)
+        s = torch.where(torch.isnan(s), low_nan.to(s.device), s)  # one NaN, below -inf
     bits = s.view(torch.int32).to(torch.int64)
     ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
     index = torch.arange(first, first + s.shape[1], device=s.device, dtype=torch.int64)
@@ -67,18 +90,19 @@ def _decode_keys(keys: Tensor) -> tuple[Tensor, Tensor]:
 
 
 class _RunningTopK:
-    """The best ``k`` documents so far of every query."""
+    """The best ``k`` documents so far of every query (the lowest scores if not ``largest``)."""
 
-    def __init__(self, k: int, exact_keys: bool):
+    def __init__(self, k: int, exact_keys: bool, largest: bool = True):
         self.k = k
         self.exact_keys = exact_keys  # fp32 scores and fewer than 2**32 documents
+        self.largest = largest
         self.keys: Tensor | None = None
         self.scores: Tensor | None = None
         self.indices: Tensor | None = None
 
     def add(self, scores: Tensor, first: int) -> None:
         if self.exact_keys:
-            keys = _order_keys(scores, first)
+            keys = _order_keys(scores, first, self.largest)
             if self.keys is not None:
                 best = keys.topk(min(self.k, keys.shape[1]), dim=1).values
                 keys = torch.cat([self.keys, best], dim=1)
@@ -90,12 +114,14 @@ class _RunningTopK:
         if self.scores is not None:
             scores = torch.cat([self.scores, scores], dim=1)
             index = torch.cat([self.indices, index], dim=1)
-        order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, : self.k]
+        order = torch.sort(scores, dim=1, descending=self.largest, stable=True).indices
+        order = order[:, : self.k]
         self.scores, self.indices = scores.gather(1, order), index.gather(1, order)
 
     def result(self, n_queries: int, device, dtype) -> tuple[Tensor, Tensor]:
         if self.exact_keys and self.keys is not None:
-            return _decode_keys(self.keys)
+            scores, indices = _decode_keys(self.keys)
+            return (scores if self.largest else 0.0 - scores), indices
         if self.scores is not None:
             return self.scores, self.indices
         return (
@@ -270,6 +296,26 @@ def _check_chunk(chunk: object) -> int | None:
     return check_int("chunk", chunk, optional=True, low=1, bound="positive (documents per chunk)")
 
 
+_WARNED_DEFAULT_NORMALIZE: set[str] = set()
+
+
+def _normalize_or_default(normalize: object, name: str) -> bool:
+    """``normalize=`` checked; left unset (None), ``False``, with a one-time warning per
+    function and process: late-interaction-kernels' ``retrieve`` and ``MaxSimScorer`` default to
+    ``True``, so the same call there ranks differently."""
+    if normalize is not None:
+        return check_bool("normalize", normalize)
+    if name not in _WARNED_DEFAULT_NORMALIZE:
+        _WARNED_DEFAULT_NORMALIZE.add(name)
+        warnings.warn(
+            f"fusedmaxsim.{name} defaults to normalize=False (late-interaction-kernels' {name} "
+            "defaults to normalize=True); pass normalize= explicitly to silence this",
+            UserWarning,
+            stacklevel=3,
+        )
+    return False
+
+
 def _corpus(D: object, d_mask, cu_seqlens_d, max_seqlen_d, dim: int, validate) -> _Corpus:
     D = _check_float("D", D)
     if D.shape[-1] != dim:
@@ -284,7 +330,8 @@ def _corpus(D: object, d_mask, cu_seqlens_d, max_seqlen_d, dim: int, validate) -
                 f"D must be [Nd, Ld, d] (or [Ld, d], one document), or packed [ΣLd, d] with "
                 f"cu_seqlens_d; got shape {tuple(D.shape)}"
             )
-        d_mask = _check_mask("d_mask", d_mask, tuple(D.shape[:-1]), "D", D.device)
+        d_mask = _check_mask("d_mask", d_mask, tuple(D.shape[:-1]), "D", D.device,
+                             dims=D_AXES[D.dim()])
         if D.dim() == 2:
             D = D.unsqueeze(0)
             d_mask = None if d_mask is None else d_mask.unsqueeze(0)
@@ -313,8 +360,10 @@ def retrieve(
     *,
     cu_seqlens_d: Tensor | None = None,
     max_seqlen_d: int | None = None,
-    normalize: bool = False,
+    normalize: bool | None = None,
     chunk: int | None = None,
+    largest: bool = True,
+    sorted: bool = True,
     progress: bool = False,
     validate: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
@@ -340,32 +389,44 @@ def retrieve(
         cu_seqlens_d (torch.Tensor, optional): `[Nd + 1]` offsets of a packed corpus (see
             :func:`fusedmaxsim.maxsim_varlen`); on the CPU for a streamed corpus.
         max_seqlen_d (int, optional): the longest document of a packed corpus.
-        normalize (bool): L2-normalize every token first. Default: ``False``.
+        normalize (bool, optional): L2-normalize every token first. Default: ``False``; left
+            unset, the first call of the process warns once that late-interaction-kernels'
+            ``retrieve`` defaults to ``True`` (pass ``normalize=`` to silence it).
         chunk (int, optional): documents scored at a time. Default: as many as 256 MiB of scores
             allow (a streamed corpus: as many as fit a 256 MiB buffer).
+        largest (bool): ``True`` (default): the ``top_k`` highest scores, best first.
+            ``False``: the ``top_k`` lowest, lowest first (:func:`torch.topk`'s ``largest``; NaN
+            then ranks last).
+        sorted (bool): :func:`torch.topk`'s keyword, accepted: the results come sorted either
+            way (``sorted=False`` leaves the order unspecified, which sorted satisfies).
         progress (bool): draw a progress bar on stderr. Default: ``False``.
         validate (bool, optional): checks of a packed corpus's offsets, as in
             :func:`fusedmaxsim.maxsim_varlen`.
 
     Returns:
         tuple[torch.Tensor, torch.Tensor]: ``(scores, indices)``, each `[Nq, k]` with
-        ``k = min(top_k, Nd)`` (`[k]` for a 2-D ``Q``): float32 scores in decreasing order and
-        int64 document indices; equal scores rank the lower index first.
+        ``k = min(top_k, Nd)`` (`[k]` for a 2-D ``Q``): float32 scores in decreasing order
+        (increasing with ``largest=False``) and int64 document indices; equal scores rank the
+        lower index first.
 
     Examples::
 
         >>> Q = torch.randn(4, 32, 128)
         >>> D = torch.randn(1000, 180, 128)
-        >>> scores, indices = retrieve(Q, D, top_k=10, chunk=256)
+        >>> scores, indices = retrieve(Q, D, top_k=10, chunk=256, normalize=True)
         >>> scores.shape, indices.shape
         (torch.Size([4, 10]), torch.Size([4, 10]))
     """
     k = _check_top_k(top_k)
     chunk = _check_chunk(chunk)
+    normalize = _normalize_or_default(normalize, "retrieve")
+    progress = check_bool("progress", progress)
+    largest = check_bool("largest", largest)
+    check_bool("sorted", sorted)
     Q = _check_float("Q", Q)
     if Q.dim() not in (2, 3):
         raise ValueError(f"Q must be [Lq, d] or [Nq, Lq, d], got shape {tuple(Q.shape)}")
-    q_mask = _check_mask("q_mask", q_mask, tuple(Q.shape[:-1]), "Q", Q.device)
+    q_mask = _check_mask("q_mask", q_mask, tuple(Q.shape[:-1]), "Q", Q.device, dims=Q_AXES[Q.dim()])
     squeeze = Q.dim() == 2
     if squeeze:
         Q = Q.unsqueeze(0)
@@ -375,12 +436,12 @@ def retrieve(
     stream = corpus.tokens.device != device
     if stream and not (corpus.tokens.device.type == "cpu" and device.type == "cuda"):
         raise ValueError(
-            f"Q is on {device} but D is on {corpus.tokens.device}: a corpus may be on Q's device, "
-            "or in CPU memory while Q is on a GPU (it is then streamed)"
+            f"Q is on {device} but D is on {corpus.tokens.device}: Q and D must be on the same "
+            "device, or D in CPU memory while Q is on a GPU (it is then streamed)"
         )
     with torch.no_grad():
         scores, indices = _retrieve(
-            Q, q_mask, corpus, k, bool(normalize), chunk, bool(progress), stream
+            Q, q_mask, corpus, k, normalize, chunk, progress, stream, largest=largest
         )
     if squeeze:
         scores, indices = scores.squeeze(0), indices.squeeze(0)
@@ -453,13 +514,14 @@ class _ChunkScorer:
 
 
 def _retrieve(Q, q_mask, corpus: _Corpus, k: int, normalize: bool, chunk: int | None,
-              progress: bool, stream: bool) -> tuple[Tensor, Tensor]:
+              progress: bool, stream: bool, largest: bool = True) -> tuple[Tensor, Tensor]:
     """The chunk loop shared by in-memory and streamed corpora."""
     device = Q.device
     ranges = _chunk_ranges(corpus, chunk, Q.shape[0], stream)
     score = _ChunkScorer(Q, q_mask, corpus, normalize, stream)
     out_dtype = torch.float64 if score.dtype == torch.float64 else torch.float32
-    top = _RunningTopK(k, exact_keys=out_dtype == torch.float32 and corpus.n_docs < _LOW)
+    top = _RunningTopK(k, exact_keys=out_dtype == torch.float32 and corpus.n_docs < _LOW,
+                       largest=largest)
     bar = _Progress(corpus.n_docs, progress)
     prefetch = _Prefetcher(corpus, ranges, device) if stream and ranges else None
     if prefetch is not None:
@@ -504,6 +566,20 @@ def _record(device: torch.device, wanted: bool):
 # --------------------------------------------------------------------------------------------
 
 
+def _check_pad_token(token: object) -> int | None:
+    """``mask_pad_token``: None or an integer token id (negative ids allowed, no bool)."""
+    if token is None:
+        return None
+    if isinstance(token, bool):
+        raise TypeError(f"mask_pad_token must be an int token id or None, got {token!r}")
+    try:
+        return operator.index(token)
+    except TypeError:
+        raise TypeError(
+            f"mask_pad_token must be an int token id or None, got {type(token).__name__}"
+        ) from None
+
+
 class MaxSimScorer(torch.nn.Module):
     """Stateless MaxSim scoring as a module, one front door for every layout.
 
@@ -512,9 +588,13 @@ class MaxSimScorer(torch.nn.Module):
     inference call, :meth:`retrieve` the top-k one. The module holds no parameters.
 
     Args:
-        normalize (bool): L2-normalize every token first. Default: ``False`` (as every function
-            of the library).
+        normalize (bool, optional): L2-normalize every token first. Default: ``False`` (as every
+            function of the library); left unset, the first construction of the process warns
+            once that late-interaction-kernels' ``MaxSimScorer`` defaults to ``True`` (pass
+            ``normalize=`` to silence it).
         backward (str, optional): the gradient strategy, as in :func:`fusedmaxsim.maxsim`.
+        mask_pad_token (int, optional): the padding token id: :meth:`forward_with_ids` then
+            builds the masks from token ids (``ids != mask_pad_token``). Default: ``None``.
 
     Example::
 
@@ -523,13 +603,21 @@ class MaxSimScorer(torch.nn.Module):
         loss.backward()
     """
 
-    def __init__(self, *, normalize: bool = False, backward: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        normalize: bool | None = None,
+        backward: str | None = None,
+        mask_pad_token: int | None = None,
+    ) -> None:
         super().__init__()
-        self.normalize = bool(normalize)
+        self.normalize = _normalize_or_default(normalize, "MaxSimScorer")
         self.backward = check_backward(backward)
+        self.mask_pad_token = _check_pad_token(mask_pad_token)
 
     def extra_repr(self) -> str:
-        return f"normalize={self.normalize}, backward={self.backward!r}"
+        return (f"normalize={self.normalize}, backward={self.backward!r}, "
+                f"mask_pad_token={self.mask_pad_token!r}")
 
     def forward(
         self,
@@ -567,7 +655,8 @@ class MaxSimScorer(torch.nn.Module):
                     raise ValueError(
                         f"without cu_seqlens_q, Q must be [Nq, Lq, d], got shape {tuple(Q.shape)}"
                     )
-                q_mask = _check_mask("q_mask", q_mask, tuple(Q.shape[:-1]), "Q", Q.device)
+                q_mask = _check_mask("q_mask", q_mask, tuple(Q.shape[:-1]), "Q", Q.device,
+                                     dims=Q_AXES[3])
                 Q, cu_seqlens_q, q_mask = dense_as_packed(Q, q_mask)
                 max_seqlen_q = Q.shape[0] // max(cu_seqlens_q.numel() - 1, 1)
             return maxsim_varlen(
@@ -575,6 +664,29 @@ class MaxSimScorer(torch.nn.Module):
                 d_mask=d_mask, normalize=self.normalize, backward=self.backward,
             )
         return maxsim(Q, D, q_mask, d_mask, normalize=self.normalize, backward=self.backward)
+
+    def forward_with_ids(self, Q, D, q_ids: Tensor, d_ids: Tensor, **layout) -> Tensor:
+        """:meth:`forward` with masks built from token ids: ``q_ids != mask_pad_token`` and
+        ``d_ids != mask_pad_token``, of the token axes of ``Q`` and ``D`` (e.g. ``[Nq, Lq]`` and
+        ``[Nd, Ld]``). Other keywords (``cu_seqlens_d=`` ...) pass through to :meth:`forward`."""
+        if self.mask_pad_token is None:
+            raise ValueError(
+                "forward_with_ids requires mask_pad_token set on the scorer: "
+                "MaxSimScorer(mask_pad_token=<the padding token id>)"
+            )
+        masks = []
+        for name, ids, tokens, owner in (("q_ids", q_ids, Q, "Q"), ("d_ids", d_ids, D, "D")):
+            if not isinstance(ids, Tensor):
+                raise TypeError(
+                    f"{name} must be a torch.Tensor of token ids, got {type(ids).__name__}"
+                )
+            if isinstance(tokens, Tensor) and tuple(ids.shape) != tuple(tokens.shape[:-1]):
+                raise ValueError(
+                    f"{name} must have shape {tuple(tokens.shape[:-1])} (the token axes of "
+                    f"{owner} {tuple(tokens.shape)}), got {tuple(ids.shape)}"
+                )
+            masks.append(ids != self.mask_pad_token)
+        return self.forward(Q, D, masks[0], masks[1], **layout)
 
     def score(self, *args, **kwargs) -> Tensor:
         """:meth:`forward` without autograd: no argmax is saved, whatever the inputs require."""

@@ -3,7 +3,7 @@
 | variable | values | effect |
 |---|---|---|
 | ``FUSEDMAXSIM_BACKEND`` | ``auto`` (default), ``triton``, ``torch`` | which implementation runs |
-| ``FUSEDMAXSIM_FP32_PRECISION`` | ``tf32`` (default), ``ieee`` | fp32 inputs on the GPU: TF32 tensor cores or exact fp32 |
+| ``FUSEDMAXSIM_FP32_PRECISION`` | ``torch`` (default), ``tf32``, ``ieee`` | fp32 inputs on the GPU: TF32 tensor cores or exact fp32; ``torch`` follows PyTorch's matmul precision |
 | ``FUSEDMAXSIM_TORCH_BLOCK_MB`` | integer, default 256 | the PyTorch path's bound on similarities held at a time |
 | ``FUSEDMAXSIM_AUTOTUNE`` | ``1`` | time a few tile configurations on the first call of each forward shape class (CUDA) |
 | ``FUSEDMAXSIM_EXACT_TIES`` | ``1`` | the training forward decides every tie and near-tie of the max exactly, on Hopper GPUs too |
@@ -48,6 +48,8 @@ __all__ = [
     "use_exact_ties",
     "backend",
     "fp32_precision",
+    "fp32_precision_setting",
+    "torch_fp32_precision",
     "torch_block_bytes",
     "set_backend",
     "set_fp32_precision",
@@ -57,7 +59,7 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "triton", "torch")
-FP32_PRECISIONS = ("tf32", "ieee")
+FP32_PRECISIONS = ("torch", "tf32", "ieee")
 
 _overrides: dict[str, object] = {}
 _environment: dict[str, str] = {}
@@ -111,9 +113,34 @@ def backend() -> str:
     return _choice("backend", "FUSEDMAXSIM_BACKEND", "auto", BACKENDS)
 
 
+def fp32_precision_setting() -> str:
+    """``torch`` (default), ``tf32`` or ``ieee``: the setting as given, before ``torch`` is
+    resolved (see :func:`fp32_precision`)."""
+    return _choice("fp32_precision", "FUSEDMAXSIM_FP32_PRECISION", "torch", FP32_PRECISIONS)
+
+
+def torch_fp32_precision() -> str:
+    """``tf32`` where PyTorch lets fp32 matmuls use TF32, else ``ieee``: what PyTorch's own fp32
+    matmul does. ``torch.get_float32_matmul_precision()`` ``"high"`` or ``"medium"`` allows TF32,
+    its default ``"highest"`` does not; where a program set the per-backend API instead
+    (``torch.backends.cuda.matmul.fp32_precision``, which makes the first getter raise), that
+    setting decides. Read at every call (a fraction of a microsecond), so a change of PyTorch's
+    setting takes effect at once."""
+    import torch
+
+    try:
+        return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    except RuntimeError:
+        return "tf32" if torch.backends.cuda.matmul.fp32_precision == "tf32" else "ieee"
+
+
 def fp32_precision() -> str:
-    """``tf32`` (default) or ``ieee``: how fp32 inputs are multiplied on the GPU."""
-    return _choice("fp32_precision", "FUSEDMAXSIM_FP32_PRECISION", "tf32", FP32_PRECISIONS)
+    """``tf32`` or ``ieee``: how fp32 inputs are multiplied on the GPU now. An explicit setting
+    (``FUSEDMAXSIM_FP32_PRECISION``, :func:`set_fp32_precision`, :func:`use_fp32_precision`)
+    wins; by default (``torch``) fp32 follows PyTorch, as its own fp32 matmul does: TF32 only
+    after ``torch.set_float32_matmul_precision("high")`` (or ``"medium"``)."""
+    value = fp32_precision_setting()
+    return torch_fp32_precision() if value == "torch" else value
 
 
 def torch_block_bytes() -> int:
@@ -196,8 +223,9 @@ def set_backend(value: str | None) -> None:
 
 
 def set_fp32_precision(value: str | None) -> None:
-    """``tf32`` or ``ieee`` for fp32 inputs; ``None`` returns to ``FUSEDMAXSIM_FP32_PRECISION``."""
-    _set("fp32_precision", None if value is None else str(value).lower(), fp32_precision)
+    """``tf32`` or ``ieee`` for fp32 inputs, or ``torch`` to follow PyTorch's matmul precision;
+    ``None`` returns to ``FUSEDMAXSIM_FP32_PRECISION``."""
+    _set("fp32_precision", None if value is None else str(value).lower(), fp32_precision_setting)
 
 
 def set_torch_block_bytes(value: int | None) -> None:
@@ -264,19 +292,35 @@ POISON_OUTPUTS = os.environ.get("FUSEDMAXSIM_POISON_OUTPUTS", "0").strip() == "1
 
 def snapshot() -> tuple[str, bool, bool, bool, int]:
     """``(fp32_precision, exact_ties, autotune, hopper_kernel, torch_block_bytes)`` as in force
-    now, resolved once and kept until a setting changes (every call reads them)."""
+    now, resolved once and kept until a setting changes (every call reads them). The precision is
+    the setting as given: ``torch`` is resolved per call (``_problem.options_for``), since PyTorch's
+    own setting can change without fusedmaxsim knowing."""
     found = _resolved.get("snapshot")
     if found is None:
-        found = (fp32_precision(), exact_ties(), autotune(), hopper_kernel(), torch_block_bytes())
+        found = (fp32_precision_setting(), exact_ties(), autotune(), hopper_kernel(), torch_block_bytes())
         _remember("snapshot", found)
     return found
+
+
+def _describe_fp32_precision() -> str:
+    value = fp32_precision_setting()
+    if value != "torch":
+        return value
+    import torch
+
+    try:
+        torch_says = f"get_float32_matmul_precision() is {torch.get_float32_matmul_precision()!r}"
+    except RuntimeError:
+        torch_says = f"backends.cuda.matmul.fp32_precision is " \
+                     f"{torch.backends.cuda.matmul.fp32_precision!r}"
+    return f"{torch_fp32_precision()} (follows PyTorch: {torch_says})"
 
 
 def effective() -> list[tuple[str, str]]:
     """Every setting's variable and its value in force now (``fusedmaxsim info`` prints them)."""
     return [
         ("FUSEDMAXSIM_BACKEND", backend()),
-        ("FUSEDMAXSIM_FP32_PRECISION", fp32_precision()),
+        ("FUSEDMAXSIM_FP32_PRECISION", _describe_fp32_precision()),
         ("FUSEDMAXSIM_TORCH_BLOCK_MB", f"{torch_block_bytes() / 2**20:g}"),
         ("FUSEDMAXSIM_AUTOTUNE", str(int(autotune()))),
         ("FUSEDMAXSIM_EXACT_TIES", str(int(exact_ties()))),

@@ -12,8 +12,8 @@ from torch import Tensor
 __all__ = ["TOLERANCES", "relative_error", "relative_error_fro", "assert_close_to_reference"]
 
 # (scores, gradients) bounds. GPU bf16/fp16 bounds are those the main peer's tests enforce;
-# fp32 is TF32 on the GPU by default. Gradients are written in the input dtype, hence their
-# looser bound in half precision.
+# the fp32 bound allows TF32 (PyTorch's precision "high"). Gradients are written in the input
+# dtype, hence their looser bound in half precision.
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float64: (1e-10, 1e-10),
     torch.float32: (2e-3, 2e-3),

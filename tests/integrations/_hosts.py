@@ -1,10 +1,9 @@
-"""Loading the host libraries in the test environment.
+"""Loading the host libraries in the test environment, and running child Pythons there.
 
-colpali-engine's package ``__init__`` imports its whole model zoo, and the image processors of
-those models import torchvision. PyPI ships torchvision built for CUDA only, which does not load
-against a CPU build of torch, so on a CPU-only machine the scoring and loss modules under test
-are imported without the zoo: the package is registered as a bare namespace whose submodules
-import normally. Where torchvision works, colpali-engine is imported as it is.
+The hosts are imported exactly as a user imports them, in the environment docs/integrations.md
+describes (requirements-integrations.txt installed with --no-deps): ``import colpali_engine``
+loads the package with its whole model zoo, which works without torchvision under the pinned
+transformers.
 """
 
 from __future__ import annotations
@@ -12,8 +11,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-import subprocess
-import sys
 import types
 from pathlib import Path
 
@@ -40,27 +37,11 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def torchvision_works() -> bool:
-    """Checked in a child process: a torchvision that fails to load leaves half-imported modules."""
-    if importlib.util.find_spec("torchvision") is None:
-        return False
-    probe = subprocess.run(
-        [sys.executable, "-c", "import torchvision"], check=False, capture_output=True
-    )
-    return probe.returncode == 0
-
-
 def import_colpali() -> bool:
-    """Import colpali-engine's scoring, loss and processing modules; False if not installed."""
-    spec = importlib.util.find_spec("colpali_engine")
-    if spec is None:
+    """Import colpali-engine and its scoring, loss and processing modules; False if not installed."""
+    if importlib.util.find_spec("colpali_engine") is None:
         return False
-    if "colpali_engine" not in sys.modules and not torchvision_works():
-        shell = types.ModuleType("colpali_engine")
-        shell.__path__ = list(spec.submodule_search_locations)
-        shell.__spec__ = spec
-        shell.__file__ = spec.origin
-        sys.modules["colpali_engine"] = shell
+    importlib.import_module("colpali_engine")
     for name in COLPALI_MODULES:
         importlib.import_module(name)
     return True
