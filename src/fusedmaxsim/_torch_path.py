@@ -54,6 +54,18 @@ def plan_blocks(
     return bq, bc, rows
 
 
+_NOTHING_SAVED: dict = {}
+
+
+def _nothing_saved(device: torch.device, dtype: torch.dtype) -> Tensor:
+    """The shared empty tensor an inference call returns in place of the argmax (one PyTorch call
+    less a call; it is never written)."""
+    empty = _NOTHING_SAVED.get((device, dtype))
+    if empty is None:
+        empty = _NOTHING_SAVED[(device, dtype)] = torch.empty((0,), dtype=dtype, device=device)
+    return empty
+
+
 def _doc_block(D: Tensor, q: slice, c: slice, per_query_docs: bool, ct: torch.dtype) -> Tensor:
     return (D[q, c] if per_query_docs else D[c]).to(ct)
 
@@ -93,9 +105,11 @@ def _fwd_block(q_blk, d_blk, q_valid, d_valid, q_scale, d_scale, save_argmax: bo
     nc, Ld = d_blk.shape[-3], d_blk.shape[-2]
     if d_blk.dim() == 4:
         sim = torch.bmm(q_blk, d_blk.reshape(nq, nc * Ld, dim).transpose(1, 2))
+        sim = sim.view(nq, nl, nc, Ld)
     else:
-        sim = q_blk.reshape(nq * nl, dim) @ d_blk.reshape(nc * Ld, dim).T
-    sim = sim.view(nq, nl, nc, Ld)
+        # One call for the product (its reshapes stay in C++): on a CPU a small call's time is
+        # mostly its count of PyTorch calls (docs/design.md, PyTorch path).
+        sim = torch.inner(q_blk, d_blk)  # [bq, ls, bc, Ld]
     if d_scale is not None:
         sim.mul_(d_scale)
     if d_valid is not None:
@@ -166,10 +180,10 @@ def maxsim_fwd_blocked(
         d_valid = _doc_side(d_mask, every, every, per_query_docs)
         d_scale = _doc_side(d_inv, every, every, per_query_docs)
         q_scale = None if q_inv is None else q_inv.to(ct)
-        scores, arg = _fwd_block(Q.to(ct), D.to(ct), q_mask, d_valid, q_scale, d_scale,
-                                 save_argmax, tau)
+        scores, arg = _fwd_block(Q if Q.dtype == ct else Q.to(ct), D if D.dtype == ct else D.to(ct),
+                                 q_mask, d_valid, q_scale, d_scale, save_argmax, tau)
         if arg is None:
-            return scores, Q.new_empty((0,), dtype=saved_dtype)
+            return scores, _nothing_saved(Q.device, saved_dtype)
         return scores, Q.new_empty((Nq, Ncols, Lq), dtype=saved_dtype).copy_(arg)
 
     scores = torch.zeros((Nq, Ncols), dtype=ct, device=Q.device)
