@@ -27,8 +27,11 @@ def torch_precision():
 
 
 def _options_line(Q, D) -> str:
-    return next(line for line in fusedmaxsim.explain(Q, D).splitlines()
-                if "fp32_precision=" in line)
+    """The options line of the plan the Triton kernels would run (the PyTorch path's products
+    follow PyTorch's setting by themselves: its options keep ``torch``)."""
+    with settings.use_backend("triton"):
+        return next(line for line in fusedmaxsim.explain(Q, D).splitlines()
+                    if "fp32_precision=" in line)
 
 
 def test_default_follows_torch_at_every_call(torch_precision):
@@ -43,6 +46,7 @@ def test_default_follows_torch_at_every_call(torch_precision):
         assert "fp32_precision=tf32" in _options_line(Q, D)
     torch_precision("highest")
     assert "fp32_precision=tf32x3" in _options_line(Q, D)
+    assert "fp32_precision=torch" in fusedmaxsim.explain(Q, D)  # the PyTorch path
 
 
 def test_an_explicit_setting_wins(torch_precision):

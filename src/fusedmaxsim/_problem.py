@@ -87,15 +87,15 @@ def options_for(t: Tensor, backend: str | None = None, fp32_precision: str | Non
     precision, exact_ties, autotune, hopper_kernel, block_bytes = settings.snapshot()
     if fp32_precision is not None:
         precision = fp32_precision
-    if precision == "torch" and not torch.compiler.is_compiling():
+    if backend is None:
+        backend = select_backend(t)
+    if precision == "torch" and backend == "triton" and not torch.compiler.is_compiling():
         # Resolved at every call: PyTorch's setting can change at any time. A compiled front door
         # passes "torch" on to the registered op, which resolves it when it runs (reading
-        # PyTorch's setting inside a trace would break the graph).
+        # PyTorch's setting inside a trace would break the graph). The PyTorch path's products
+        # follow PyTorch's setting by themselves.
         precision = settings.torch_fp32_precision()
-    return Options(
-        select_backend(t) if backend is None else backend,
-        precision, exact_ties, autotune, hopper_kernel, block_bytes,
-    )
+    return Options(backend, precision, exact_ties, autotune, hopper_kernel, block_bytes)
 
 
 def dense_problem(Q: Tensor, D: Tensor, q_mask, d_mask, *, normalize: bool = False,
@@ -324,20 +324,17 @@ def triton_available() -> bool:
 def select_backend(t: Tensor) -> str:
     """``"triton"`` or ``"torch"`` for this tensor under the current setting."""
     wanted = settings.backend()
-    if t.dtype == torch.float64:
+    if wanted == "torch" or t.dtype == torch.float64:
         return "torch"  # exact float64 stays on the PyTorch path, on every device
-    runnable = triton_available() and (t.is_cuda or (t.device.type == "cpu" and settings.INTERPRETER))
-    if wanted == "torch":
-        return "torch"
-    if wanted == "triton":
-        if not runnable:
-            why = "Triton is not installed" if not triton_available() else (
-                f"tensors are on {t.device}; Triton kernels need CUDA tensors "
-                "(or CPU tensors with TRITON_INTERPRET=1)"
-            )
-            raise RuntimeError(f"FUSEDMAXSIM_BACKEND=triton cannot run here: {why}")
+    if wanted == "auto":
+        return "triton" if t.is_cuda and triton_available() else "torch"
+    if triton_available() and (t.is_cuda or (t.device.type == "cpu" and settings.INTERPRETER)):
         return "triton"
-    return "triton" if runnable and t.is_cuda else "torch"
+    why = "Triton is not installed" if not triton_available() else (
+        f"tensors are on {t.device}; Triton kernels need CUDA tensors "
+        "(or CPU tensors with TRITON_INTERPRET=1)"
+    )
+    raise RuntimeError(f"FUSEDMAXSIM_BACKEND=triton cannot run here: {why}")
 
 # ------------------------------------------------------------------------------------------------
 # Packed layouts: offsets, maxima and pair lists
