@@ -90,21 +90,15 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _fp32_matmul_precision() -> str:
-    """PyTorch's fp32 matmul precision (its per-backend setting where a program used that API)."""
-    try:
-        return torch.get_float32_matmul_precision()
-    except RuntimeError:
-        return f"cuda matmul {torch.backends.cuda.matmul.fp32_precision}"
-
-
-def _fusedmaxsim_fp32_precision() -> str | None:
-    """What fusedmaxsim's fp32 inputs use now (``tf32`` or ``ieee``), where it is importable."""
+def _fp32_precisions() -> dict:
+    """PyTorch's fp32 matmul setting, and what fusedmaxsim's fp32 inputs use under it (``tf32``
+    or ``ieee``), where fusedmaxsim is importable."""
     try:
         from fusedmaxsim import settings
     except ImportError:
-        return None
-    return settings.fp32_precision()
+        return {}
+    return dict(fp32_matmul_precision=settings.torch_matmul_setting(),
+                fusedmaxsim_fp32_precision=settings.fp32_precision())
 
 
 def environment(device) -> dict:
@@ -128,8 +122,7 @@ def environment(device) -> dict:
         env.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
                    capability=f"{props.major}.{props.minor}", driver=_nvidia_driver(),
                    cuda=torch.version.cuda,
-                   fp32_matmul_precision=_fp32_matmul_precision(),
-                   fusedmaxsim_fp32_precision=_fusedmaxsim_fp32_precision())
+                   **_fp32_precisions())
     else:
         env.update(gpu=None, cpu=_cpu_name(), threads=torch.get_num_threads())
     return env

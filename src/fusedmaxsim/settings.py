@@ -50,6 +50,7 @@ __all__ = [
     "fp32_precision",
     "fp32_precision_setting",
     "torch_fp32_precision",
+    "torch_matmul_setting",
     "torch_block_bytes",
     "set_backend",
     "set_fp32_precision",
@@ -302,18 +303,22 @@ def snapshot() -> tuple[str, bool, bool, bool, int]:
     return found
 
 
+def torch_matmul_setting() -> str:
+    """PyTorch's fp32 matmul setting in words, as :func:`torch_fp32_precision` reads it (for
+    ``fusedmaxsim info`` and the benchmark records; not read per call)."""
+    import torch
+
+    try:
+        return f"get_float32_matmul_precision() is {torch.get_float32_matmul_precision()!r}"
+    except RuntimeError:
+        return f"backends.cuda.matmul.fp32_precision is {torch.backends.cuda.matmul.fp32_precision!r}"
+
+
 def _describe_fp32_precision() -> str:
     value = fp32_precision_setting()
     if value != "torch":
         return value
-    import torch
-
-    try:
-        torch_says = f"get_float32_matmul_precision() is {torch.get_float32_matmul_precision()!r}"
-    except RuntimeError:
-        torch_says = f"backends.cuda.matmul.fp32_precision is " \
-                     f"{torch.backends.cuda.matmul.fp32_precision!r}"
-    return f"{torch_fp32_precision()} (follows PyTorch: {torch_says})"
+    return f"{torch_fp32_precision()} (follows PyTorch: {torch_matmul_setting()})"
 
 
 def effective() -> list[tuple[str, str]]:
