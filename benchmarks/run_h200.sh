@@ -8,7 +8,7 @@
 #
 # STAGES picks and orders the stages (default: tests check suite cold memory report); GPU_TESTS
 # narrows the tests (pytest arguments). More stages are off by default: `probe`
-# (benchmarks/probes/ with the sections named in PROBES), `fp32` (fp32 inputs, IEEE beside TF32),
+# (benchmarks/probes/ with the sections named in PROBES), `fp32` (fp32 inputs: the default, TF32 and IEEE),
 # `host` (benchmarks/bench_host.py), `ragged` (benchmarks/bench_ragged.py)
 # and `e2e` (the PyLate fine-tune of benchmarks/train_pylate_e2e.py, which needs its wheels in
 # .whl/e2e/ and the fp16 model that `train_pylate_e2e.py --export-model .whl/minilm-fp16` writes).
@@ -153,10 +153,11 @@ for name in $STAGES; do
             --device cuda --out "$OUT/host" --budget-s $((${HOST_CAP:-200} - 30))
         ;;
     fp32)
-        # Off by default: fp32 inputs on a few suite shapes, fusedmaxsim's default (IEEE under
-        # PyTorch's default precision) beside TF32 (precision "high") and the peers; in $OUT/fp32/.
+        # Off by default: fp32 inputs on a few suite shapes, fusedmaxsim's default (tf32x3 under
+        # PyTorch's default precision) beside TF32 (precision "high"), explicit IEEE and the peers;
+        # in $OUT/fp32/.
         stage "fp32" "${FP32_CAP:-150}" "$OUT/fp32.log" python3 benchmarks/bench_maxsim.py \
-            --out "$OUT/fp32" --dtype float32 --providers fusedmaxsim,fusedmaxsim_tf32,lik,flash,naive \
+            --out "$OUT/fp32" --dtype float32 --providers fusedmaxsim,fusedmaxsim_tf32,fusedmaxsim_ieee,lik,flash,naive \
             --shapes "${FP32_SHAPES:-rerank_colbert,rerank_colpali,batch_colbert,small_batch,train_colbert,train_colpali,train_small_batch,train_kd}" \
             --warmup-ms 25 --rep-ms 100 --budget-s $((${FP32_CAP:-150} - 30))
         ;;

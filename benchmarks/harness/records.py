@@ -91,8 +91,8 @@ def _cpu_name() -> str:
 
 
 def _fp32_precisions() -> dict:
-    """PyTorch's fp32 matmul setting, and what fusedmaxsim's fp32 inputs use under it (``tf32``
-    or ``ieee``), where fusedmaxsim is importable."""
+    """PyTorch's fp32 matmul setting, and what fusedmaxsim's fp32 inputs use under it (``tf32``,
+    ``tf32x3`` or ``ieee``), where fusedmaxsim is importable."""
     try:
         from fusedmaxsim import settings
     except ImportError:

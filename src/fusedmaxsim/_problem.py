@@ -69,7 +69,7 @@ class Options(NamedTuple):
     """How it may run: resolved once per call from the settings (hashable)."""
 
     backend: str  # "triton" or "torch" (resolved from "auto" for the inputs' device)
-    fp32_precision: str  # "tf32" or "ieee" ("torch", resolved by the op, while compiling)
+    fp32_precision: str  # "tf32", "tf32x3" or "ieee" ("torch" while compiling: the op resolves it)
     exact_ties: bool
     autotune: bool
     hopper_kernel: bool

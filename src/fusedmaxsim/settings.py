@@ -3,7 +3,7 @@
 | variable | values | effect |
 |---|---|---|
 | ``FUSEDMAXSIM_BACKEND`` | ``auto`` (default), ``triton``, ``torch`` | which implementation runs |
-| ``FUSEDMAXSIM_FP32_PRECISION`` | ``torch`` (default), ``tf32``, ``ieee`` | fp32 inputs on the GPU: TF32 tensor cores or exact fp32; ``torch`` follows PyTorch's matmul precision |
+| ``FUSEDMAXSIM_FP32_PRECISION`` | ``torch`` (default), ``tf32``, ``tf32x3``, ``ieee`` | fp32 inputs on the GPU: TF32 tensor cores, three TF32 products that keep fp32's precision, or exact fp32 on the FMA units; ``torch`` follows PyTorch's matmul precision |
 | ``FUSEDMAXSIM_TORCH_BLOCK_MB`` | integer, default 256 | the PyTorch path's bound on similarities held at a time |
 | ``FUSEDMAXSIM_AUTOTUNE`` | ``1`` | time a few tile configurations on the first call of each forward shape class (CUDA) |
 | ``FUSEDMAXSIM_EXACT_TIES`` | ``1`` | the training forward decides every tie and near-tie of the max exactly, on Hopper GPUs too |
@@ -60,7 +60,7 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "triton", "torch")
-FP32_PRECISIONS = ("torch", "tf32", "ieee")
+FP32_PRECISIONS = ("torch", "tf32", "tf32x3", "ieee")
 
 _overrides: dict[str, object] = {}
 _environment: dict[str, str] = {}
@@ -115,31 +115,34 @@ def backend() -> str:
 
 
 def fp32_precision_setting() -> str:
-    """``torch`` (default), ``tf32`` or ``ieee``: the setting as given, before ``torch`` is
-    resolved (see :func:`fp32_precision`)."""
+    """``torch`` (default), ``tf32``, ``tf32x3`` or ``ieee``: the setting as given, before
+    ``torch`` is resolved (see :func:`fp32_precision`)."""
     return _choice("fp32_precision", "FUSEDMAXSIM_FP32_PRECISION", "torch", FP32_PRECISIONS)
 
 
 def torch_fp32_precision() -> str:
-    """``tf32`` where PyTorch lets fp32 matmuls use TF32, else ``ieee``: what PyTorch's own fp32
-    matmul does. ``torch.get_float32_matmul_precision()`` ``"high"`` or ``"medium"`` allows TF32,
-    its default ``"highest"`` does not; where a program set the per-backend API instead
-    (``torch.backends.cuda.matmul.fp32_precision``, which makes the first getter raise), that
-    setting decides. Read at every call (a fraction of a microsecond), so a change of PyTorch's
-    setting takes effect at once."""
+    """``tf32`` where PyTorch lets fp32 matmuls use TF32, else ``tf32x3``: the precision of
+    PyTorch's own fp32 matmul. ``torch.get_float32_matmul_precision()`` ``"high"`` or
+    ``"medium"`` allows TF32; under its default ``"highest"`` fp32 keeps fp32's precision, which
+    ``tf32x3`` (each product split into three TF32 products on the tensor cores) gives at a few
+    times TF32's cost, where exact ``ieee`` on the FMA units costs 5-20× (design.md, fp32).
+    Where a program set the per-backend API instead (``torch.backends.cuda.matmul.fp32_precision``,
+    which makes the first getter raise), that setting decides. Read at every call (a fraction of
+    a microsecond), so a change of PyTorch's setting takes effect at once."""
     import torch
 
     try:
-        return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+        return "tf32x3" if torch.get_float32_matmul_precision() == "highest" else "tf32"
     except RuntimeError:
-        return "tf32" if torch.backends.cuda.matmul.fp32_precision == "tf32" else "ieee"
+        return "tf32" if torch.backends.cuda.matmul.fp32_precision == "tf32" else "tf32x3"
 
 
 def fp32_precision() -> str:
-    """``tf32`` or ``ieee``: how fp32 inputs are multiplied on the GPU now. An explicit setting
-    (``FUSEDMAXSIM_FP32_PRECISION``, :func:`set_fp32_precision`, :func:`use_fp32_precision`)
-    wins; by default (``torch``) fp32 follows PyTorch, as its own fp32 matmul does: TF32 only
-    after ``torch.set_float32_matmul_precision("high")`` (or ``"medium"``)."""
+    """``tf32``, ``tf32x3`` or ``ieee``: how fp32 inputs are multiplied on the GPU now. An
+    explicit setting (``FUSEDMAXSIM_FP32_PRECISION``, :func:`set_fp32_precision`,
+    :func:`use_fp32_precision`) wins; by default (``torch``) fp32 follows PyTorch, as its own fp32
+    matmul does: TF32 only after ``torch.set_float32_matmul_precision("high")`` (or
+    ``"medium"``), fp32's precision (``tf32x3``) otherwise."""
     value = fp32_precision_setting()
     return torch_fp32_precision() if value == "torch" else value
 
@@ -224,8 +227,8 @@ def set_backend(value: str | None) -> None:
 
 
 def set_fp32_precision(value: str | None) -> None:
-    """``tf32`` or ``ieee`` for fp32 inputs, or ``torch`` to follow PyTorch's matmul precision;
-    ``None`` returns to ``FUSEDMAXSIM_FP32_PRECISION``."""
+    """``tf32``, ``tf32x3`` or ``ieee`` for fp32 inputs, or ``torch`` to follow PyTorch's matmul
+    precision; ``None`` returns to ``FUSEDMAXSIM_FP32_PRECISION``."""
     _set("fp32_precision", None if value is None else str(value).lower(), fp32_precision_setting)
 
 
