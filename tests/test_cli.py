@@ -174,7 +174,7 @@ def test_check_names_its_precision_and_the_one_info_reports(torch_precision, cap
     which it reports exactly as info does."""
     float32_matmul_precision(torch_precision)
     in_force = _info_precision(capsys)
-    assert in_force.startswith("tf32x3" if torch_precision == "highest" else "tf32")
+    assert in_force.startswith("ieee" if torch_precision == "highest" else "tf32")
     main(["check", "--device", "cpu", "--json"])
     result = json.loads(capsys.readouterr().out)
     assert result["fp32"].startswith("fp32 rows run in exact fp32 (ieee), whatever the setting")

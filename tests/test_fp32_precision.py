@@ -3,7 +3,8 @@
 PyTorch multiplies fp32 in full precision by default (``torch.get_float32_matmul_precision()`` is
 ``"highest"``) and uses TF32 only after ``torch.set_float32_matmul_precision("high")`` or
 ``"medium"``; fusedmaxsim's default (``FUSEDMAXSIM_FP32_PRECISION=torch``) does the same, resolved
-at every call: ``tf32``, or fp32's precision through three TF32 products (``tf32x3``). The GPU suite checks the numbers (tests/test_gpu.py); these tests check the
+at every call: ``tf32`` or ``ieee``; ``tf32x3`` is an explicit setting. The GPU suite checks the
+numbers (tests/test_gpu.py); these tests check the
 resolution, which is the same on every device.
 """
 
@@ -38,14 +39,14 @@ def test_default_follows_torch_at_every_call(torch_precision):
     assert settings.fp32_precision_setting() == "torch"
     Q, D = torch.randn(2, 5, 16), torch.randn(3, 7, 16)
     torch_precision("highest")
-    assert settings.fp32_precision() == "tf32x3"
-    assert "fp32_precision=tf32x3" in _options_line(Q, D)
+    assert settings.fp32_precision() == "ieee"
+    assert "fp32_precision=ieee" in _options_line(Q, D)
     for value in ("high", "medium"):
         torch_precision(value)
         assert settings.fp32_precision() == "tf32"
         assert "fp32_precision=tf32" in _options_line(Q, D)
     torch_precision("highest")
-    assert "fp32_precision=tf32x3" in _options_line(Q, D)
+    assert "fp32_precision=ieee" in _options_line(Q, D)
     assert "fp32_precision=torch" in fusedmaxsim.explain(Q, D)  # the PyTorch path
 
 
@@ -70,7 +71,7 @@ def test_bad_values_name_the_choices():
 def test_info_says_what_the_default_resolves_to(torch_precision):
     torch_precision("highest")
     value = dict(settings.effective())["FUSEDMAXSIM_FP32_PRECISION"]
-    assert value.startswith("tf32x3 (follows PyTorch") and "'highest'" in value
+    assert value.startswith("ieee (follows PyTorch") and "'highest'" in value
     with settings.use_fp32_precision("tf32"):
         assert dict(settings.effective())["FUSEDMAXSIM_FP32_PRECISION"] == "tf32"
 
@@ -88,7 +89,8 @@ def test_the_environment_variable_and_the_per_backend_api():
     per-backend API (which makes ``get_float32_matmul_precision`` raise), that setting decides."""
     code = "import fusedmaxsim; print(fusedmaxsim.settings.fp32_precision())"
     assert _run(code, FUSEDMAXSIM_FP32_PRECISION="tf32") == "tf32"
-    assert _run(code, FUSEDMAXSIM_FP32_PRECISION="torch") == "tf32x3"
+    assert _run(code, FUSEDMAXSIM_FP32_PRECISION="torch") == "ieee"
+    assert _run(code, FUSEDMAXSIM_FP32_PRECISION="tf32x3") == "tf32x3"
     assert _run(code, FUSEDMAXSIM_FP32_PRECISION="ieee") == "ieee"
     per_backend = (
         "import torch, fusedmaxsim\n"
@@ -97,7 +99,7 @@ def test_the_environment_variable_and_the_per_backend_api():
         "print(fusedmaxsim.settings.fp32_precision())"
     )
     assert _run(per_backend.format("tf32")) == "tf32"
-    assert _run(per_backend.format("ieee")) == "tf32x3"
+    assert _run(per_backend.format("ieee")) == "ieee"
 
 
 def test_a_compiled_call_resolves_the_default_when_it_runs(torch_precision):

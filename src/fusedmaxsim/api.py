@@ -16,9 +16,9 @@ Semantics shared by every function here
   and backpropagates through the normalization exactly.
 * fp16, bf16 and fp32 inputs; fp32 is never computed in half precision. On the GPU fp32 follows
   PyTorch's matmul precision: TF32 tensor cores where ``torch.get_float32_matmul_precision()`` is
-  ``"high"`` or ``"medium"``, fp32's precision under its default ``"highest"`` (three TF32
-  products a product, ``tf32x3``); an explicit ``FUSEDMAXSIM_FP32_PRECISION`` (``tf32``,
-  ``tf32x3``, ``ieee``) or :func:`fusedmaxsim.settings.use_fp32_precision` wins. float64 runs on
+  ``"high"`` or ``"medium"``, exact IEEE fp32 under its default ``"highest"``; an explicit
+  ``FUSEDMAXSIM_FP32_PRECISION`` (``tf32``, ``tf32x3``, ``ieee``) or
+  :func:`fusedmaxsim.settings.use_fp32_precision` wins. float64 runs on
   the PyTorch path (gradcheck).
   Inputs of two different dtypes are promoted to a common one.
 * NaN in a valid token propagates to the scores it takes part in.
