@@ -6,10 +6,11 @@ import textwrap
 
 import pytest
 import torch
-from helpers import leaf
+from helpers import check_against_reference, leaf, masks_with_holes
 
-from fusedmaxsim import maxsim, settings
-from fusedmaxsim._torch_path import plan_blocks
+from fusedmaxsim import forced_plan, maxsim, settings
+from fusedmaxsim.planning import recording
+from fusedmaxsim._plan import plan_blocks
 
 
 @pytest.mark.parametrize("per_query_docs", [False, True])
@@ -102,3 +103,50 @@ def test_registered_ops_pass_opcheck():
             (grad, Q.detach(), D.detach(), saved.detach(), None, None, d_mask, True, True, "lowmem",
              "torch", "tf32", tau),
         )
+
+
+@pytest.mark.parametrize("doc_major", [False, True])
+@pytest.mark.parametrize("case", ["masked", "normalized", "smoothmax", "odd", "strided", "empty"])
+def test_both_orientations_match_float64(doc_major, case):
+    """The PyTorch path's two layouts of the cross product's similarities (``[Nq, Lq, Nd, Ld]``
+    or document-major ``[Nd, Ld, Nq, Lq]``), forced through the plan: scores and both gradients
+    against float64, with fully masked rows, normalization, the smooth max, odd sizes, strided
+    inputs and an empty batch."""
+    torch.manual_seed(7)
+    Q, D = torch.randn(3, 11, 24), torch.randn(5, 13, 24)
+    q_mask = d_mask = None
+    kwargs = {}
+    if case == "masked":
+        q_mask, d_mask = masks_with_holes((3, 11), "cpu"), masks_with_holes((5, 13), "cpu")
+    elif case == "normalized":
+        kwargs["normalize"] = True
+    elif case == "smoothmax":
+        d_mask = masks_with_holes((5, 13), "cpu")
+        kwargs.update(reduction="smoothmax", tau=0.5)
+    elif case == "odd":
+        Q, D = torch.randn(1, 1, 3), torch.randn(7, 1, 3)
+    elif case == "strided":
+        Q, D = torch.randn(3, 24, 11).transpose(1, 2), torch.randn(13, 5, 24).transpose(0, 1)
+    elif case == "empty":
+        Q = torch.randn(0, 11, 24)
+    with settings.use_backend("torch"), forced_plan(doc_major=doc_major), recording() as plans:
+        check_against_reference(Q, D, q_mask, d_mask, tol=(1e-5, 1e-5), **kwargs)
+    forwards = [plan for _, plan in plans if plan.__class__.__name__ == "ForwardPlan"]
+    assert forwards and all(plan.doc_major == doc_major for plan in forwards)
+
+
+def test_the_orientation_rule():
+    """On a CPU the cross product is document-major for 32 and for 192-256 query rows
+    (design.md, PyTorch path); candidates and other sizes stay query-major."""
+    def orientation(Nq, Lq, D):
+        with settings.use_backend("torch"), recording() as plans:
+            maxsim(torch.randn(Nq, Lq, 8), D)
+        return plans[0][1].doc_major
+
+    docs = torch.randn(4, 9, 8)
+    assert orientation(1, 32, docs) and orientation(8, 32, docs) and orientation(6, 32, docs)
+    assert not orientation(1, 8, docs) and not orientation(4, 32, docs)
+    assert not orientation(9, 32, docs) and not orientation(1, 33, docs)
+    assert not orientation(2, 32, torch.randn(2, 3, 9, 8))  # candidates
+    with forced_plan(TORCH_DOC_MAJOR_ROWS=((1, 8),)):
+        assert orientation(1, 8, docs) and not orientation(1, 32, docs)

@@ -31,7 +31,8 @@ from ._problem import CANDIDATES, CROSS, PAIRS, PACKED, Options, Problem
 
 __all__ = [
     "BackwardPlan", "BwdConfig", "ForwardPlan", "FwdConfig", "HopperTiles", "MEASURED",
-    "argmax_dtype", "explain_plans", "forced_plan", "plan_backward", "plan_forward", "recording",
+    "argmax_dtype", "explain_plans", "forced_plan", "plan_backward", "plan_blocks", "plan_forward",
+    "recording",
 ]
 
 INTERPRETER = settings.INTERPRETER
@@ -83,6 +84,10 @@ MEASURED: dict[str, object] = dict(
     INDEX_SCAN_TOKENS=4 if INTERPRETER else 128,
     INDEX_TILES=4,
     INDEX_SHARE=5,
+    # PyTorch path on a CPU: the cross product's similarities document-major (the document
+    # tokens as the product's rows) for query rows (Nq·Lq) in these ranges, where x86 MKL's fp32
+    # product ran faster that way round. design.md "PyTorch path".
+    TORCH_DOC_MAJOR_ROWS=((32, 32), (192, 256)),
 )
 # Programs an SM of the Gluon tile sets whose grids are counted in waves (design.md "Hopper").
 _HOPPER_PROGRAMS_PER_SM = {MEASURED["HOPPER_SHORT_TILES"]: 3,
@@ -115,6 +120,7 @@ FORCIBLE = frozenset({
     "index_row_dtype",    # winner index: torch.int16 or torch.int32 row numbers
     "sm_count",           # the device's SM count as the planner sees it
     "l2_bytes",           # the device's L2 bytes as the planner sees it
+    "doc_major",          # PyTorch path: the cross product's similarities document-major
 })
 
 
@@ -379,6 +385,8 @@ class ForwardPlan:
     max_grid_y: int = MAX_GRID_Y
     hopper: HopperTiles | None = None
     autotune: bool = False
+    blocks: tuple[int, int, int] = (1, 1, 1)  # PyTorch path: queries, columns, query tokens a block
+    doc_major: bool = False  # PyTorch path: the similarities [Nd, Ld, Nq, Lq] (design.md)
     reasons: tuple[str, ...] = ()
 
 
@@ -504,9 +512,57 @@ def _gluon_refusal(p: Problem, o: Options, cfg: FwdConfig) -> str | None:
     return None
 
 
+def plan_blocks(
+    Nq: int, Ncols: int, Lq: int, Ld: int, dim: int, per_query_docs: bool, budget_elems: int
+) -> tuple[int, int, int]:
+    """Queries, columns and query tokens per block so that the block's temporaries fit the budget.
+
+    The temporaries are the similarity block ``bq·bc·ls·Ld`` plus the document block copied to the
+    compute dtype (``bc·Ld·d``, or ``bq·bc·Ld·d`` for per-query candidates).
+    """
+    budget = max(1, budget_elems)
+    doc = Ld * dim
+    rows = Lq
+    if Lq * Ld + doc > budget:
+        rows = max(1, (budget - doc) // max(Ld, 1))
+        return 1, 1, min(rows, Lq)
+    per_pair = max(1, Lq * Ld + doc)  # empty problems too (the plan is made before the launch)
+    bc = max(1, min(Ncols, budget // per_pair))
+    if per_query_docs:
+        bq = max(1, min(Nq, budget // (bc * per_pair)))
+    else:
+        bq = max(1, min(Nq, (budget - bc * doc) // max(bc * Lq * Ld, 1)))
+    return bq, bc, rows
+
+
+def _plan_torch_forward(p: Problem, o: Options) -> ForwardPlan:
+    """The PyTorch path: the blocks that keep the similarities within ``o.torch_block_bytes``,
+    and the orientation of the cross product's similarities. On a CPU, MKL's fp32 product
+    ``[Nq·Lq, d] × [d, Nd·Ld]`` ran 1.4-1.5× faster the other way round (the document tokens as
+    its rows) for 32 query rows (one ColBERT query), 1.04-1.19× for 192-256, and as fast or
+    slower elsewhere (design.md "PyTorch path")."""
+    elem_bytes = 8 if p.dtype == torch.float64 else 4  # the compute dtype's
+    blocks = plan_blocks(p.Nq, p.Ncols, p.Lq, p.Ld, p.dim, p.layout == CANDIDATES,
+                         o.torch_block_bytes // elem_bytes)
+    reasons = ["backend: the PyTorch path",
+               f"blocks: {blocks[0]} queries × {blocks[1]} columns × {blocks[2]} query tokens"]
+    doc_major = _forced.get("doc_major")
+    if doc_major is not None:
+        reasons.append("orientation: forced")
+    else:
+        ranges = _measured("TORCH_DOC_MAJOR_ROWS")
+        rows = p.Nq * p.Lq
+        doc_major = p.device.type == "cpu" and any(lo <= rows <= hi for lo, hi in ranges)
+        reasons.append(f"orientation: {'document' if doc_major else 'query'}-major similarities "
+                       f"({rows} query rows; document-major on a CPU for "
+                       f"{', '.join(f'{lo}-{hi}' for lo, hi in ranges)})")
+    return ForwardPlan("torch", blocks=blocks, doc_major=bool(doc_major) and p.layout == CROSS,
+                       reasons=tuple(reasons))
+
+
 def _plan_forward(p: Problem, o: Options) -> ForwardPlan:
     if o.backend == "torch":
-        return ForwardPlan("torch", reasons=("backend: the PyTorch path",))
+        return _plan_torch_forward(p, o)
     forced_kernel = _forced.get("kernel")
     packed = p.layout in (PACKED, PAIRS)
     per_query_docs = p.layout in (CANDIDATES, PAIRS)

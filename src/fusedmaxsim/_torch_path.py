@@ -17,10 +17,10 @@ import math
 import torch
 from torch import Tensor
 
-from ._plan import argmax_dtype
+from ._plan import argmax_dtype, plan_blocks
 
 __all__ = [
-    "maxsim_bwd_blocked", "maxsim_fwd_blocked", "packed_bwd_torch", "packed_fwd_torch", "plan_blocks",
+    "maxsim_bwd_blocked", "maxsim_fwd_blocked", "packed_bwd_torch", "packed_fwd_torch",
     "smooth_bwd_blocked",
 ]
 
@@ -31,27 +31,12 @@ def _compute_dtype(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def plan_blocks(
-    Nq: int, Ncols: int, Lq: int, Ld: int, dim: int, per_query_docs: bool, budget_elems: int
-) -> tuple[int, int, int]:
-    """Queries, columns and query tokens per block so that the block's temporaries fit the budget.
-
-    The temporaries are the similarity block ``bq·bc·ls·Ld`` plus the document block copied to the
-    compute dtype (``bc·Ld·d``, or ``bq·bc·Ld·d`` for per-query candidates).
-    """
-    budget = max(1, budget_elems)
-    doc = Ld * dim
-    rows = Lq
-    if Lq * Ld + doc > budget:
-        rows = max(1, (budget - doc) // max(Ld, 1))
-        return 1, 1, min(rows, Lq)
-    per_pair = Lq * Ld + doc
-    bc = max(1, min(Ncols, budget // per_pair))
-    if per_query_docs:
-        bq = max(1, min(Nq, budget // (bc * per_pair)))
-    else:
-        bq = max(1, min(Nq, (budget - bc * doc) // max(bc * Lq * Ld, 1)))
-    return bq, bc, rows
+def _blocks_of(Q: Tensor, D: Tensor, block_bytes: int) -> tuple[int, int, int]:
+    """:func:`plan_blocks` for padded ``Q [Nq, Lq, d]`` against ``D [Nd, Ld, d]`` or
+    ``[Nq, K, Ld, d]`` (the packed layouts, whose padded sizes are known only as they run)."""
+    Nq, Lq, dim = Q.shape
+    budget = block_bytes // (8 if Q.dtype == torch.float64 else 4)
+    return plan_blocks(Nq, D.shape[-3], Lq, D.shape[-2], dim, D.dim() == 4, budget)
 
 
 _NOTHING_SAVED: dict = {}
@@ -95,17 +80,26 @@ def _out_grads(grad_q, grad_d, Q, D, need_grad_q, need_grad_d, fp32_out, ct):
     return grad_q, grad_d
 
 
-def _fwd_block(q_blk, d_blk, q_valid, d_valid, q_scale, d_scale, save_argmax: bool, tau: float):
+def _fwd_block(q_blk, d_blk, q_valid, d_valid, q_scale, d_scale, save_argmax: bool, tau: float,
+               doc_major: bool = False):
     """One block: ``q_blk [bq, ls, d]`` against ``d_blk`` (``[bc, Ld, d]``, or ``[bq, bc, Ld, d]``
     per query), both in the compute dtype; masks and scales sliced alike, the document side's
     shaped to broadcast over ``[bq, ls, bc, Ld]``. Returns the block's scores summed over its query
     tokens ``[bq, bc]`` and, with ``save_argmax``, what the backward reads ``[bq, bc, ls]`` (a
-    permuted view), else ``None``."""
+    permuted view), else ``None``. ``doc_major`` (shared documents only) lays the similarities
+    out as ``[bc, Ld, bq, ls]``: the product with the document tokens as its rows, which a CPU's
+    BLAS runs up to 1.5× faster for some query sizes (the plan decides; docs/design.md, PyTorch
+    path); the reductions then run over axis 1 and their results are viewed back."""
     nq, nl, dim = q_blk.shape
     nc, Ld = d_blk.shape[-3], d_blk.shape[-2]
+    axis = -1
     if d_blk.dim() == 4:
         sim = torch.bmm(q_blk, d_blk.reshape(nq, nc * Ld, dim).transpose(1, 2))
         sim = sim.view(nq, nl, nc, Ld)
+    elif doc_major:
+        sim, axis = torch.inner(d_blk, q_blk), 1  # [bc, Ld, bq, ls]
+        d_scale = None if d_scale is None else d_scale[..., None, None]
+        d_valid = None if d_valid is None else d_valid[..., None, None]
     else:
         # One call for the product (its reshapes stay in C++): on a CPU a small call's time is
         # mostly its count of PyTorch calls (docs/design.md, PyTorch path).
@@ -116,15 +110,18 @@ def _fwd_block(q_blk, d_blk, q_valid, d_valid, q_scale, d_scale, save_argmax: bo
         sim.masked_fill_(~d_valid, float("-inf"))
     arg = None
     if tau:
-        lse2 = torch.logsumexp(sim / tau, dim=-1) * _LOG2E  # [bq, ls, bc]
+        lse2 = torch.logsumexp(sim / tau, dim=axis) * _LOG2E  # [bq, ls, bc]
         best, arg = lse2 * (tau / _LOG2E), (lse2 if save_argmax else None)
     elif save_argmax:
-        best, arg = sim.max(dim=-1)  # [bq, ls, bc]; NaN propagates; lowest index wins
+        best, arg = sim.max(dim=axis)  # [bq, ls, bc]; NaN propagates; lowest index wins
     else:
         # No indices to find: on a CPU `amax` takes a third of the time of `max`'s
         # value-and-index pass (docs/design.md, PyTorch path). NaN propagates alike.
-        best = sim.amax(dim=-1)
+        best = sim.amax(dim=axis)
     del sim
+    if axis == 1:  # [bc, bq, ls] viewed as [bq, ls, bc]
+        best = best.permute(1, 2, 0)
+        arg = None if arg is None else arg.permute(1, 2, 0)
     # `best` is a new tensor: rows that add nothing (no valid document token, so a max of -inf;
     # or a masked query token) are zeroed in place. Where nothing else needs to know which rows
     # those were, one pass that keeps NaN and +inf does it (a comparison and a fill are two).
@@ -154,14 +151,16 @@ def maxsim_fwd_blocked(
     q_inv: Tensor | None,
     d_inv: Tensor | None,
     save_argmax: bool,
-    block_bytes: int,
+    blocks: tuple[int, int, int],
     tau: float = 0.0,
+    doc_major: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Scores and argmax; with ``tau > 0`` the smooth max and, in place of the argmax, each row's
     log2-sum-exp2 of ``s · log2(e) / tau`` (``+inf`` where the row adds nothing), as on the
-    Triton path."""
+    Triton path. ``blocks``: queries, columns and query tokens a block (:func:`plan_blocks`);
+    ``doc_major``: the product's orientation (:func:`_fwd_block`); both from the plan."""
     per_query_docs = D.dim() == 4
-    Nq, Lq, dim = Q.shape
+    Nq, Lq, _ = Q.shape
     Ncols, Ld = D.shape[-3], D.shape[-2]
     ct = _compute_dtype(Q)
     saved_dtype = ct if tau else argmax_dtype(Ld)
@@ -171,9 +170,8 @@ def maxsim_fwd_blocked(
                             device=Q.device)
         return torch.zeros((Nq, Ncols), dtype=ct, device=Q.device), argmax
 
-    bq, bc, ls = plan_blocks(Nq, Ncols, Lq, Ld, dim, per_query_docs,
-                             block_bytes // (torch.finfo(ct).bits // 8))
-    if bq == Nq and bc == Ncols and ls == Lq:
+    bq, bc, ls = blocks
+    if bq >= Nq and bc >= Ncols and ls >= Lq:
         # The whole problem in one block (the common case): one product, one reduction, one sum,
         # as the naive formula, with no accumulator.
         every = slice(None)
@@ -181,7 +179,7 @@ def maxsim_fwd_blocked(
         d_scale = _doc_side(d_inv, every, every, per_query_docs)
         q_scale = None if q_inv is None else q_inv.to(ct)
         scores, arg = _fwd_block(Q if Q.dtype == ct else Q.to(ct), D if D.dtype == ct else D.to(ct),
-                                 q_mask, d_valid, q_scale, d_scale, save_argmax, tau)
+                                 q_mask, d_valid, q_scale, d_scale, save_argmax, tau, doc_major)
         if arg is None:
             return scores, _nothing_saved(Q.device, saved_dtype)
         return scores, Q.new_empty((Nq, Ncols, Lq), dtype=saved_dtype).copy_(arg)
@@ -201,7 +199,7 @@ def maxsim_fwd_blocked(
                 q_valid = None if q_mask is None else q_mask[qs, ss]
                 q_scale = None if q_inv is None else q_inv[qs, ss].to(ct)
                 part, arg = _fwd_block(Q[qs, ss].to(ct), d_blk, q_valid, d_valid, q_scale,
-                                       d_scale, save_argmax, tau)
+                                       d_scale, save_argmax, tau, doc_major)
                 scores[qs, cs] += part
                 if arg is not None:
                     argmax[qs, cs, ss] = arg
@@ -411,7 +409,8 @@ def _cross_fwd_torch(layout, Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, bl
         docs = torch.arange(layout.col_lo + c0, layout.col_lo + c1, device=device)
         dp = _pad(layout.cu_d, docs, width_d, layout.rows_d, D, d_mask, d_inv)
         s, a = maxsim_fwd_blocked(
-            qp.tokens, dp.tokens, qp.valid, dp.valid, qp.inv, dp.inv, save_argmax, block_bytes
+            qp.tokens, dp.tokens, qp.valid, dp.valid, qp.inv, dp.inv, save_argmax,
+            _blocks_of(qp.tokens, dp.tokens, block_bytes),
         )
         scores[:, c0:c1] = s
         if save_argmax:
@@ -495,9 +494,11 @@ def _pairs_fwd_torch(layout, Q, D, q_mask, d_mask, q_inv, d_inv, save_argmax, bl
     blocks = _PairBlocks(layout, Q.shape[1], block_bytes)
     for sl, pq, pd, ok in blocks:
         qp, dp = blocks.pad(pq, pd, ok, Q, D, q_mask, d_mask, q_inv, d_inv)
+        d_tokens = dp.tokens.unsqueeze(1)
         s, a = maxsim_fwd_blocked(
-            qp.tokens, dp.tokens.unsqueeze(1), qp.valid, dp.valid.unsqueeze(1), qp.inv,
-            None if dp.inv is None else dp.inv.unsqueeze(1), save_argmax, block_bytes,
+            qp.tokens, d_tokens, qp.valid, dp.valid.unsqueeze(1), qp.inv,
+            None if dp.inv is None else dp.inv.unsqueeze(1), save_argmax,
+            _blocks_of(qp.tokens, d_tokens, block_bytes),
         )
         broken = ~ok | _too_long(blocks.len_q[pq], layout.max_q)
         broken = broken | _too_long(blocks.len_d[pd], layout.max_d)
