@@ -66,6 +66,7 @@ SECTIONS = {
     "backward_once": ("backward", "backward_once"),
     "mid_strategies": ("backward", "mid_strategies"),
     "host_floor": ("host", "host_floor"),
+    "cpu_orientation": ("host", "cpu_orientation"),
 }
 DEFAULT = ("normalize", "kd", "smooth")
 

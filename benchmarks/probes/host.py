@@ -447,3 +447,36 @@ def host_floor() -> None:
     for (name, label), values in rows.items():
         values.sort()
         print(f"  {name:18s} {label:32s} {values[0]:7.1f}  {values[1]:7.1f}", flush=True)
+
+
+def cpu_orientation():
+    """The PyTorch path's two layouts of the cross product's similarities on this CPU (design.md
+    "PyTorch path"): fp32 inference of one query of R tokens against ~24,000 document tokens, R
+    and the document length swept, each side forced through the plan and timed in alternation
+    (wall median of one call, 24 rounds). Prints time(query-major) / time(document-major): above
+    1, document-major is faster. Run with ``CUDA_VISIBLE_DEVICES=`` on a GPU machine."""
+    import statistics
+
+    import fusedmaxsim
+
+    torch.manual_seed(0)
+
+    def ratio(Q, D, rounds=24):
+        times = {False: [], True: []}
+        with torch.no_grad():
+            for r in range(rounds):
+                for doc_major in ((False, True) if r % 2 else (True, False)):
+                    with fusedmaxsim.forced_plan(doc_major=doc_major):
+                        start = time.perf_counter()
+                        fusedmaxsim.maxsim(Q, D)
+                        times[doc_major].append(time.perf_counter() - start)
+        return statistics.median(times[False]) / statistics.median(times[True])
+
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          "time(query-major) / time(document-major)")
+    for Ld in (128, 300, 1024):
+        row = []
+        for R in (8, 16, 24, 32, 40, 48, 64, 128, 160, 192, 224, 256, 320, 384, 512):
+            Q, D = torch.randn(1, R, 128), torch.randn(max(1, 24000 // Ld), Ld, 128)
+            row.append(f"{R}:{ratio(Q, D):.2f}")
+        print(f"Ld={Ld:5d}  " + " ".join(row), flush=True)
