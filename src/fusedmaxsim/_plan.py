@@ -538,8 +538,8 @@ def plan_blocks(
 def _plan_torch_forward(p: Problem, o: Options) -> ForwardPlan:
     """The PyTorch path: the blocks that keep the similarities within ``o.torch_block_bytes``,
     and the orientation of the cross product's similarities. On a CPU, MKL's fp32 product
-    ``[Nq·Lq, d] × [d, Nd·Ld]`` ran 1.4-1.5× faster the other way round (the document tokens as
-    its rows) for 32 query rows (one ColBERT query), 1.04-1.19× for 192-256, and as fast or
+    ``[Nq·Lq, d] × [d, Nd·Ld]`` ran 1.39-1.48× faster the other way round (the document tokens
+    as its rows) for 32 query rows (one ColBERT query), 1.08-1.22× for 192-256, and as fast or
     slower elsewhere (design.md "PyTorch path")."""
     elem_bytes = 8 if p.dtype == torch.float64 else 4  # the compute dtype's
     blocks = plan_blocks(p.Nq, p.Ncols, p.Lq, p.Ld, p.dim, p.layout == CANDIDATES,

@@ -88,7 +88,7 @@ def _fwd_block(q_blk, d_blk, q_valid, d_valid, q_scale, d_scale, save_argmax: bo
     tokens ``[bq, bc]`` and, with ``save_argmax``, what the backward reads ``[bq, bc, ls]`` (a
     permuted view), else ``None``. ``doc_major`` (shared documents only) lays the similarities
     out as ``[bc, Ld, bq, ls]``: the product with the document tokens as its rows, which a CPU's
-    BLAS runs up to 1.5× faster for some query sizes (the plan decides; docs/design.md, PyTorch
+    BLAS runs up to 1.48× faster for some query sizes (the plan decides; docs/design.md, PyTorch
     path); the reductions then run over axis 1 and their results are viewed back."""
     nq, nl, dim = q_blk.shape
     nc, Ld = d_blk.shape[-3], d_blk.shape[-2]
