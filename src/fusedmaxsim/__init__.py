@@ -9,7 +9,7 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     import torch  # noqa: F401
 
-from . import reference, settings
+from . import plaid, reference, settings
 from .api import (
     PackedBatch,
     maxsim,
@@ -37,6 +37,7 @@ __all__ = [
     "maxsim_ragged",
     "maxsim_varlen",
     "pack_padded",
+    "plaid",
     "reference",
     "retrieve",
     "score_pairs_packed",

@@ -27,12 +27,15 @@ from torch import Tensor
 
 from . import _torch_path
 from ._plan import argmax_dtype, plan_backward, plan_forward
-from ._problem import Options, Problem, RaggedLayout, dense_problem, options_for, packed_problem
+from ._problem import (
+    RESIDUAL, Options, Problem, RaggedLayout, ResidualDocs, dense_problem, options_for,
+    packed_problem,
+)
 
 NORM_EPS = 1e-12  # F.normalize's default
 
 __all__ = ["DOUBLE_BACKWARD_MESSAGE", "NORM_EPS", "NormalizeTokens", "inverse_norms",
-           "run_backward", "run_forward", "scores_dense", "scores_packed"]
+           "run_backward", "run_forward", "scores_dense", "scores_packed", "scores_residual"]
 
 
 _launchers: tuple | None = None
@@ -55,9 +58,14 @@ def _launch():
 
 
 def run_forward(p: Problem, o: Options, Q, D, q_mask, d_mask, q_inv, d_inv,
-                layout: RaggedLayout | None = None) -> tuple[Tensor, Tensor]:
-    """Scores and what the backward reads (a shared empty tensor when ``p.save_argmax`` is off)."""
+                layout: RaggedLayout | ResidualDocs | None = None) -> tuple[Tensor, Tensor]:
+    """Scores and what the backward reads (a shared empty tensor when ``p.save_argmax`` is off).
+    ``layout``: the packed layouts' :class:`RaggedLayout`, or the residual layout's documents
+    (then ``D`` is unused)."""
     plan = plan_forward(p, o)
+    if p.layout == RESIDUAL:
+        return _torch_path.residual_fwd_torch(plan.blocks, plan.doc_major, Q, layout, q_mask,
+                                              q_inv, p.normalize, p.save_argmax)
     if plan.kernel == "torch":
         if layout is not None:
             return _torch_path.packed_fwd_torch(layout, Q, D, q_mask, d_mask, q_inv, d_inv,
@@ -77,6 +85,10 @@ def run_backward(p: Problem, o: Options, strategy: str, grad: Tensor, Q, D, save
     """``(grad_Q, grad_D)`` with respect to the (normalized) tokens; an unneeded one is an empty
     tensor. ``d_mask`` is read only by the smooth max, whose backward recomputes the
     similarities."""
+    if p.layout == RESIDUAL:  # the index is frozen: grad_Q only
+        return _torch_path.residual_bwd_torch(plan_forward(p, o).blocks, grad, Q, layout, saved,
+                                              q_inv, p.normalize, p.normalize,
+                                              o.torch_block_bytes)
     if layout is not None and (layout.col_lo or layout.col_hi is not None):
         raise ValueError(
             "fusedmaxsim: the packed backward covers every document of the layout; a column "
@@ -478,3 +490,18 @@ def scores_packed(p: Problem, o: Options, strategy: str, layout: RaggedLayout, Q
             o.fp32_precision, strategy)[0]
     return MaxSimFunction.apply(Q, D, _Call(p, o, strategy, q_mask, d_mask, q_inv, d_inv,
                                             layout))
+
+
+def scores_residual(p: Problem, o: Options, Q: Tensor, docs: ResidualDocs, q_mask,
+                    q_inv) -> Tensor:
+    """Scores of ``Q`` against compressed documents, with autograd to ``Q`` when
+    ``p.save_argmax`` (the index is frozen). Eager only for now."""
+    if torch.compiler.is_compiling():
+        raise NotImplementedError(
+            "fusedmaxsim.plaid.maxsim_residual does not run under torch.compile yet; call it "
+            "outside the compiled function")
+    if not p.save_argmax:
+        return run_forward(p, o, Q, docs.codes, q_mask, None, q_inv, None, docs)[0]
+    return MaxSimFunction.apply(Q, docs.codes, _Call(p, o, "auto", q_mask, None, q_inv, None,
+                                                     docs))
+

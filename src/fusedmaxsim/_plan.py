@@ -27,7 +27,7 @@ from collections.abc import Iterator
 import torch
 
 from . import settings
-from ._problem import CANDIDATES, CROSS, PAIRS, PACKED, Options, Problem
+from ._problem import CANDIDATES, CROSS, PAIRS, PACKED, RESIDUAL, Options, Problem
 
 __all__ = [
     "BackwardPlan", "BwdConfig", "ForwardPlan", "FwdConfig", "HopperTiles", "MEASURED",
@@ -542,9 +542,14 @@ def _plan_torch_forward(p: Problem, o: Options) -> ForwardPlan:
     as its rows) for 32 query rows (one ColBERT query), 1.08-1.22× for 192-256, and as fast or
     slower elsewhere (design.md "PyTorch path")."""
     elem_bytes = 8 if p.dtype == torch.float64 else 4  # the compute dtype's
-    blocks = plan_blocks(p.Nq, p.Ncols, p.Lq, p.Ld, p.dim, p.layout == CANDIDATES,
+    # A residual block's documents are decompressed first: a bucket index, a centroid row and
+    # their sum a value, about three document copies.
+    doc_dim = 3 * p.dim if p.layout == RESIDUAL else p.dim
+    blocks = plan_blocks(p.Nq, p.Ncols, p.Lq, p.Ld, doc_dim, p.layout == CANDIDATES,
                          o.torch_block_bytes // elem_bytes)
-    reasons = ["backend: the PyTorch path",
+    reasons = ["backend: the PyTorch path" if o.backend == "torch" else
+               "residual layout: the PyTorch path on every device (no Triton tile loader for "
+               "compressed documents yet), each block decompressed on its device",
                f"blocks: {blocks[0]} queries × {blocks[1]} columns × {blocks[2]} query tokens"]
     doc_major = _forced.get("doc_major")
     if doc_major is not None:
@@ -556,12 +561,13 @@ def _plan_torch_forward(p: Problem, o: Options) -> ForwardPlan:
         reasons.append(f"orientation: {'document' if doc_major else 'query'}-major similarities "
                        f"({rows} query rows; document-major on a CPU for "
                        f"{', '.join(f'{lo}-{hi}' for lo, hi in ranges)})")
-    return ForwardPlan("torch", blocks=blocks, doc_major=bool(doc_major) and p.layout == CROSS,
+    return ForwardPlan("torch", blocks=blocks,
+                       doc_major=bool(doc_major) and p.layout in (CROSS, RESIDUAL),
                        reasons=tuple(reasons))
 
 
 def _plan_forward(p: Problem, o: Options) -> ForwardPlan:
-    if o.backend == "torch":
+    if o.backend == "torch" or p.layout == RESIDUAL:
         return _plan_torch_forward(p, o)
     forced_kernel = _forced.get("kernel")
     packed = p.layout in (PACKED, PAIRS)
@@ -829,7 +835,7 @@ def _plan_backward(p: Problem, o: Options, need_q: bool, need_d: bool, strategy:
                    deterministic: bool) -> BackwardPlan:
     strategy, why = resolve_strategy(p, strategy, deterministic)
     reasons = [why]
-    if o.backend == "torch":
+    if o.backend == "torch" or p.layout == RESIDUAL:
         return BackwardPlan("torch", strategy, reasons=(*reasons, "kernel: the PyTorch path"))
     per_query_docs = p.layout in (CANDIDATES, PAIRS)
     Lq = max(p.Lq, 1)

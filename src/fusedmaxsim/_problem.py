@@ -14,6 +14,8 @@ Layouts
 * ``packed``: packed queries against a range of packed documents (``RaggedLayout``), ``Lq`` and
   ``Ld`` the promised maxima; ``Ncols`` the documents of the range.
 * ``pairs``: a pair list over packed sequences; ``Ncols`` the number of pairs.
+* ``residual``: ``Q [Nq, Lq, d]`` against every document of a PLAID (ColBERTv2) index, each token
+  stored as a centroid id and ``nbits``-bit residual codes (:class:`ResidualDocs`): ``Ncols = Nd``.
 
 Every error names the argument and the shapes, and is raised before anything is launched.
 """
@@ -31,7 +33,7 @@ from torch import Tensor
 
 from . import settings
 
-CROSS, CANDIDATES, PACKED, PAIRS = "cross", "candidates", "packed", "pairs"
+CROSS, CANDIDATES, PACKED, PAIRS, RESIDUAL = "cross", "candidates", "packed", "pairs", "residual"
 
 
 class Problem(NamedTuple):
@@ -121,6 +123,19 @@ def _tma_ready(D: Tensor) -> bool:
         return D.data_ptr() % 16 == 0
     except RuntimeError:  # a fake tensor (an op's autograd traced by torch.compile): no address
         return False
+
+
+def residual_problem(docs: ResidualDocs, Q: Tensor, q_mask, *, normalize: bool,
+                     save_argmax: bool) -> Problem:
+    """The :class:`Problem` of ``Q [Nq, Lq, d]`` against the compressed documents ``docs``: the
+    documents' dtype is the centroids', promoted with the queries' (the similarities are fp32, or
+    float64 for float64)."""
+    Nq, Lq, dim = Q.shape
+    Nd, Ld = docs.codes.shape
+    return Problem(
+        RESIDUAL, Nq, Nd, Lq, Ld, dim, torch.promote_types(Q.dtype, docs.centroids.dtype),
+        Q.device, q_mask is not None, True, normalize, False, 0.0, save_argmax, False,
+    )
 
 
 def packed_problem(layout: RaggedLayout, Q: Tensor, q_mask, d_mask, *,
@@ -662,3 +677,96 @@ def dense_as_packed(Q: Tensor, q_mask: Tensor | None) -> tuple[Tensor, Tensor, T
     n, length, dim = Q.shape
     cu = torch.arange(n + 1, device=Q.device, dtype=torch.int64) * length
     return Q.reshape(n * length, dim), cu, None if q_mask is None else q_mask.reshape(-1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Residual (PLAID) arguments
+# ------------------------------------------------------------------------------------------------
+
+NBITS = (1, 2, 4, 8)
+BIT_ORDERS = ("big", "little")
+
+
+class ResidualDocs(NamedTuple):
+    """Documents of a PLAID (ColBERTv2) index, compressed: token ``t`` of document ``j`` is
+    ``centroids[codes[j, t]] + bucket_weights[b]`` per dimension, ``b`` that dimension's
+    ``nbits``-bit code in ``residuals[j, t]`` (``fusedmaxsim.plaid.decompress_residuals``).
+    ``lengths`` are on the tokens' device; ``checked``: whether they and the codes were found in
+    range (otherwise a document with a length or code out of range scores NaN)."""
+
+    codes: Tensor  # [Nd, Ld] integers in [0, n_centroids)
+    residuals: Tensor  # [Nd, Ld, ceil(d · nbits / 8)] uint8
+    lengths: Tensor  # [Nd] integers in [0, Ld]
+    centroids: Tensor  # [n_centroids, d] float
+    bucket_weights: Tensor  # [2 ** nbits] float
+    nbits: int
+    bit_order: str  # "big" (fast-plaid, ColBERT) or "little"
+    checked: bool
+
+
+def check_residual(Q: object, codes: object, residuals: object, doc_lengths: object,
+                   centroids: object, bucket_weights: object, nbits: object, bit_order: object,
+                   q_mask: object, validate: bool | None) -> tuple[Tensor, Tensor | None,
+                                                                    ResidualDocs, bool]:
+    """Check ``maxsim_residual``'s arguments: ``(Q [Nq, Lq, d], q_mask, docs, squeeze_q)``.
+    Shapes, dtypes and devices always; the ranges of the lengths and codes where they are on the
+    CPU (unless ``validate=False``) or with ``validate=True`` (one synchronization)."""
+    Q = _check_float("Q", Q)
+    if Q.dim() not in (2, 3):
+        raise ValueError(f"Q must be [Lq, d] or [Nq, Lq, d], got shape {_shape(Q)}")
+    if isinstance(nbits, bool) or nbits not in NBITS:
+        raise ValueError(f"nbits must be one of {NBITS}, got {nbits!r}")
+    if bit_order not in BIT_ORDERS:
+        raise ValueError(f"bit_order must be one of {BIT_ORDERS}, got {bit_order!r}")
+    centroids = _check_float("centroids", centroids)
+    if centroids.dim() != 2 or centroids.shape[1] != Q.shape[-1]:
+        raise ValueError(
+            f"centroids must be [n_centroids, d] with Q's d = {Q.shape[-1]}, got "
+            f"{_shape(centroids)}")
+    bucket_weights = _check_float("bucket_weights", bucket_weights)
+    if _shape(bucket_weights) != (1 << nbits,):
+        raise ValueError(
+            f"bucket_weights must be [2 ** nbits] = ({1 << nbits},) for nbits={nbits}, got "
+            f"{_shape(bucket_weights)}")
+    if not isinstance(codes, Tensor) or codes.dtype.is_floating_point or codes.dtype.is_complex \
+            or codes.dtype == torch.bool:
+        raise TypeError(f"codes must be an integer torch.Tensor, got "
+                        f"{getattr(codes, 'dtype', type(codes).__name__)}")
+    if codes.dim() != 2:
+        raise ValueError(f"codes must be [Nd, Ld] (a centroid id per token), got {_shape(codes)}")
+    if not isinstance(residuals, Tensor) or residuals.dtype != torch.uint8:
+        raise TypeError(f"residuals must be a torch.uint8 tensor, got "
+                        f"{getattr(residuals, 'dtype', type(residuals).__name__)}")
+    packed_dim = -(-Q.shape[-1] * nbits // 8)
+    if _shape(residuals) != (*_shape(codes), packed_dim):
+        raise ValueError(
+            f"residuals must be [Nd, Ld, ceil(d * nbits / 8)] = {(*_shape(codes), packed_dim)} "
+            f"for codes {_shape(codes)}, d = {Q.shape[-1]} and nbits = {nbits}, got "
+            f"{_shape(residuals)}")
+    for name, t in (("codes", codes), ("residuals", residuals), ("centroids", centroids),
+                    ("bucket_weights", bucket_weights)):
+        if t.device != Q.device:
+            raise ValueError(f"{name} is on {t.device} but Q is on {Q.device}: every tensor must "
+                             "be on the same device")
+    Nd, Ld = codes.shape
+    lengths = _check_lengths("doc_lengths", doc_lengths, (Nd,), Q.device)
+    squeeze_q = Q.dim() == 2
+    if squeeze_q:
+        Q = Q.unsqueeze(0)
+    if q_mask is not None:
+        q_mask = _check_mask("q_mask", q_mask, _shape(Q)[:-1], "Q", Q.device, dims="[Nq, Lq]")
+    validate = _check_validate(validate)
+    checked = validate is True or (validate is None and Q.device.type == "cpu"
+                                   and lengths.device.type == "cpu")
+    if checked:
+        _length_range_errors("doc_lengths", lengths, Ld)
+        if codes.numel():
+            lo, hi = torch.stack([codes.min(), codes.max()]).tolist()
+            if lo < 0 or hi >= centroids.shape[0]:
+                raise ValueError(
+                    f"codes must be centroid ids in [0, {centroids.shape[0]}) (the rows of "
+                    f"centroids), got values in [{lo}, {hi}]")
+    docs = ResidualDocs(codes, residuals, _to_device(lengths, Q.device), centroids,
+                        bucket_weights, nbits, bit_order, checked)
+    return Q, q_mask, docs, squeeze_q
+

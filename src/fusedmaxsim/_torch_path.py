@@ -20,8 +20,8 @@ from torch import Tensor
 from ._plan import argmax_dtype, plan_blocks
 
 __all__ = [
-    "maxsim_bwd_blocked", "maxsim_fwd_blocked", "packed_bwd_torch", "packed_fwd_torch",
-    "smooth_bwd_blocked",
+    "decompress_residuals", "maxsim_bwd_blocked", "maxsim_fwd_blocked", "packed_bwd_torch",
+    "packed_fwd_torch", "residual_bwd_torch", "residual_fwd_torch", "smooth_bwd_blocked",
 ]
 
 _LOG2E = math.log2(math.e)
@@ -546,3 +546,113 @@ def packed_bwd_torch(layout, grad, Q, D, argmax, q_inv, d_inv, need_q, need_d, f
     grad_q, grad_d = _out_grads(grad_q, grad_d, Q, D, need_q, need_d, fp32_out, _compute_dtype(Q))
     none = Q.new_empty((0,))
     return (none if grad_q is None else grad_q), (none if grad_d is None else grad_d)
+
+
+# ------------------------------------------------------------------------------------------------
+# Residual (PLAID) documents: decompressed a block of documents at a time
+# ------------------------------------------------------------------------------------------------
+
+_CODE_TABLES: dict = {}
+
+
+def _code_table(nbits: int, bit_order: str, device: torch.device) -> Tensor:
+    """``[256, 8 // nbits]`` int32: the ``nbits``-bit codes one residual byte holds, in dimension
+    order. The codes form a bit stream, each code least significant bit first, packed into bytes
+    most significant bit first (``"big"``: ColBERT's and fast-plaid's ``np.packbits``) or least
+    significant bit first (``"little"``)."""
+    key = (nbits, bit_order, device)
+    table = _CODE_TABLES.get(key)
+    if table is None:
+        byte = torch.arange(256, dtype=torch.int32)
+        slots = []
+        for slot in range(8 // nbits):
+            code = torch.zeros(256, dtype=torch.int32)
+            for bit in range(nbits):
+                pos = slot * nbits + bit  # the position in the byte's part of the stream
+                code |= ((byte >> (7 - pos if bit_order == "big" else pos)) & 1) << bit
+            slots.append(code)
+        table = _CODE_TABLES[key] = torch.stack(slots, 1).to(device)
+    return table
+
+
+def decompress_residuals(codes: Tensor, residuals: Tensor, centroids: Tensor,
+                         bucket_weights: Tensor, nbits: int, bit_order: str) -> Tensor:
+    """``centroids[codes] + bucket_weights[b]`` per dimension, ``b`` the dimension's code in
+    ``residuals``, summed in fp32 (float64 for float64) and rounded to the centroids' dtype: ``[*codes.shape, d]``. An
+    id outside ``[0, n_centroids)`` gives a token of NaN (never a read out of bounds)."""
+    n_centroids, dim = centroids.shape
+    inside = (codes >= 0) & (codes < n_centroids)
+    rows = centroids[codes.clamp(0, max(n_centroids - 1, 0)).long()]
+    buckets = _code_table(nbits, bit_order, residuals.device)[residuals.long()]
+    buckets = buckets.flatten(-2)[..., :dim]  # the last byte's spare codes dropped
+    ct = _compute_dtype(centroids)
+    tokens = (rows.to(ct) + bucket_weights.to(ct)[buckets]).to(centroids.dtype)
+    return tokens.masked_fill_(~inside.unsqueeze(-1), float("nan"))
+
+
+def _residual_block(docs, j0: int, j1: int, normalize: bool):
+    """Documents ``[j0, j1)`` decompressed, their mask from the lengths and, with ``normalize``,
+    their tokens' inverse norms (fp32)."""
+    tokens = decompress_residuals(docs.codes[j0:j1], docs.residuals[j0:j1], docs.centroids,
+                                  docs.bucket_weights, docs.nbits, docs.bit_order)
+    valid = torch.arange(tokens.shape[1], device=tokens.device) < docs.lengths[j0:j1, None]
+    d_inv = None
+    if normalize:
+        norm = torch.linalg.vector_norm(tokens, dim=-1, dtype=_compute_dtype(tokens))
+        d_inv = 1.0 / norm.clamp_min(1e-12)
+    return tokens, valid, d_inv
+
+
+def _out_of_range_docs(docs) -> Tensor:
+    """Documents whose length or ids were not found in range: their scores are NaN."""
+    Ld, n_centroids = docs.codes.shape[1], docs.centroids.shape[0]
+    bad_codes = ((docs.codes < 0) | (docs.codes >= n_centroids)).any(dim=1)
+    return (docs.lengths < 0) | (docs.lengths > Ld) | bad_codes
+
+
+def residual_fwd_torch(blocks: tuple[int, int, int], doc_major: bool, Q: Tensor, docs,
+                       q_mask: Tensor | None, q_inv: Tensor | None, normalize: bool,
+                       save_argmax: bool) -> tuple[Tensor, Tensor]:
+    """Scores ``[Nq, Nd]`` and argmax of ``Q`` against the compressed documents: each block of
+    ``blocks[1]`` documents decompressed, then scored as the cross product (the other two
+    entries of ``blocks`` split it, as :func:`maxsim_fwd_blocked` does)."""
+    Nq, Lq, _ = Q.shape
+    Nd, Ld = docs.codes.shape
+    bq, bc, ls = blocks
+    parts = []
+    for j0 in range(0, Nd, bc):
+        j1 = min(Nd, j0 + bc)
+        tokens, valid, d_inv = _residual_block(docs, j0, j1, normalize)
+        parts.append(maxsim_fwd_blocked(Q, tokens, q_mask, valid, q_inv, d_inv, save_argmax,
+                                        (bq, j1 - j0, ls), 0.0, doc_major))
+    if len(parts) == 1:
+        scores, argmax = parts[0]
+    else:
+        ct = _compute_dtype(Q)
+        scores = torch.cat([s for s, _ in parts], 1) if parts else torch.zeros(
+            (Nq, 0), dtype=ct, device=Q.device)
+        argmax = (torch.cat([a for _, a in parts], 1) if parts else torch.empty(
+            (Nq, 0, Lq), dtype=argmax_dtype(Ld), device=Q.device)) if save_argmax else \
+            _nothing_saved(Q.device, argmax_dtype(Ld))
+    if not docs.checked:
+        scores = torch.where(_out_of_range_docs(docs), float("nan"), scores)
+    return scores, argmax
+
+
+def residual_bwd_torch(blocks: tuple[int, int, int], grad_scores: Tensor, Q: Tensor, docs,
+                       argmax: Tensor, q_inv: Tensor | None, normalize: bool, fp32_out: bool,
+                       block_bytes: int) -> tuple[Tensor, Tensor]:
+    """``(grad_Q, empty)``: the index is frozen. Each block of documents is decompressed again
+    and its part of ``grad_Q`` gathered from the saved argmax (:func:`maxsim_bwd_blocked`)."""
+    Nd = docs.codes.shape[0]
+    ct = _compute_dtype(Q)
+    grad_q = torch.zeros(Q.shape, dtype=ct, device=Q.device)
+    for j0 in range(0, Nd, blocks[1]):
+        j1 = min(Nd, j0 + blocks[1])
+        tokens, _, d_inv = _residual_block(docs, j0, j1, normalize)
+        part, _ = maxsim_bwd_blocked(grad_scores[:, j0:j1], Q, tokens, argmax[:, j0:j1], q_inv,
+                                     d_inv, True, False, True, block_bytes)
+        grad_q += part
+    as_fp32 = fp32_out and ct != torch.float64
+    return grad_q.to(torch.float32 if as_fp32 else Q.dtype), Q.new_empty((0,))
+

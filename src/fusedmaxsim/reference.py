@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["maxsim_ref", "maxsim_pairs_ref"]
+__all__ = ["decompress_residuals_ref", "maxsim_pairs_ref", "maxsim_ref", "maxsim_residual_ref"]
 
 
 def _upcast(x: Tensor) -> Tensor:
@@ -105,3 +105,34 @@ def maxsim_pairs_ref(
         reduction=reduction,
         tau=tau,
     ).squeeze(1)
+
+
+def decompress_residuals_ref(codes: Tensor, residuals: Tensor, centroids: Tensor,
+                             bucket_weights: Tensor, nbits: int, bit_order: str = "big") -> Tensor:
+    """``centroids[codes] + bucket_weights[b]`` per dimension, rounded to the centroids' dtype:
+    the residual bytes unpacked into their bit stream (``"big"``: each byte's most significant
+    bit first), every ``nbits`` consecutive bits one code, least significant bit first."""
+    dim = centroids.shape[1]
+    shifts = torch.arange(8, device=residuals.device)
+    if bit_order == "big":
+        shifts = 7 - shifts
+    bits = (residuals.long().unsqueeze(-1) >> shifts) & 1  # [..., packed_dim, 8]
+    stream = bits.flatten(-2)[..., : dim * nbits].view(*codes.shape, dim, nbits)
+    weights = 2 ** torch.arange(nbits, device=residuals.device)
+    buckets = (stream * weights).sum(-1)
+    tokens = centroids.double()[codes.long()] + bucket_weights.double()[buckets]
+    return tokens.to(centroids.dtype)
+
+
+def maxsim_residual_ref(Q: Tensor, codes: Tensor, residuals: Tensor, doc_lengths: Tensor,
+                        centroids: Tensor, bucket_weights: Tensor, nbits: int, *,
+                        normalize: bool = True, q_mask: Tensor | None = None,
+                        bit_order: str = "big") -> Tensor:
+    """:func:`maxsim_ref` of ``Q`` against the decompressed documents, padding masked by the
+    lengths."""
+    D = decompress_residuals_ref(codes, residuals, centroids, bucket_weights, nbits, bit_order)
+    if Q.dtype == torch.float64 or D.dtype == torch.float64:
+        Q, D = Q.double(), D.double()
+    d_mask = torch.arange(codes.shape[1], device=codes.device) < doc_lengths[:, None]
+    return maxsim_ref(Q, D, q_mask, d_mask, normalize=normalize)
+

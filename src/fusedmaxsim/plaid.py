@@ -1,0 +1,111 @@
+"""PLAID (ColBERTv2) indexes scored in place: MaxSim against compressed documents.
+
+A PLAID index stores each document token as the id of its nearest centroid and, per dimension,
+an ``nbits``-bit code of the residual bucket; the token is ``centroids[code] + bucket_weights[b]``
+per dimension ``b``. :func:`maxsim_residual` scores queries against such documents without
+a decompressed copy of the corpus: documents are decompressed a block at a time, within
+``FUSEDMAXSIM_TORCH_BLOCK_MB``, and scored as :func:`fusedmaxsim.maxsim` scores dense ones.
+
+The residual codes form a bit stream, each code least significant bit first, packed into bytes
+most significant bit first (``bit_order="big"``: what ColBERT's and fast-plaid's
+``np.packbits`` write, the default) or least significant bit first (``"little"``).
+
+This first version runs the PyTorch path on every device (on a GPU the blocks are decompressed
+there); the Triton tile loader that decompresses inside the MaxSim loop is not built yet.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._autograd import inverse_norms, scores_residual
+from ._problem import (
+    BIT_ORDERS, NBITS, check_bool, check_residual, options_for, residual_problem,
+)
+from ._torch_path import decompress_residuals as _decompress
+
+__all__ = ["decompress_residuals", "maxsim_residual"]
+
+
+def decompress_residuals(codes: Tensor, residuals: Tensor, centroids: Tensor,
+                         bucket_weights: Tensor, nbits: int, *, bit_order: str = "big") -> Tensor:
+    """The tokens a PLAID index stores, decompressed: ``[*codes.shape, d]`` in the centroids'
+    dtype (the sum is taken in fp32, then rounded).
+
+    Args:
+        codes (torch.Tensor): centroid ids, any shape, integers in ``[0, n_centroids)``; an id
+            outside gives a token of NaN.
+        residuals (torch.Tensor): ``[*codes.shape, ceil(d * nbits / 8)]`` uint8.
+        centroids (torch.Tensor): ``[n_centroids, d]``.
+        bucket_weights (torch.Tensor): ``[2 ** nbits]``.
+        nbits (int): 1, 2, 4 or 8.
+        bit_order (str): ``"big"`` (default; ColBERT, fast-plaid) or ``"little"``.
+    """
+    if isinstance(nbits, bool) or nbits not in NBITS:
+        raise ValueError(f"nbits must be one of {NBITS}, got {nbits!r}")
+    if bit_order not in BIT_ORDERS:
+        raise ValueError(f"bit_order must be one of {BIT_ORDERS}, got {bit_order!r}")
+    packed_dim = -(-centroids.shape[-1] * nbits // 8)
+    if residuals.dtype != torch.uint8 or tuple(residuals.shape) != (*codes.shape, packed_dim):
+        raise ValueError(
+            f"residuals must be uint8 [*codes.shape, ceil(d * nbits / 8)] = "
+            f"{(*codes.shape, packed_dim)}, got {residuals.dtype} {tuple(residuals.shape)}")
+    if tuple(bucket_weights.shape) != (1 << nbits,):
+        raise ValueError(f"bucket_weights must be [2 ** nbits] = ({1 << nbits},), got "
+                         f"{tuple(bucket_weights.shape)}")
+    return _decompress(codes, residuals, centroids, bucket_weights, nbits, bit_order)
+
+
+def maxsim_residual(
+    Q: Tensor,
+    codes: Tensor,
+    residuals: Tensor,
+    doc_lengths: Tensor,
+    centroids: Tensor,
+    bucket_weights: Tensor,
+    nbits: int,
+    *,
+    normalize: bool = True,
+    q_mask: Tensor | None = None,
+    bit_order: str = "big",
+    validate: bool | None = None,
+) -> Tensor:
+    """MaxSim of queries against the documents of a PLAID index, scored in place: ``[Nq, Nd]``.
+
+    Document ``j``'s tokens are ``decompress_residuals(codes[j, :doc_lengths[j]], ...)``; the
+    scores are :func:`fusedmaxsim.maxsim`'s on those tokens, with its rules: fp32 similarities
+    and scores (float64 where ``Q`` or the centroids are float64), a masked query token or an
+    empty document adds 0, the lowest token wins a tie. Autograd reaches ``Q`` only (the index
+    is frozen).
+
+    Args:
+        Q (torch.Tensor): `[Nq, Lq, d]` or `[Lq, d]` (the query axis dropped from the output).
+        codes (torch.Tensor): `[Nd, Ld]` centroid ids (padded documents; padding is ignored).
+        residuals (torch.Tensor): `[Nd, Ld, ceil(d * nbits / 8)]` uint8.
+        doc_lengths (torch.Tensor): `[Nd]` integers in `[0, Ld]`.
+        centroids (torch.Tensor): `[n_centroids, d]`.
+        bucket_weights (torch.Tensor): `[2 ** nbits]`.
+        nbits (int): 1, 2, 4 or 8.
+        normalize (bool): L2-normalize the queries and the decompressed tokens (ColBERT's
+            rule; default ``True``), exactly as :func:`fusedmaxsim.maxsim`'s ``normalize``.
+        q_mask (torch.Tensor, optional): `[Nq, Lq]`, nonzero = valid.
+        bit_order (str): ``"big"`` (default; ColBERT, fast-plaid) or ``"little"``.
+        validate (bool, optional): check that the lengths lie in `[0, Ld]` and the ids in
+            `[0, n_centroids)`. ``None`` (default) checks tensors on the CPU and nothing on a GPU
+            (no synchronization); ``True`` always checks (one synchronization on a GPU). An
+            unchecked length or id out of range makes that document's scores NaN, never a read
+            out of bounds.
+    """
+    Q, q_mask, docs, squeeze_q = check_residual(Q, codes, residuals, doc_lengths, centroids,
+                                                bucket_weights, nbits, bit_order, q_mask,
+                                                validate)
+    normalize = check_bool("normalize", normalize)
+    if torch.promote_types(Q.dtype, centroids.dtype) == torch.float64:
+        Q = Q.double()  # float64 similarities where either side is float64
+    o = options_for(Q)
+    save_argmax = torch.is_grad_enabled() and Q.requires_grad
+    q_inv = inverse_norms(Q, o.backend) if normalize else None
+    p = residual_problem(docs, Q, q_mask, normalize=normalize, save_argmax=save_argmax)
+    scores = scores_residual(p, o, Q, docs, q_mask, q_inv)
+    return scores.squeeze(0) if squeeze_q else scores
