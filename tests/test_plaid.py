@@ -114,7 +114,7 @@ def _check(Q, index, lengths, nbits, bit_order="big", q_mask=None, normalize=Tru
 
 @pytest.mark.parametrize("bit_order", ORDERS)
 @pytest.mark.parametrize("nbits", NBITS)
-def test_scores_and_gradients(nbits, bit_order):
+def test_scores_and_gradients(nbits, bit_order, backend):
     """Masked query tokens (a fully masked query), an empty document and one of length 1."""
     index = _index(nbits=nbits, bit_order=bit_order)
     lengths = torch.tensor([9, 0, 1, 4, 8])
@@ -124,7 +124,7 @@ def test_scores_and_gradients(nbits, bit_order):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 @pytest.mark.parametrize("normalize", [False, True])
-def test_dtypes_and_normalize(dtype, normalize):
+def test_dtypes_and_normalize(dtype, normalize, backend):
     """Queries in every dtype against fp16 centroids (float64: float64 centroids)."""
     index = _index(nbits=4, d=13, dtype=torch.float64 if dtype == torch.float64 else torch.float16)
     _check(torch.randn(2, 5, 13).to(dtype), index, torch.tensor([9, 3, 0, 9, 2]), 4,
@@ -153,7 +153,7 @@ def test_blocks_orientation_and_strides():
     assert one.shape == (11,) and torch.allclose(one, whole[1], atol=1e-6)
 
 
-def test_empty_batches():
+def test_empty_batches(backend):
     index = _index(nbits=2)
     lengths = torch.tensor([9, 0, 1, 4, 8])
     assert _check(torch.randn(0, 6, 20), index, lengths, 2).shape == (0, 5)
@@ -162,17 +162,21 @@ def test_empty_batches():
     assert _check(torch.randn(2, 6, 20), empty, lengths[:0], 2).shape == (2, 0)
 
 
-def test_the_plan_says_how_it_runs():
+def test_the_plan_says_how_it_runs(backend):
     index = _index(nbits=2)
     with recording() as plans:
         maxsim_residual(torch.randn(1, 6, 20), index[0], index[1], torch.tensor([9] * 5),
                         *index[2:], 2)
     problem, plan = plans[0]
-    assert problem.layout == "residual" and plan.kernel == "torch"
-    assert any("residual layout" in reason or "PyTorch path" in reason for reason in plan.reasons)
+    assert problem.layout == "residual" and plan.kernel == backend
+    assert plan.blocks[1] == 5  # the backward's blocks, on both paths
+    with forced_plan(kernel="torch"), recording() as plans:
+        maxsim_residual(torch.randn(1, 6, 20), index[0], index[1], torch.tensor([9] * 5),
+                        *index[2:], 2)
+    assert plans[0][1].kernel == "torch"
 
 
-def test_out_of_range_lengths_and_ids():
+def test_out_of_range_lengths_and_ids(backend):
     """Checked on the CPU (a clear error); unchecked (validate=False), that document's scores
     are NaN and every other is unchanged."""
     codes, residuals, centroids, weights = _index(nbits=2)

@@ -64,8 +64,10 @@ def run_forward(p: Problem, o: Options, Q, D, q_mask, d_mask, q_inv, d_inv,
     (then ``D`` is unused)."""
     plan = plan_forward(p, o)
     if p.layout == RESIDUAL:
-        return _torch_path.residual_fwd_torch(plan.blocks, plan.doc_major, Q, layout, q_mask,
-                                              q_inv, p.normalize, p.save_argmax)
+        if plan.kernel == "torch":
+            return _torch_path.residual_fwd_torch(plan.blocks, plan.doc_major, Q, layout, q_mask,
+                                                  q_inv, p.normalize, p.save_argmax)
+        return _launch()[0].forward_residual(plan, p, o.fp32_precision, Q, layout, q_mask)
     if plan.kernel == "torch":
         if layout is not None:
             return _torch_path.packed_fwd_torch(layout, Q, D, q_mask, d_mask, q_inv, d_inv,

@@ -547,9 +547,8 @@ def _plan_torch_forward(p: Problem, o: Options) -> ForwardPlan:
     doc_dim = 3 * p.dim if p.layout == RESIDUAL else p.dim
     blocks = plan_blocks(p.Nq, p.Ncols, p.Lq, p.Ld, doc_dim, p.layout == CANDIDATES,
                          o.torch_block_bytes // elem_bytes)
-    reasons = ["backend: the PyTorch path" if o.backend == "torch" else
-               "residual layout: the PyTorch path on every device (no Triton tile loader for "
-               "compressed documents yet), each block decompressed on its device",
+    reasons = ["backend: the PyTorch path" + (
+                   ", each block of documents decompressed first" if p.layout == RESIDUAL else ""),
                f"blocks: {blocks[0]} queries × {blocks[1]} columns × {blocks[2]} query tokens"]
     doc_major = _forced.get("doc_major")
     if doc_major is not None:
@@ -566,9 +565,26 @@ def _plan_torch_forward(p: Problem, o: Options) -> ForwardPlan:
                        reasons=tuple(reasons))
 
 
+def _plan_residual_forward(p: Problem, o: Options) -> ForwardPlan:
+    """PLAID documents on the Triton path: the dense cross product's tiles, the documents
+    decompressed tile by tile in the kernel. The plan keeps the PyTorch path's blocks too, for
+    the backward (``grad_Q``), which decompresses a block of documents at a time."""
+    blocks = _plan_torch_forward(p, o).blocks
+    if _forced.get("kernel") == "torch":
+        return ForwardPlan("torch", blocks=blocks,
+                           reasons=("kernel: forced", "residual layout: the PyTorch path"))
+    cfg = _forced.get("fwd_tiles") or fwd_heuristic(max(p.Lq, 1), p.dim, max(p.Nq, 1), False,
+                                                     p.dtype.itemsize)
+    return ForwardPlan("triton", cfg, blocks=blocks, reasons=(
+        "residual layout: the Triton forward, each document tile decompressed on chip",
+        f"tiles: the cross product's for Lq={p.Lq} ({cfg})"))
+
+
 def _plan_forward(p: Problem, o: Options) -> ForwardPlan:
-    if o.backend == "torch" or p.layout == RESIDUAL:
+    if o.backend == "torch":
         return _plan_torch_forward(p, o)
+    if p.layout == RESIDUAL:
+        return _plan_residual_forward(p, o)
     forced_kernel = _forced.get("kernel")
     packed = p.layout in (PACKED, PAIRS)
     per_query_docs = p.layout in (CANDIDATES, PAIRS)

@@ -18,7 +18,10 @@ from torch import Tensor
 from .. import settings
 from .._plan import ForwardPlan, argmax_dtype, block_k_for, fwd_candidates
 from .._problem import Problem
-from ..kernels.forward import _inverse_norm_kernel, _maxsim_fwd_kernel, _maxsim_ragged_fwd_kernel
+from ..kernels.forward import (
+    _inverse_norm_kernel, _maxsim_fwd_kernel, _maxsim_ragged_fwd_kernel,
+    _maxsim_residual_fwd_kernel,
+)
 from .runtime import (
     Constants,
     as_bytes,
@@ -33,7 +36,8 @@ from .runtime import (
     take,
 )
 
-__all__ = ["forward_dense", "forward_packed", "gluon_constexprs", "inverse_norms"]
+__all__ = ["forward_dense", "forward_packed", "forward_residual", "gluon_constexprs",
+           "inverse_norms"]
 
 
 def forward_dense(plan: ForwardPlan, p: Problem, fp32_precision: str, Q: Tensor, D: Tensor,
@@ -166,6 +170,59 @@ def _launch_triton(cfg, plan: ForwardPlan, p: Problem, fp32_precision: str, Q, D
         )
 
     _query_slices(launch_slice, scores, qpb, splits, plan.max_grid_y)
+
+
+def forward_residual(plan: ForwardPlan, p: Problem, fp32_precision: str, Q: Tensor, docs,
+                     q_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Scores ``[Nq, Nd]`` (fp32) and the argmax of ``Q`` against PLAID documents
+    (``_problem.ResidualDocs``), decompressed tile by tile inside the kernel; with
+    ``p.normalize`` both sides' norms come from the tiles. ``Q`` is brought to the dtype it
+    shares with the centroids (the decompressed tile is rounded to the centroids' first)."""
+    Nq, Ncols, Lq, Ld = p.Nq, p.Ncols, p.Lq, p.Ld
+    device = Q.device
+    scores = empty((Nq, Ncols), torch.float32, device)
+    save_argmax = p.save_argmax
+    argmax = empty((Nq, Ncols, Lq), argmax_dtype(Ld), device) if save_argmax else \
+        no_argmax(device, argmax_dtype(Ld))
+    if not (Nq and Ncols):
+        return scores, argmax
+    if Lq == 0 or Ld == 0:
+        scores.zero_()
+        argmax.fill_(-1)
+        broken = (docs.lengths < 0) | (docs.lengths > Ld)
+        return torch.where(broken, float("nan"), scores), argmax
+    if Q.dtype != p.dtype:
+        Q = Q.to(p.dtype)
+    residuals = docs.residuals if docs.residuals.stride(-1) == 1 else docs.residuals.contiguous()
+    centroids = docs.centroids if docs.centroids.stride(-1) == 1 else docs.centroids.contiguous()
+    weights = docs.bucket_weights.contiguous()
+    qm = as_bytes(q_mask)
+    cfg = plan.tiles
+    consts = constants(
+        NBITS=docs.nbits, BIG=docs.bit_order == "big",
+        **fwd_meta(cfg, Q.dtype, p.dim, has_q_mask=qm is not None, has_d_mask=False,
+                   normalize=p.normalize, save_argmax=save_argmax,
+                   fp32_precision=fp32_precision),
+    )
+    kernel = launcher(_maxsim_residual_fwd_kernel)
+    qpb = cfg.queries_per_block
+
+    def launch_slice(rows, out, _stride_out_split):
+        q, q_m = take(Q, rows), take(qm, rows)
+        kernel(
+            (Ncols, cdiv(q.shape[0], qpb)),
+            (
+                q, docs.codes, residuals, docs.lengths, centroids, weights,
+                q if q_m is None else q_m, out, take(argmax, rows) if save_argmax else argmax,
+                q.shape[0], Ncols, Lq, Ld, centroids.shape[0], p.dim, *q.stride(),
+                *docs.codes.stride(), residuals.stride(0), residuals.stride(1),
+                centroids.stride(0),
+            ),
+            consts,
+        )
+
+    _query_slices(launch_slice, scores, qpb, 1, plan.max_grid_y)
+    return scores, argmax
 
 
 # ------------------------------------------------------------------------------------------------

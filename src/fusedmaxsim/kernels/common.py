@@ -109,6 +109,40 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _residual_tile(p_codes, stride_code_tok, res, o_t, m_t, o_k, m_k, NBITS: tl.constexpr,
+                   BIG: tl.constexpr):
+    """Tokens ``o_t`` of one PLAID document, decompressed on chip: ``centroids[code] +
+    bucket_weights[b]`` per dimension, summed in fp32 and rounded to the centroids' dtype; zero
+    outside ``m_t`` × ``m_k`` (so the tile's norms hold), NaN for a token whose centroid id is
+    outside ``[0, n_centroids)`` (read as centroid 0: never out of bounds).
+
+    ``res`` = ``(residual row pointer, its token stride, centroids, their row stride,
+    bucket_weights, n_centroids)``. Dimension ``k``'s code is the stream bits
+    ``[k · NBITS, (k + 1) · NBITS)``, least significant first; stream bit ``p`` is bit
+    ``7 - p % 8`` (``BIG``) or ``p % 8`` of byte ``p // 8``.
+    """
+    p_res, stride_res_tok, Centroids, stride_cent, BucketWeights, n_centroids = res
+    code = tl.load(p_codes + o_t * stride_code_tok, mask=m_t, other=0).to(tl.int64)
+    inside = (code >= 0) & (code < n_centroids)
+    code = tl.where(inside, code, 0)
+    m = m_t[:, None] & m_k[None, :]
+    rows = tl.load(Centroids + code[:, None] * stride_cent + o_k[None, :], mask=m, other=0.0)
+    first = o_k * NBITS
+    byte = tl.load(p_res + o_t[:, None] * stride_res_tok + (first // 8)[None, :], mask=m,
+                   other=0).to(tl.int32)
+    bucket = tl.zeros_like(byte)
+    for bit in tl.static_range(NBITS):
+        pos = (first + bit) % 8
+        if BIG:
+            pos = 7 - pos
+        bucket = bucket | (((byte >> pos[None, :]) & 1) << bit)
+    weight = tl.load(BucketWeights + bucket)  # in [0, 2 ** NBITS) by construction
+    tile = (rows.to(tl.float32) + weight.to(tl.float32)).to(rows.dtype)
+    tile = tl.where(m, tile, 0.0)
+    return tl.where(inside[:, None], tile, float("nan"))
+
+
+@triton.jit
 def _doc_tile(
     b_q,
     acc_max,
@@ -126,6 +160,7 @@ def _doc_tile(
     stride_dinv_tok,
     o_k,
     m_k,
+    res,
     MASK_TAIL: tl.constexpr,
     EVEN_K: tl.constexpr,
     HAS_D_MASK: tl.constexpr,
@@ -136,8 +171,14 @@ def _doc_tile(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    RESIDUAL_NBITS: tl.constexpr,
+    RESIDUAL_BIG: tl.constexpr,
 ):
     """One document tile folded into the running reduction.
+
+    The tile is loaded from ``p_doc``, or with ``RESIDUAL_NBITS`` decompressed on chip from a
+    PLAID document (:func:`_residual_tile`; ``p_doc`` then points at its centroid ids and ``res``
+    holds the rest).
 
     Max: the element-wise running max ``acc_max [BLOCK_M, BLOCK_N]``; keeping the max per
     (row, slot) and reducing over slots once per document costs one max instruction per
@@ -148,7 +189,10 @@ def _doc_tile(
     o_t = start + tl.arange(0, BLOCK_N)
     m_t = o_t < t_hi
     p = p_doc + o_t[:, None] * stride_doc_tok + o_k[None, :] * stride_doc_dim
-    if MASK_TAIL:
+    if RESIDUAL_NBITS:
+        b_d = _residual_tile(p_doc, stride_doc_tok, res, o_t, m_t, o_k, m_k, RESIDUAL_NBITS,
+                             RESIDUAL_BIG).to(b_q.dtype)
+    elif MASK_TAIL:
         b_d = tl.load(p, mask=m_t[:, None] & m_k[None, :], other=0.0)
     elif EVEN_K:
         b_d = tl.load(p)
@@ -221,6 +265,7 @@ def _doc_max(
     o_k,
     m_k,
     smooth_scale,
+    res,
     EVEN_K: tl.constexpr,
     NORMALIZE: tl.constexpr,
     NORM_FROM_TILES: tl.constexpr,
@@ -231,6 +276,8 @@ def _doc_max(
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     QUERY_IN_REGISTERS: tl.constexpr,
+    RESIDUAL_NBITS: tl.constexpr = 0,
+    RESIDUAL_BIG: tl.constexpr = True,
 ):
     """The MaxSim inner loop: max (and lowest argmax) of ``b_q``'s rows over document tokens
     ``[t_lo, t_hi)``. Every layout calls this one loop.
@@ -244,21 +291,24 @@ def _doc_max(
     ``row_max`` is ``log2 Σ_t exp2(s_t · smooth_scale)`` instead (``-inf`` where no valid token).
     ``QUERY_IN_REGISTERS``: keep ``b_q`` in registers for the products (16-bit inputs, at least
     64 rows: Hopper's warp-group products), which leaves shared memory's bandwidth to the
-    document tiles.
+    document tiles. ``RESIDUAL_NBITS``: the document is a PLAID one, decompressed tile by tile
+    (:func:`_residual_tile`, with ``res``); 0 (dense documents) leaves ``res`` unread.
     """
     if QUERY_IN_REGISTERS and not UPCAST:
         b_q = _in_product_layout(b_q)
     if all_valid:
         row_max, row_arg = _doc_loop(
             b_q, p_doc, stride_doc_tok, stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv,
-            stride_dinv_tok, t_lo, t_hi, o_k, m_k, smooth_scale, EVEN_K, False, NORMALIZE,
+            stride_dinv_tok, t_lo, t_hi, o_k, m_k, smooth_scale, res, EVEN_K, False, NORMALIZE,
             NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST,
+            RESIDUAL_NBITS, RESIDUAL_BIG,
         )
     else:
         row_max, row_arg = _doc_loop(
             b_q, p_doc, stride_doc_tok, stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv,
-            stride_dinv_tok, t_lo, t_hi, o_k, m_k, smooth_scale, EVEN_K, True, NORMALIZE,
+            stride_dinv_tok, t_lo, t_hi, o_k, m_k, smooth_scale, res, EVEN_K, True, NORMALIZE,
             NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST,
+            RESIDUAL_NBITS, RESIDUAL_BIG,
         )
     return row_max, row_arg
 
@@ -278,6 +328,7 @@ def _doc_loop(
     o_k,
     m_k,
     smooth_scale,
+    res,
     EVEN_K: tl.constexpr,
     HAS_D_MASK: tl.constexpr,
     NORMALIZE: tl.constexpr,
@@ -288,6 +339,8 @@ def _doc_loop(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    RESIDUAL_NBITS: tl.constexpr,
+    RESIDUAL_BIG: tl.constexpr,
 ):
     """:func:`_doc_max`'s tile loop for one masking mode."""
     if SMOOTH:
@@ -300,16 +353,16 @@ def _doc_loop(
     for start in range(t_lo, t_full, BLOCK_N):
         acc_max, acc_arg, run_sum = _doc_tile(
             b_q, acc_max, acc_arg, run_sum, smooth_scale, start, t_hi, p_doc, stride_doc_tok,
-            stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv, stride_dinv_tok, o_k, m_k, False,
-            EVEN_K, HAS_D_MASK, NORMALIZE, NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_N,
-            DOT_PRECISION, UPCAST,
+            stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv, stride_dinv_tok, o_k, m_k, res,
+            False, EVEN_K, HAS_D_MASK, NORMALIZE, NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_N,
+            DOT_PRECISION, UPCAST, RESIDUAL_NBITS, RESIDUAL_BIG,
         )
     if t_full < t_hi:
         acc_max, acc_arg, run_sum = _doc_tile(
             b_q, acc_max, acc_arg, run_sum, smooth_scale, t_full, t_hi, p_doc, stride_doc_tok,
-            stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv, stride_dinv_tok, o_k, m_k, True,
-            EVEN_K, HAS_D_MASK, NORMALIZE, NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_N,
-            DOT_PRECISION, UPCAST,
+            stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv, stride_dinv_tok, o_k, m_k, res,
+            True, EVEN_K, HAS_D_MASK, NORMALIZE, NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_N,
+            DOT_PRECISION, UPCAST, RESIDUAL_NBITS, RESIDUAL_BIG,
         )
     row_arg = tl.full([BLOCK_M], -1, tl.int32)
     if SMOOTH:

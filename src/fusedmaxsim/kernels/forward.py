@@ -29,6 +29,11 @@ Grid mapping
   longer than the tile is walked in chunks, up to the longest query of the block. The document
   streams through :func:`fusedmaxsim.kernels.common._doc_max`, the one MaxSim inner loop, over its
   true length ``[0, Ld_j)``: short documents cost what they hold, never the longest one.
+* ``_maxsim_residual_fwd_kernel``: the dense cross product's mapping (program = document column,
+  block of query rows; no chunk splits) over PLAID documents: ``_doc_max`` decompresses each
+  document tile on chip from its centroid ids and residual codes (``common._residual_tile``) and
+  runs to the document's length; norms from the tiles. A length outside ``[0, Ld]`` makes the
+  column's scores NaN; an id outside the centroids makes its token NaN.
 * ``_inverse_norm_kernel``: program = a block of token rows; ``1 / max(‖x‖, eps)`` in fp32, each
   token read once (the norms are computed once per token, never per tile).
 
@@ -134,9 +139,9 @@ def _maxsim_fwd_kernel(
         )
         row_max, row_arg = _doc_max(
             b_q, p_doc, stride_d_tok, stride_d_dim, p_dmask, 1, p_dinv, 1,
-            t_lo, t_hi, all_valid, o_k, m_k, smooth_scale, EVEN_K, NORMALIZE, NORM_FROM_TILES,
-            SAVE_ARGMAX and not SMOOTH, SMOOTH, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST,
-            QUERY_IN_REGISTERS,
+            t_lo, t_hi, all_valid, o_k, m_k, smooth_scale, (D, 0, D, 0, D, 0), EVEN_K, NORMALIZE,
+            NORM_FROM_TILES, SAVE_ARGMAX and not SMOOTH, SMOOTH, BLOCK_M, BLOCK_N, DOT_PRECISION,
+            UPCAST, QUERY_IN_REGISTERS,
         )
         unit = 1.0
         if SMOOTH:
@@ -161,6 +166,86 @@ def _maxsim_fwd_kernel(
 
     o_out = i_blk * QUERIES_PER_BLOCK + tl.arange(0, QUERIES_PER_BLOCK)
     tl.store(Out + i_split.to(tl.int64) * stride_out_split + o_out * Ncols + i_col, acc, mask=o_out < Nq)
+
+
+@triton.jit(do_not_specialize=["Nq", "Ncols", "Lq", "Ld", "n_centroids"])
+def _maxsim_residual_fwd_kernel(
+    Q,
+    Codes,
+    Residuals,
+    Lengths,
+    Centroids,
+    BucketWeights,
+    QMask,
+    Out,
+    Argmax,
+    Nq,
+    Ncols,
+    Lq,
+    Ld,
+    n_centroids,
+    dim,
+    stride_q_seq,
+    stride_q_tok,
+    stride_q_dim,
+    stride_code_col,
+    stride_code_tok,
+    stride_res_col,
+    stride_res_tok,
+    stride_cent,
+    HAS_Q_MASK: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    SAVE_ARGMAX: tl.constexpr,
+    LQ_TILE: tl.constexpr,
+    QUERIES_PER_BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    QUERY_IN_REGISTERS: tl.constexpr,
+    NBITS: tl.constexpr,
+    BIG: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = LQ_TILE * QUERIES_PER_BLOCK
+    i_col = tl.program_id(0).to(tl.int64)
+    i_blk = tl.program_id(1).to(tl.int64)
+    o_r = tl.arange(0, BLOCK_M)
+    o_query = i_blk * QUERIES_PER_BLOCK + o_r // LQ_TILE
+    o_row_in_tile = o_r % LQ_TILE
+    m_query = o_query < Nq
+    o_k = tl.arange(0, BLOCK_K)
+    m_k = o_k < dim
+
+    length = tl.load(Lengths + i_col).to(tl.int64)
+    broken = (length < 0) | (length > Ld)
+    t_hi = tl.minimum(tl.maximum(length, 0), Ld)
+    p_codes = Codes + i_col * stride_code_col
+    res = (Residuals + i_col * stride_res_col, stride_res_tok, Centroids, stride_cent,
+           BucketWeights, n_centroids)
+    acc = tl.zeros([QUERIES_PER_BLOCK], tl.float32)
+    for chunk in range(0, Lq, LQ_TILE):
+        o_s = chunk + o_row_in_tile
+        m_row = m_query & (o_s < Lq)
+        b_q, m_valid = _query_chunk(
+            Q, QMask, o_query * stride_q_seq + o_s * stride_q_tok, o_query * Lq + o_s, m_row, o_k,
+            m_k, stride_q_dim, HAS_Q_MASK,
+        )
+        row_max, row_arg = _doc_max(
+            b_q, p_codes, stride_code_tok, 0, p_codes, 1, p_codes, 1, 0, t_hi, True, o_k, m_k,
+            1.0, res, EVEN_K, NORMALIZE, NORMALIZE, SAVE_ARGMAX, False, BLOCK_M, BLOCK_N,
+            DOT_PRECISION, UPCAST, QUERY_IN_REGISTERS, NBITS, BIG,
+        )
+        q_inv = 1.0
+        if NORMALIZE:
+            q_inv = _inverse_norm(b_q, NORM_EPS)
+        acc += _chunk_scores(row_max, m_valid, 1.0, q_inv, QUERIES_PER_BLOCK, LQ_TILE)
+        if SAVE_ARGMAX:
+            arg = tl.where(m_valid, row_arg, -1)
+            tl.store(Argmax + (o_query * Ncols + i_col) * Lq + o_s, arg, mask=m_row)
+    acc = tl.where(broken, float("nan"), acc)
+    o_out = i_blk * QUERIES_PER_BLOCK + tl.arange(0, QUERIES_PER_BLOCK)
+    tl.store(Out + o_out * Ncols + i_col, acc, mask=o_out < Nq)
 
 
 @triton.jit(
@@ -258,8 +343,8 @@ def _maxsim_ragged_fwd_kernel(
         )
         row_max, row_arg = _doc_max(
             b_q, p_doc, stride_d_tok, stride_d_dim, p_dmask, 1, p_dinv, 1,
-            t_lo, t_hi, all_valid, o_k, m_k, 1.0, EVEN_K, NORMALIZE, False, SAVE_ARGMAX,
-            False, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST, QUERY_IN_REGISTERS,
+            t_lo, t_hi, all_valid, o_k, m_k, 1.0, (D, 0, D, 0, D, 0), EVEN_K, NORMALIZE, False,
+            SAVE_ARGMAX, False, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST, QUERY_IN_REGISTERS,
         )
         q_inv = 1.0
         if NORMALIZE:

@@ -1,0 +1,207 @@
+"""PLAID residual scoring: fusedmaxsim.plaid.maxsim_residual against late-interaction-kernels.
+
+Random PLAID documents (centroid ids, 2- or 4-bit residual codes in LIK's little-endian bit
+order, fp16 centroids, fp32 bucket weights, lengths 50-100% of ``Ld``) scored by one to 32
+queries of 32 tokens, d = 128, normalized, inference:
+
+* ``fusedmaxsim``: the Triton forward, each document tile decompressed on chip;
+* ``fusedmaxsim torch``: the same call on the PyTorch path (blocks decompressed, then scored);
+* ``lik``: late-interaction-kernels 0.4.5 ``plaid.maxsim_residual`` where it is importable;
+* ``naive``: decompress every document (``decompress_residuals``), normalize, einsum, max, sum,
+  in chunks of documents.
+
+Every provider passes a parity gate first: its scores against a float64-accumulated reference
+of the same decompressed tokens, relative max-norm error at most 5e-3; one that fails is recorded
+with its error and not timed. Times: ``triton.testing.do_bench`` medians (ms), providers in
+interleaved rounds, each round in another order, the median of the rounds.
+
+    PYTHONPATH=src python benchmarks/bench_plaid.py --out DIR
+    PYTHONPATH=src python benchmarks/bench_plaid.py --quick --device cpu --out DIR   # smoke run
+
+Writes ``plaid_bench.json`` and ``plaid_bench.md`` into ``--out`` (rewritten after every case).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness.records import environment  # noqa: E402
+
+from fusedmaxsim import forced_plan  # noqa: E402
+from fusedmaxsim.plaid import decompress_residuals, maxsim_residual  # noqa: E402
+
+TOL = 5e-3
+# (documents, tokens a document, queries, nbits): late-interaction-kernels' table's range.
+CASES = [(5000, 200, 1, 2), (5000, 200, 32, 2), (5000, 512, 1, 4), (5000, 512, 32, 4),
+         (25000, 200, 1, 2), (25000, 200, 32, 4)]
+QUICK = [(40, 30, 2, 2), (40, 30, 2, 4)]
+
+
+def _index(Nd, Ld, nbits, device, n_centroids=4096, dim=128):
+    gen = torch.Generator(device=device).manual_seed(0)
+    codes = torch.randint(0, n_centroids, (Nd, Ld), device=device, generator=gen)
+    residuals = torch.randint(0, 256, (Nd, Ld, dim * nbits // 8), device=device,
+                              dtype=torch.uint8, generator=gen)
+    centroids = F.normalize(torch.randn(n_centroids, dim, device=device, generator=gen), dim=-1)
+    weights = torch.linspace(-0.05, 0.05, 1 << nbits, device=device)
+    lengths = torch.randint(Ld // 2, Ld + 1, (Nd,), device=device, generator=gen)
+    return codes, residuals, lengths, centroids.half(), weights
+
+
+def _naive(Q, index, nbits, chunk=1000):
+    codes, residuals, lengths, centroids, weights = index
+    parts = []
+    for j in range(0, codes.shape[0], chunk):
+        D = decompress_residuals(codes[j:j + chunk], residuals[j:j + chunk], centroids, weights,
+                                 nbits, bit_order="little")
+        D = F.normalize(D.float(), dim=-1).to(Q.dtype)
+        sim = torch.einsum("qsd,ntd->qnst", F.normalize(Q.float(), dim=-1).to(Q.dtype), D)
+        valid = torch.arange(codes.shape[1], device=Q.device) < lengths[j:j + chunk, None]
+        sim = sim.masked_fill(~valid[None, :, None, :], float("-inf"))
+        best = sim.amax(-1).float()
+        parts.append(torch.where(best == float("-inf"), 0.0, best).sum(-1))
+    return torch.cat(parts, 1)
+
+
+def _reference(Q, index, nbits, chunk=500):
+    codes, residuals, lengths, centroids, weights = index
+    parts = []
+    for j in range(0, codes.shape[0], chunk):
+        D = decompress_residuals(codes[j:j + chunk], residuals[j:j + chunk], centroids, weights,
+                                 nbits, bit_order="little").double()
+        sim = torch.einsum("qsd,ntd->qnst", F.normalize(Q.double(), dim=-1),
+                           F.normalize(D, dim=-1))
+        valid = torch.arange(codes.shape[1], device=Q.device) < lengths[j:j + chunk, None]
+        best = sim.masked_fill(~valid[None, :, None, :], float("-inf")).amax(-1)
+        parts.append(torch.where(best == float("-inf"), 0.0, best).sum(-1))
+    return torch.cat(parts, 1)
+
+
+def _providers(index, nbits):
+    codes, residuals, lengths, centroids, weights = index
+
+    def ours(Q):
+        return maxsim_residual(Q, codes, residuals, lengths, centroids, weights, nbits,
+                               bit_order="little")
+
+    def ours_torch(Q):
+        with forced_plan(kernel="torch"):
+            return ours(Q)
+
+    found = {"fusedmaxsim": ours, "fusedmaxsim torch": ours_torch,
+             "naive": lambda Q: _naive(Q, index, nbits)}
+    try:
+        from late_interaction_kernels.plaid import maxsim_residual as lik_residual
+
+        found["lik"] = lambda Q: lik_residual(Q, codes, residuals, lengths, centroids, weights,
+                                              nbits, normalize=True)
+    except ImportError:
+        pass
+    return found
+
+
+def _time_ms(fn, device, rounds=3):
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=25, rep=100)
+    start = time.perf_counter()
+    for _ in range(rounds):
+        fn()
+    return (time.perf_counter() - start) / rounds * 1e3
+
+
+def run_case(case, device, rounds):
+    Nd, Ld, Nq, nbits = case
+    index = _index(Nd, Ld, nbits, device)
+    gen = torch.Generator(device=device).manual_seed(1)
+    Q = torch.randn(Nq, 32, 128, device=device, generator=gen).half()
+    ref = _reference(Q, index, nbits)
+    row = {"case": dict(Nd=Nd, Ld=Ld, Nq=Nq, Lq=32, d=128, nbits=nbits), "providers": {}}
+    timed = {}
+    with torch.no_grad():
+        for name, fn in _providers(index, nbits).items():
+            entry = row["providers"][name] = {}
+            try:
+                out = fn(Q)
+                err = ((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+                entry["error"] = err
+                if not err <= TOL:
+                    entry["failed"] = f"parity: {err:.2e} > {TOL:.0e}"
+                    continue
+                timed[name] = lambda fn=fn: fn(Q)
+            except Exception as exc:  # noqa: BLE001 - recorded, never hidden
+                entry["failed"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        names = list(timed)
+        times = {name: [] for name in names}
+        for r in range(rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                times[name].append(_time_ms(timed[name], device))
+    for name, ms in times.items():
+        row["providers"][name]["ms"] = statistics.median(ms)
+    ours_ms = row["providers"].get("fusedmaxsim", {}).get("ms")
+    lik_ms = row["providers"].get("lik", {}).get("ms")
+    row["speedup_vs_lik"] = lik_ms / ours_ms if ours_ms and lik_ms else None
+    return row
+
+
+def _markdown(record) -> str:
+    env = record["environment"]
+    lines = ["# PLAID residual scoring", "",
+             f"- device: {env.get('gpu') or env.get('cpu')}; torch {env.get('torch')}, "
+             f"triton {env.get('triton')}; git {env.get('git_sha')}",
+             f"- d = 128, Lq = 32, fp16 queries and centroids, normalized, inference; parity "
+             f"against float64 at {TOL:.0e}; ms = median of interleaved do_bench rounds", "",
+             "| Nd × Ld | Nq | nbits | fusedmaxsim | fusedmaxsim torch | LIK | naive | × LIK |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in record["rows"]:
+        c, p = row["case"], row["providers"]
+
+        def cell(name):
+            e = p.get(name)
+            if e is None:
+                return "–"
+            return f"{e['ms']:.3f}" if "ms" in e else f"✗ {e.get('failed', '')[:40]}"
+
+        x = f"{row['speedup_vs_lik']:.2f}" if row["speedup_vs_lik"] else "–"
+        lines.append(f"| {c['Nd']} × {c['Ld']} | {c['Nq']} | {c['nbits']} | {cell('fusedmaxsim')}"
+                     f" | {cell('fusedmaxsim torch')} | {cell('lik')} | {cell('naive')} | {x} |")
+    lines += ["", "Errors (relative, max norm, against float64):", ""]
+    for row in record["rows"]:
+        errs = ", ".join(f"{k} {v['error']:.1e}" for k, v in row["providers"].items()
+                         if "error" in v)
+        lines.append(f"- {row['case']}: {errs}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    record = {"environment": environment(device), "rows": []}
+    for case in QUICK if args.quick else CASES:
+        record["rows"].append(run_case(case, device, args.rounds))
+        (out / "plaid_bench.json").write_text(json.dumps(record, indent=1, default=str))
+        (out / "plaid_bench.md").write_text(_markdown(record))
+        print(f"plaid bench: {case} done", flush=True)
+    print(_markdown(record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
