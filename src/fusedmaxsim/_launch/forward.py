@@ -198,12 +198,10 @@ def forward_residual(plan: ForwardPlan, p: Problem, fp32_precision: str, Q: Tens
     weights = docs.bucket_weights.contiguous()
     qm = as_bytes(q_mask)
     cfg = plan.tiles
-    consts = constants(
-        NBITS=docs.nbits, BIG=docs.bit_order == "big",
-        **fwd_meta(cfg, Q.dtype, p.dim, has_q_mask=qm is not None, has_d_mask=False,
-                   normalize=p.normalize, save_argmax=save_argmax,
-                   fp32_precision=fp32_precision),
-    )
+    meta = fwd_meta(cfg, Q.dtype, p.dim, has_q_mask=qm is not None, has_d_mask=False,
+                    normalize=p.normalize, save_argmax=save_argmax, fp32_precision=fp32_precision)
+    del meta["HAS_D_MASK"]  # the lengths bound each document
+    consts = constants(NBITS=docs.nbits, BIG=docs.bit_order == "big", **meta)
     kernel = launcher(_maxsim_residual_fwd_kernel)
     qpb = cfg.queries_per_block
 
