@@ -136,7 +136,14 @@ def _residual_tile(p_codes, stride_code_tok, res, o_t, m_t, o_k, m_k, NBITS: tl.
         if BIG:
             pos = 7 - pos
         bucket = bucket | (((byte >> pos[None, :]) & 1) << bit)
-    weight = tl.load(BucketWeights + bucket)  # in [0, 2 ** NBITS) by construction
+    if NBITS <= 4:
+        # A chain of selects over the 2 ** NBITS weights (scalars) instead of a gathered load
+        # a value.
+        weight = tl.zeros(bucket.shape, tl.float32) + tl.load(BucketWeights).to(tl.float32)
+        for b in tl.static_range(1, 1 << NBITS):
+            weight = tl.where(bucket == b, tl.load(BucketWeights + b).to(tl.float32), weight)
+    else:
+        weight = tl.load(BucketWeights + bucket)  # in [0, 2 ** NBITS) by construction
     tile = (rows.to(tl.float32) + weight.to(tl.float32)).to(rows.dtype)
     tile = tl.where(m, tile, 0.0)
     return tl.where(inside[:, None], tile, float("nan"))

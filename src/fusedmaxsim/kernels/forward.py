@@ -219,7 +219,7 @@ def _maxsim_residual_fwd_kernel(
 
     length = tl.load(Lengths + i_col).to(tl.int64)
     broken = (length < 0) | (length > Ld)
-    t_hi = tl.minimum(tl.maximum(length, 0), Ld)
+    t_hi = tl.minimum(tl.maximum(length, 0), Ld).to(tl.int32)  # token indices are int32
     p_codes = Codes + i_col * stride_code_col
     res = (Residuals + i_col * stride_res_col, stride_res_tok, Centroids, stride_cent,
            BucketWeights, n_centroids)
