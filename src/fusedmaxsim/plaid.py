@@ -3,15 +3,15 @@
 A PLAID index stores each document token as the id of its nearest centroid and, per dimension,
 an ``nbits``-bit code of the residual bucket; the token is ``centroids[code] + bucket_weights[b]``
 per dimension ``b``. :func:`maxsim_residual` scores queries against such documents without
-a decompressed copy of the corpus: documents are decompressed a block at a time, within
-``FUSEDMAXSIM_TORCH_BLOCK_MB``, and scored as :func:`fusedmaxsim.maxsim` scores dense ones.
+a decompressed copy of the corpus, with :func:`fusedmaxsim.maxsim`'s rules.
 
 The residual codes form a bit stream, each code least significant bit first, packed into bytes
 most significant bit first (``bit_order="big"``: what ColBERT's and fast-plaid's
 ``np.packbits`` write, the default) or least significant bit first (``"little"``).
 
-This first version runs the PyTorch path on every device (on a GPU the blocks are decompressed
-there); the Triton tile loader that decompresses inside the MaxSim loop is not built yet.
+On a GPU the forward is the fused kernel, each document tile decompressed on chip before the
+shared MaxSim loop (``kernels.common._residual_tile``); elsewhere, and for the backward
+(``grad_Q``) everywhere, the PyTorch path decompresses a block of documents at a time.
 """
 
 from __future__ import annotations
