@@ -1,12 +1,20 @@
-"""GPU suite for PLAID residual documents (``pytest -m gpu``): maxsim_residual on CUDA against
-the float64 oracle, and no host synchronization on its path."""
+"""GPU suite for PLAID residual documents (``pytest -m gpu``): maxsim_residual and
+maxsim_residual_varlen on CUDA against the float64 oracle, no host synchronization on their
+path and no compilation per document length; the search against fast-plaid's answers (the
+committed fixture, and fast-plaid itself where it is installed)."""
 
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 from helpers import assert_no_host_synchronization, masks_with_holes
 
-from fusedmaxsim.plaid import maxsim_residual
-from fusedmaxsim.reference import maxsim_residual_ref
+from fusedmaxsim.kernels.forward import _maxsim_residual_fwd_kernel
+from fusedmaxsim.plaid import PlaidIndex, load, maxsim_residual, maxsim_residual_varlen
+from fusedmaxsim.reference import decompress_residuals_ref, maxsim_residual_ref
 from fusedmaxsim.testing import assert_close_to_reference
 
 pytestmark = pytest.mark.gpu
@@ -52,3 +60,139 @@ def test_residual_has_no_host_synchronization():
         maxsim_residual(Q, codes, residuals, lengths, centroids, weights, 2).sum().backward()
 
     assert_no_host_synchronization(calls)
+
+
+def _packed(Nd, max_len, d, nbits, n_centroids=4096, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    lengths = torch.randint(0, max_len + 1, (Nd,), device="cuda", generator=gen)
+    lengths[0] = 0
+    T = int(lengths.sum())
+    codes = torch.randint(0, n_centroids, (T,), device="cuda", generator=gen)
+    residuals = torch.randint(0, 256, (T, d * nbits // 8), device="cuda", dtype=torch.uint8,
+                              generator=gen)
+    centroids = torch.randn(n_centroids, d, device="cuda", generator=gen).half()
+    weights = torch.randn(1 << nbits, device="cuda", generator=gen) * 0.1
+    cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    return codes, residuals, cu, centroids, weights, lengths
+
+
+def _padded(codes, residuals, cu, lengths):
+    Ld = int(lengths.max())
+    pos = torch.arange(Ld, device="cuda")
+    valid = pos < lengths[:, None]
+    rows = torch.where(valid, cu[:-1, None] + pos, 0)
+    return codes[rows], residuals[rows]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("nbits", [2, 4])
+def test_varlen_parity_on_cuda(dtype, nbits):
+    codes, residuals, cu, centroids, weights, lengths = _packed(57, 180, 128, nbits)
+    pc, pr = _padded(codes, residuals, cu, lengths)
+    Q = torch.randn(6, 32, 128, device="cuda", dtype=dtype, requires_grad=True)
+    q_mask = masks_with_holes((6, 32), "cuda")
+    Q64 = Q.detach().double().requires_grad_()
+    out = maxsim_residual_varlen(Q, codes, residuals, cu, centroids, weights, nbits,
+                                 q_mask=q_mask)
+    ref = maxsim_residual_ref(Q64, pc, pr, lengths, centroids, weights, nbits, q_mask=q_mask)
+    assert_close_to_reference(out, ref, BOUNDS[dtype], "scores")
+    g = torch.randn_like(out)
+    gq, = torch.autograd.grad(out, Q, g)
+    rq, = torch.autograd.grad(ref, Q64, g.double())
+    assert_close_to_reference(gq, rq, BOUNDS[dtype], "grad_Q")
+
+
+def _compiled(kernel) -> int:
+    return sum(len(cache[0]) for cache in kernel.device_caches.values())
+
+
+def test_varlen_compiles_once_and_never_synchronizes():
+    """Inference on GPU offsets without max_seqlen_d: no synchronization, and a batch whose
+    longest document differs compiles nothing new."""
+    Q = torch.randn(4, 32, 128, device="cuda", dtype=torch.float16)
+    first = _packed(40, 70, 128, 2, seed=1)
+    second = _packed(33, 300, 128, 2, seed=2)
+    with torch.no_grad():
+        maxsim_residual_varlen(Q, *first[:5], 2)
+        before = _compiled(_maxsim_residual_fwd_kernel)
+        maxsim_residual_varlen(Q, *second[:5], 2)
+        assert _compiled(_maxsim_residual_fwd_kernel) == before
+
+    def calls():
+        with torch.no_grad():
+            maxsim_residual_varlen(Q, *second[:5], 2)
+
+    assert_no_host_synchronization(calls)
+
+
+FIXTURE = Path(__file__).parent / "fixtures" / "fast_plaid"
+
+
+def _check_against(answers_results, settings, index, Q, q_mask):
+    for name, results in answers_results.items():
+        kw = settings[name]
+        scores, ids = index.search(Q, kw["top_k"], n_probe=kw["n_ivf_probe"],
+                                   n_candidates=kw["n_full_scores"], q_mask=q_mask)
+        for q, theirs in enumerate(results):
+            n = len(theirs["ids"])
+            assert set(ids[q, :n].tolist()) == set(theirs["ids"]), (name, q)
+            by_id = dict(zip(theirs["ids"], theirs["scores"]))
+            for s, j in zip(scores[q, :n].tolist(), ids[q, :n].tolist()):
+                assert abs(s - by_id[j]) <= 1e-3 * max(1.0, abs(by_id[j])), (name, q, j)
+
+
+@pytest.mark.parametrize("nbits", [2, 4])
+def test_search_on_cuda_finds_fast_plaids_documents(nbits):
+    index = load(FIXTURE / f"nbits{nbits}", device="cuda")
+    answers = json.loads((FIXTURE / f"nbits{nbits}" / "answers.json").read_text())
+    Q = torch.from_numpy(np.load(FIXTURE / "queries.npy")).cuda()
+    lengths = torch.tensor(json.loads((FIXTURE / "query_lengths.json").read_text()))
+    q_mask = (torch.arange(Q.shape[1])[None] < lengths[:, None]).cuda()
+    _check_against(answers["results"], answers["settings"], index, Q, q_mask)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("fast_plaid") is None,
+                    reason="fast-plaid is not installed (its wheels exist for torch 2.11 only)")
+@pytest.mark.parametrize("nbits", [2, 4])
+def test_search_equals_fast_plaid_on_an_index_it_builds(tmp_path, nbits):
+    from fast_plaid import search as fp_search
+    gen = torch.Generator().manual_seed(nbits)
+    topics = torch.nn.functional.normalize(torch.randn(64, 128, generator=gen), dim=-1)
+    docs = []
+    for _ in range(600):
+        n = int(torch.randint(20, 120, (1,), generator=gen))
+        t = topics[torch.randint(0, 64, (n,), generator=gen)] + 0.3 * torch.randn(
+            n, 128, generator=gen)
+        docs.append(torch.nn.functional.normalize(t, dim=-1).cuda())
+    Q = topics[torch.randint(0, 64, (16, 32), generator=gen)]
+    Q = torch.nn.functional.normalize(Q + 0.4 * torch.randn(Q.shape, generator=gen), dim=-1)
+    Q = Q.half().cuda()
+    theirs = fp_search.FastPlaid(index=str(tmp_path / "index"), device="cuda:0")
+    theirs.create(documents_embeddings=docs, nbits=nbits, seed=0)
+    index = load(tmp_path / "index", device="cuda")
+    settings = {"default": {"top_k": 10, "n_ivf_probe": 8, "n_full_scores": 4096},
+                "pruned": {"top_k": 10, "n_ivf_probe": 4, "n_full_scores": 128}}
+    results = {}
+    for name, kw in settings.items():
+        found = theirs.search(queries_embeddings=Q.float(), show_progress=False, **kw)
+        results[name] = [{"ids": [i for i, _ in r], "scores": [s for _, s in r]} for r in found]
+    _check_against(results, settings, index, Q, None)
+    theirs.close()
+
+
+def test_search_from_tensors_on_cuda_is_exact_when_exhaustive():
+    codes, residuals, cu, centroids, weights, lengths = _packed(300, 90, 128, 4, n_centroids=64)
+    index = PlaidIndex.from_tensors(centroids.float(), weights, 4, codes, residuals, lengths)
+    Q = torch.randn(8, 32, 128, device="cuda")
+    scores, ids = index.search(Q, 10, n_probe=64, n_candidates=4 * 300)
+    pc, pr = _padded(codes, residuals, cu, lengths)
+    D = decompress_residuals_ref(pc, pr, centroids.float(), weights, 4).double()
+    D = D / D.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    valid = torch.arange(pc.shape[1], device="cuda") < lengths[:, None]
+    sim = torch.einsum("qsd,jtd->qjst", Q.double(), D).masked_fill(~valid[None, :, None], -1e9)
+    ref = sim.max(-1).values.sum(-1)
+    ref[:, lengths == 0] = float("-inf")  # an empty document is in no inverted list
+    top = ref.topk(10, dim=1)
+    assert torch.equal(ids, top.indices)
+    assert_close_to_reference(scores, top.values, 1e-5, "scores")
+    assert index.score(Q).shape == (8, 300)

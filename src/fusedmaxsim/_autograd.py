@@ -28,7 +28,7 @@ from torch import Tensor
 from . import _torch_path
 from ._plan import argmax_dtype, plan_backward, plan_forward
 from ._problem import (
-    RESIDUAL, Options, Problem, RaggedLayout, ResidualDocs, dense_problem, options_for,
+    RESIDUAL_LAYOUTS, Options, Problem, RaggedLayout, ResidualDocs, dense_problem, options_for,
     packed_problem,
 )
 
@@ -60,14 +60,16 @@ def _launch():
 def run_forward(p: Problem, o: Options, Q, D, q_mask, d_mask, q_inv, d_inv,
                 layout: RaggedLayout | ResidualDocs | None = None) -> tuple[Tensor, Tensor]:
     """Scores and what the backward reads (a shared empty tensor when ``p.save_argmax`` is off).
-    ``layout``: the packed layouts' :class:`RaggedLayout`, or the residual layout's documents
-    (then ``D`` is unused)."""
+    ``layout``: the packed layouts' :class:`RaggedLayout`, or the residual layouts' documents
+    (then ``D`` is unused; the queries are normalized where ``q_inv`` is given, the documents'
+    tokens where ``p.normalize``)."""
     plan = plan_forward(p, o)
-    if p.layout == RESIDUAL:
+    if p.layout in RESIDUAL_LAYOUTS:
         if plan.kernel == "torch":
             return _torch_path.residual_fwd_torch(plan.blocks, plan.doc_major, Q, layout, q_mask,
                                                   q_inv, p.normalize, p.save_argmax)
-        return _launch()[0].forward_residual(plan, p, o.fp32_precision, Q, layout, q_mask)
+        return _launch()[0].forward_residual(plan, p, o.fp32_precision, Q, layout, q_mask,
+                                             q_inv is not None)
     if plan.kernel == "torch":
         if layout is not None:
             return _torch_path.packed_fwd_torch(layout, Q, D, q_mask, d_mask, q_inv, d_inv,
@@ -87,7 +89,7 @@ def run_backward(p: Problem, o: Options, strategy: str, grad: Tensor, Q, D, save
     """``(grad_Q, grad_D)`` with respect to the (normalized) tokens; an unneeded one is an empty
     tensor. ``d_mask`` is read only by the smooth max, whose backward recomputes the
     similarities."""
-    if p.layout == RESIDUAL:  # the index is frozen: grad_Q only
+    if p.layout in RESIDUAL_LAYOUTS:  # the index is frozen: grad_Q only
         return _torch_path.residual_bwd_torch(plan_forward(p, o).blocks, grad, Q, layout, saved,
                                               q_inv, p.normalize, p.normalize,
                                               o.torch_block_bytes)
@@ -507,3 +509,51 @@ def scores_residual(p: Problem, o: Options, Q: Tensor, docs: ResidualDocs, q_mas
     return MaxSimFunction.apply(Q, docs.codes, _Call(p, o, "auto", q_mask, None, q_inv, None,
                                                      docs))
 
+
+# ------------------------------------------------------------------------------------------------
+# PLAID approximate scores (plaid_approx_score, and the search pipeline's pruning step)
+# ------------------------------------------------------------------------------------------------
+
+from ._plan import plan_approx
+from ._problem import approx_problem, check_approx_internal
+
+_approx_launcher = None
+
+
+def approx_scores(cs: Tensor, codes: Tensor, starts: Tensor, lengths: Tensor,
+                  doc_ids: Tensor | None = None) -> Tensor:
+    """PLAID's approximate (IVF pruning) scores, no autograd: ``score[q, j] = Σ_s max_{t <
+    lengths[j]} cs[q, codes[starts[j] + t], s]``, the max exact, the sum in fp32 (float64 for
+    float64 ``cs``); a query token whose max is -inf adds 0 (an empty document scores 0).
+
+    Args:
+        cs: ``[Nq, n_centroids, Lq]`` float centroid scores, any strides.
+        codes: ``[T]`` int64 or int32 centroid ids, every document's back to back.
+        starts: ``[Nd]`` int64, the first token of each document in ``codes``.
+        lengths: ``[Nd]`` integers, each document's tokens.
+        doc_ids: optional ``[Nq, C]`` int64, each query's candidate documents; an id < 0 is "no
+            candidate" and scores -inf.
+
+    Returns ``[Nq, C]`` (``[Nq, Nd]`` without ``doc_ids``) fp32. Nothing is checked by value
+    and nothing synchronizes on the Triton path: a document whose range leaves ``codes``, a
+    candidate id ``>= Nd``, or an id outside ``[0, n_centroids)`` in a document's tokens scores
+    NaN, never a read out of bounds. The plan (``_plan.plan_approx``) picks the Triton kernel on
+    CUDA, the PyTorch path elsewhere, or as forced (``forced_plan(kernel="torch")``)."""
+    global _approx_launcher
+    if torch.compiler.is_compiling():
+        raise NotImplementedError(
+            "fusedmaxsim's PLAID approximate scores do not run under torch.compile yet; call "
+            "them outside the compiled function")
+    check_approx_internal(cs, codes, starts, lengths, doc_ids)
+    n_cols = starts.shape[0] if doc_ids is None else doc_ids.shape[1]
+    o = options_for(cs)
+    plan = plan_approx(approx_problem(cs, n_cols, doc_ids is not None), o)
+    if plan.kernel == "torch":
+        return _torch_path.approx_scores_torch(plan.torch_block_elems, cs, codes, starts, lengths,
+                                               doc_ids)
+    if _approx_launcher is None:  # imported on first use: the PyTorch path never imports Triton
+        from ._launch.approx import approx_scores as _approx_launcher
+    return _approx_launcher(plan, cs, codes, starts, lengths, doc_ids)
+
+
+__all__ += ["approx_scores"]

@@ -27,7 +27,10 @@ from collections.abc import Iterator
 import torch
 
 from . import settings
-from ._problem import CANDIDATES, CROSS, PAIRS, PACKED, RESIDUAL, Options, Problem
+from ._problem import (
+    CANDIDATES, CROSS, PAIRS, PACKED, RESIDUAL, RESIDUAL_CANDIDATES, RESIDUAL_LAYOUTS, Options,
+    Problem,
+)
 
 __all__ = [
     "BackwardPlan", "BwdConfig", "ForwardPlan", "FwdConfig", "HopperTiles", "MEASURED",
@@ -544,11 +547,13 @@ def _plan_torch_forward(p: Problem, o: Options) -> ForwardPlan:
     elem_bytes = 8 if p.dtype == torch.float64 else 4  # the compute dtype's
     # A residual block's documents are decompressed first: a bucket index, a centroid row and
     # their sum a value, about three document copies.
-    doc_dim = 3 * p.dim if p.layout == RESIDUAL else p.dim
-    blocks = plan_blocks(p.Nq, p.Ncols, p.Lq, p.Ld, doc_dim, p.layout == CANDIDATES,
+    residual = p.layout in RESIDUAL_LAYOUTS
+    doc_dim = 3 * p.dim if residual else p.dim
+    blocks = plan_blocks(p.Nq, p.Ncols, p.Lq, p.Ld, doc_dim,
+                         p.layout in (CANDIDATES, RESIDUAL_CANDIDATES),
                          o.torch_block_bytes // elem_bytes)
     reasons = ["backend: the PyTorch path" + (
-                   ", each block of documents decompressed first" if p.layout == RESIDUAL else ""),
+                   ", each block of documents decompressed first" if residual else ""),
                f"blocks: {blocks[0]} queries × {blocks[1]} columns × {blocks[2]} query tokens"]
     doc_major = _forced.get("doc_major")
     if doc_major is not None:
@@ -573,8 +578,8 @@ def _plan_residual_forward(p: Problem, o: Options) -> ForwardPlan:
     if _forced.get("kernel") == "torch":
         return ForwardPlan("torch", blocks=blocks,
                            reasons=("kernel: forced", "residual layout: the PyTorch path"))
-    cfg = _forced.get("fwd_tiles") or fwd_heuristic(max(p.Lq, 1), p.dim, max(p.Nq, 1), False,
-                                                     p.dtype.itemsize)
+    cfg = _forced.get("fwd_tiles") or fwd_heuristic(
+        max(p.Lq, 1), p.dim, max(p.Nq, 1), p.layout == RESIDUAL_CANDIDATES, p.dtype.itemsize)
     return ForwardPlan("triton", cfg, blocks=blocks, reasons=(
         "residual layout: the Triton forward, each document tile decompressed on chip",
         f"tiles: the cross product's for Lq={p.Lq} ({cfg})"))
@@ -583,7 +588,7 @@ def _plan_residual_forward(p: Problem, o: Options) -> ForwardPlan:
 def _plan_forward(p: Problem, o: Options) -> ForwardPlan:
     if o.backend == "torch":
         return _plan_torch_forward(p, o)
-    if p.layout == RESIDUAL:
+    if p.layout in RESIDUAL_LAYOUTS:
         return _plan_residual_forward(p, o)
     forced_kernel = _forced.get("kernel")
     packed = p.layout in (PACKED, PAIRS)
@@ -851,7 +856,7 @@ def _plan_backward(p: Problem, o: Options, need_q: bool, need_d: bool, strategy:
                    deterministic: bool) -> BackwardPlan:
     strategy, why = resolve_strategy(p, strategy, deterministic)
     reasons = [why]
-    if o.backend == "torch" or p.layout == RESIDUAL:
+    if o.backend == "torch" or p.layout in RESIDUAL_LAYOUTS:
         return BackwardPlan("torch", strategy, reasons=(*reasons, "kernel: the PyTorch path"))
     per_query_docs = p.layout in (CANDIDATES, PAIRS)
     Lq = max(p.Lq, 1)
@@ -984,3 +989,118 @@ def explain_plans(p: Problem, o: Options, strategy: str = "auto") -> str:
             lines.append(f"  tiles: {bwd.tiles}")
         lines += [f"  - {r}" for r in bwd.reasons]
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# PLAID approximate scores (plaid_approx_score): tiles of the gather kernel, or the PyTorch path
+# ------------------------------------------------------------------------------------------------
+
+from ._problem import APPROX_CANDIDATES
+
+# Not measured yet (no GPU run of the approx kernel so far; the interpreter's are small so that
+# tests cross tiles and query chunks). A program's [tokens, queries · query tokens] tile of
+# gathered centroid scores holds about APPROX_TILE_ELEMS values; its columns are at most
+# APPROX_MAX_COLUMNS (queries sharing a program, each padded to its chunk of at most
+# APPROX_MAX_LQ_TILE query tokens); its tokens between APPROX_BLOCK_T's bounds.
+MEASURED.update({
+    "APPROX_TILE_ELEMS": 256 if INTERPRETER else 4096,
+    "APPROX_MAX_COLUMNS": 32 if INTERPRETER else 256,
+    "APPROX_MAX_LQ_TILE": 16 if INTERPRETER else 128,
+    "APPROX_BLOCK_T": (8, 128) if INTERPRETER else (16, 128),
+})
+# approx_tiles: an ApproxTiles; approx_launch_queries: queries a launch of the approx kernel.
+FORCIBLE = FORCIBLE | {"approx_tiles", "approx_launch_queries"}
+
+MAX_PROGRAMS = 2**31 - 1  # CUDA's limit on a grid's first axis
+
+
+@dataclasses.dataclass(frozen=True)
+class ApproxTiles:
+    """The approx kernel's tiles: ``lq_tile`` query tokens a chunk (a power of two; longer
+    queries are walked in chunks by a run-time loop), ``queries_per_block`` queries a program
+    (1 for per-query candidates), ``block_t`` document tokens a step."""
+
+    lq_tile: int
+    queries_per_block: int
+    block_t: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ApproxPlan:
+    """How ``plaid_approx_score`` runs. ``kernel``: ``"triton"`` (``kernels.approx``) or
+    ``"torch"`` (``_torch_path.approx_scores_torch``); ``tiles``: the kernel's;
+    ``launch_queries``: queries a launch (its 1-D grid stays within CUDA's limit);
+    ``torch_block_elems``: the PyTorch path's bound on the centroid scores gathered at a time."""
+
+    kernel: str
+    tiles: ApproxTiles | None = None
+    launch_queries: int = 1
+    torch_block_elems: int = 0
+    reasons: tuple[str, ...] = ()
+
+
+def approx_tiles(Lq: int, Nq: int, candidates: bool, interp: bool = INTERPRETER) -> ApproxTiles:
+    """The approx kernel's tiles for a query-length bucket (not measured; see MEASURED): the
+    whole query a chunk up to ``APPROX_MAX_LQ_TILE`` tokens, as many queries a program as
+    ``APPROX_MAX_COLUMNS`` allows (the cross product: a document's ids are then read once for
+    them all), tokens filling ``APPROX_TILE_ELEMS``."""
+    lq_tile = min(max(4, pow2(Lq)), _measured("APPROX_MAX_LQ_TILE"))
+    qpb = 1
+    if not candidates:
+        qpb = min(pow2(max(Nq, 1)), max(1, _measured("APPROX_MAX_COLUMNS") // lq_tile))
+    low, high = _measured("APPROX_BLOCK_T")
+    block_t = min(high, max(low, _measured("APPROX_TILE_ELEMS") // (qpb * lq_tile)))
+    return ApproxTiles(lq_tile, qpb, block_t, 4, 1 if interp else 2)
+
+
+def _plan_approx(p: Problem, o: Options) -> ApproxPlan:
+    # The PyTorch path's gathered scores, in the compute dtype.
+    budget = max(1, o.torch_block_bytes // (8 if p.dtype == torch.float64 else 4))
+    forced = _forced.get("kernel")
+    if o.backend == "torch" or forced == "torch":
+        why = "kernel: forced" if o.backend != "torch" else "backend: the PyTorch path"
+        return ApproxPlan("torch", torch_block_elems=budget, reasons=(
+            why, f"blocks of documents of at most {budget} gathered centroid scores"))
+    candidates = p.layout == APPROX_CANDIDATES
+    tiles = _forced.get("approx_tiles")
+    reasons = ["kernel: the Triton gather kernel (kernels.approx)"]
+    if tiles is None:
+        # The tiles depend on the query-length bucket and (cross product) on Nq up to a block.
+        tiles = approx_tiles(max(p.Lq, 1), p.Nq, candidates)
+        reasons.append(f"tiles: for Lq={p.Lq}, "
+                       f"{'per-query candidates' if candidates else f'Nq={p.Nq}'}")
+    else:
+        reasons.append("tiles: forced")
+    launch = _forced.get("approx_launch_queries")
+    if launch is None:
+        # Programs: the queries' candidates, or the documents for each block of queries.
+        launch = MAX_PROGRAMS // max(1, p.Ncols)
+        if not candidates:
+            launch *= tiles.queries_per_block
+    launch = max(1, launch)
+    reasons.append(f"{launch} queries a launch (1-D grid of at most {MAX_PROGRAMS} programs)")
+    return ApproxPlan("triton", tiles, launch, budget, tuple(reasons))
+
+
+_approx_plans: dict = {}
+
+
+def plan_approx(p: Problem, o: Options) -> ApproxPlan:
+    """The plan of a PLAID approximate score (``p.layout`` ``approx`` or ``approx candidates``),
+    cached on ``(p, o)`` (not while decisions are forced); ``recording()`` collects it."""
+    if _forced:
+        plan = _plan_approx(p, o)
+    else:
+        plan = _approx_plans.get((p, o))
+        if plan is None:
+            if len(_approx_plans) >= 4096:
+                _approx_plans.clear()
+            plan = _approx_plans[p, o] = _plan_approx(p, o)
+    if _recording is not None:
+        _recording.append((p, plan))
+    return plan
+
+
+__all__ += ["ApproxPlan", "ApproxTiles", "approx_tiles", "plan_approx"]

@@ -15,7 +15,10 @@ Layouts
   ``Ld`` the promised maxima; ``Ncols`` the documents of the range.
 * ``pairs``: a pair list over packed sequences; ``Ncols`` the number of pairs.
 * ``residual``: ``Q [Nq, Lq, d]`` against every document of a PLAID (ColBERTv2) index, each token
-  stored as a centroid id and ``nbits``-bit residual codes (:class:`ResidualDocs`): ``Ncols = Nd``.
+  stored as a centroid id and ``nbits``-bit residual codes (:class:`ResidualDocs`): ``Ncols = Nd``;
+  ``Ld`` a bound on the documents' lengths.
+* ``residual candidates``: the same, each query against its own candidate documents of the index
+  (``ResidualDocs.doc_ids [Nq, C]``, the search's rerank): ``Ncols = C``.
 
 Every error names the argument and the shapes, and is raised before anything is launched.
 """
@@ -34,6 +37,8 @@ from torch import Tensor
 from . import settings
 
 CROSS, CANDIDATES, PACKED, PAIRS, RESIDUAL = "cross", "candidates", "packed", "pairs", "residual"
+RESIDUAL_CANDIDATES = "residual candidates"
+RESIDUAL_LAYOUTS = (RESIDUAL, RESIDUAL_CANDIDATES)
 
 
 class Problem(NamedTuple):
@@ -129,11 +134,11 @@ def residual_problem(docs: ResidualDocs, Q: Tensor, q_mask, *, normalize: bool,
                      save_argmax: bool) -> Problem:
     """The :class:`Problem` of ``Q [Nq, Lq, d]`` against the compressed documents ``docs``: the
     documents' dtype is the centroids', promoted with the queries' (the similarities are fp32, or
-    float64 for float64)."""
+    float64 for float64); ``Ld`` the bound on their lengths."""
     Nq, Lq, dim = Q.shape
-    Nd, Ld = docs.codes.shape
     return Problem(
-        RESIDUAL, Nq, Nd, Lq, Ld, dim, torch.promote_types(Q.dtype, docs.centroids.dtype),
+        RESIDUAL if docs.doc_ids is None else RESIDUAL_CANDIDATES, Nq, docs.n_cols, Lq,
+        docs.codes.shape[0] if docs.max_len is None else docs.max_len, dim, torch.promote_types(Q.dtype, docs.centroids.dtype),
         Q.device, q_mask is not None, True, normalize, False, 0.0, save_argmax, False,
     )
 
@@ -688,32 +693,37 @@ BIT_ORDERS = ("big", "little")
 
 
 class ResidualDocs(NamedTuple):
-    """Documents of a PLAID (ColBERTv2) index, compressed: token ``t`` of document ``j`` is
-    ``centroids[codes[j, t]] + bucket_weights[b]`` per dimension, ``b`` that dimension's
-    ``nbits``-bit code in ``residuals[j, t]`` (``fusedmaxsim.plaid.decompress_residuals``).
-    ``lengths`` are on the tokens' device; ``checked``: whether they and the codes were found in
-    range (otherwise a document with a length or code out of range scores NaN)."""
+    """Documents of a PLAID (ColBERTv2) index, compressed and packed: token ``t`` of document
+    ``j`` is row ``starts[j] + t`` of ``codes`` / ``residuals``, ``centroids[code] +
+    bucket_weights[b]`` per dimension, ``b`` that dimension's ``nbits``-bit code in the residual
+    row (``fusedmaxsim.plaid.decompress_residuals``). Padded documents ``[Nd, Ld]`` are the
+    packed rows with ``starts = j · Ld``. The columns of the scores are the documents, or, with
+    ``doc_ids [Nq, C]``, each query's own candidates (an id < 0: no candidate, scored -inf).
+    Index tensors are on the tokens' device; ``checked``: whether the lengths, offsets and codes
+    were found in range (otherwise a document out of range scores NaN, never read out of
+    bounds)."""
 
-    codes: Tensor  # [Nd, Ld] integers in [0, n_centroids)
-    residuals: Tensor  # [Nd, Ld, ceil(d · nbits / 8)] uint8
-    lengths: Tensor  # [Nd] integers in [0, Ld]
+    codes: Tensor  # [T] integers in [0, n_centroids)
+    residuals: Tensor  # [T, ceil(d · nbits / 8)] uint8
+    starts: Tensor  # [Nd] int64: each document's first row
+    lengths: Tensor  # [Nd] integers in [0, max_len], starts + lengths <= T
+    max_len: int | None  # a bound on the lengths (padded extent, longest document), or unknown
+    doc_ids: Tensor | None  # [Nq, C] int64: per-query candidate documents, or every document
     centroids: Tensor  # [n_centroids, d] float
     bucket_weights: Tensor  # [2 ** nbits] float
     nbits: int
     bit_order: str  # "big" (fast-plaid, ColBERT) or "little"
     checked: bool
 
+    @property
+    def n_cols(self) -> int:
+        return self.starts.shape[0] if self.doc_ids is None else self.doc_ids.shape[1]
 
-def check_residual(Q: object, codes: object, residuals: object, doc_lengths: object,
-                   centroids: object, bucket_weights: object, nbits: object, bit_order: object,
-                   q_mask: object, validate: bool | None) -> tuple[Tensor, Tensor | None,
-                                                                    ResidualDocs, bool]:
-    """Check ``maxsim_residual``'s arguments: ``(Q [Nq, Lq, d], q_mask, docs, squeeze_q)``.
-    Shapes, dtypes and devices always; the ranges of the lengths and codes where they are on the
-    CPU (unless ``validate=False``) or with ``validate=True`` (one synchronization)."""
-    Q = _check_float("Q", Q)
-    if Q.dim() not in (2, 3):
-        raise ValueError(f"Q must be [Lq, d] or [Nq, Lq, d], got shape {_shape(Q)}")
+
+def _check_residual_codec(Q: Tensor, centroids: object, bucket_weights: object, nbits: object,
+                          bit_order: object, residuals: object, rows: tuple[int, ...],
+                          rows_name: str) -> tuple[Tensor, Tensor]:
+    """The codec's arguments and the residuals' shape ``[*rows, ceil(d · nbits / 8)]``."""
     if isinstance(nbits, bool) or nbits not in NBITS:
         raise ValueError(f"nbits must be one of {NBITS}, got {nbits!r}")
     if bit_order not in BIT_ORDERS:
@@ -728,45 +738,295 @@ def check_residual(Q: object, codes: object, residuals: object, doc_lengths: obj
         raise ValueError(
             f"bucket_weights must be [2 ** nbits] = ({1 << nbits},) for nbits={nbits}, got "
             f"{_shape(bucket_weights)}")
-    if not isinstance(codes, Tensor) or codes.dtype.is_floating_point or codes.dtype.is_complex \
-            or codes.dtype == torch.bool:
-        raise TypeError(f"codes must be an integer torch.Tensor, got "
-                        f"{getattr(codes, 'dtype', type(codes).__name__)}")
-    if codes.dim() != 2:
-        raise ValueError(f"codes must be [Nd, Ld] (a centroid id per token), got {_shape(codes)}")
     if not isinstance(residuals, Tensor) or residuals.dtype != torch.uint8:
         raise TypeError(f"residuals must be a torch.uint8 tensor, got "
                         f"{getattr(residuals, 'dtype', type(residuals).__name__)}")
     packed_dim = -(-Q.shape[-1] * nbits // 8)
-    if _shape(residuals) != (*_shape(codes), packed_dim):
+    if _shape(residuals) != (*rows, packed_dim):
         raise ValueError(
-            f"residuals must be [Nd, Ld, ceil(d * nbits / 8)] = {(*_shape(codes), packed_dim)} "
-            f"for codes {_shape(codes)}, d = {Q.shape[-1]} and nbits = {nbits}, got "
-            f"{_shape(residuals)}")
-    for name, t in (("codes", codes), ("residuals", residuals), ("centroids", centroids),
-                    ("bucket_weights", bucket_weights)):
-        if t.device != Q.device:
-            raise ValueError(f"{name} is on {t.device} but Q is on {Q.device}: every tensor must "
-                             "be on the same device")
-    Nd, Ld = codes.shape
-    lengths = _check_lengths("doc_lengths", doc_lengths, (Nd,), Q.device)
+            f"residuals must be {rows_name[:-1]}, ceil(d * nbits / 8)] = {(*rows, packed_dim)} "
+            f"for codes {rows}, d = {Q.shape[-1]} and nbits = {nbits}, got {_shape(residuals)}")
+    return centroids, bucket_weights
+
+
+def _check_codes(codes: object, dims: int, what: str) -> Tensor:
+    if not isinstance(codes, Tensor) or codes.dtype.is_floating_point or codes.dtype.is_complex \
+            or codes.dtype == torch.bool:
+        raise TypeError(f"codes must be an integer torch.Tensor, got "
+                        f"{getattr(codes, 'dtype', type(codes).__name__)}")
+    if codes.dim() != dims:
+        raise ValueError(f"codes must be {what} (a centroid id per token), got {_shape(codes)}")
+    return codes
+
+
+def _check_residual_query(Q: object, q_mask: object) -> tuple[Tensor, Tensor | None, bool]:
+    Q = _check_float("Q", Q)
+    if Q.dim() not in (2, 3):
+        raise ValueError(f"Q must be [Lq, d] or [Nq, Lq, d], got shape {_shape(Q)}")
     squeeze_q = Q.dim() == 2
     if squeeze_q:
         Q = Q.unsqueeze(0)
     if q_mask is not None:
         q_mask = _check_mask("q_mask", q_mask, _shape(Q)[:-1], "Q", Q.device, dims="[Nq, Lq]")
+    return Q, q_mask, squeeze_q
+
+
+def _same_device(Q: Tensor, **tensors: Tensor) -> None:
+    for name, t in tensors.items():
+        if t.device != Q.device:
+            raise ValueError(f"{name} is on {t.device} but Q is on {Q.device}: every tensor must "
+                             "be on the same device")
+
+
+def _check_code_range(codes: Tensor, n_centroids: int) -> None:
+    if codes.numel():
+        lo, hi = torch.stack([codes.min(), codes.max()]).tolist()
+        if lo < 0 or hi >= n_centroids:
+            raise ValueError(
+                f"codes must be centroid ids in [0, {n_centroids}) (the rows of centroids), got "
+                f"values in [{lo}, {hi}]")
+
+
+def _checks_ranges(validate: bool | None, *tensors: Tensor) -> bool:
+    """``validate=None``: check tensors that all live on the CPU (no synchronization)."""
+    return validate is True or (validate is None and all(t.device.type == "cpu" for t in tensors))
+
+
+def check_residual(Q: object, codes: object, residuals: object, doc_lengths: object,
+                   centroids: object, bucket_weights: object, nbits: object, bit_order: object,
+                   q_mask: object, validate: bool | None) -> tuple[Tensor, Tensor | None,
+                                                                    ResidualDocs, bool]:
+    """Check ``maxsim_residual``'s arguments: ``(Q [Nq, Lq, d], q_mask, docs, squeeze_q)``.
+    Shapes, dtypes and devices always; the ranges of the lengths and codes where they are on the
+    CPU (unless ``validate=False``) or with ``validate=True`` (one synchronization)."""
+    Q, q_mask, squeeze_q = _check_residual_query(Q, q_mask)
+    codes = _check_codes(codes, 2, "[Nd, Ld]")
+    centroids, bucket_weights = _check_residual_codec(
+        Q, centroids, bucket_weights, nbits, bit_order, residuals, _shape(codes),
+        "[Nd, Ld]")
+    _same_device(Q, codes=codes, residuals=residuals, centroids=centroids,
+                 bucket_weights=bucket_weights)
+    Nd, Ld = codes.shape
+    lengths = _check_lengths("doc_lengths", doc_lengths, (Nd,), Q.device)
     validate = _check_validate(validate)
-    checked = validate is True or (validate is None and Q.device.type == "cpu"
-                                   and lengths.device.type == "cpu")
+    checked = _checks_ranges(validate, Q, lengths)
     if checked:
         _length_range_errors("doc_lengths", lengths, Ld)
-        if codes.numel():
-            lo, hi = torch.stack([codes.min(), codes.max()]).tolist()
-            if lo < 0 or hi >= centroids.shape[0]:
-                raise ValueError(
-                    f"codes must be centroid ids in [0, {centroids.shape[0]}) (the rows of "
-                    f"centroids), got values in [{lo}, {hi}]")
-    docs = ResidualDocs(codes, residuals, _to_device(lengths, Q.device), centroids,
+        _check_code_range(codes, centroids.shape[0])
+    starts = torch.arange(Nd, device=Q.device, dtype=torch.int64) * Ld
+    docs = ResidualDocs(codes.reshape(Nd * Ld), residuals.reshape(Nd * Ld, residuals.shape[-1]),
+                        starts, _to_device(lengths, Q.device), Ld, None, centroids,
                         bucket_weights, nbits, bit_order, checked)
     return Q, q_mask, docs, squeeze_q
 
+
+def check_residual_varlen(Q: object, codes: object, residuals: object, cu_seqlens_d: object,
+                          centroids: object, bucket_weights: object, nbits: object,
+                          bit_order: object, q_mask: object, max_seqlen_d: object,
+                          validate: bool | None, need_max_len: bool) -> tuple[
+                              Tensor, Tensor | None, ResidualDocs, bool]:
+    """Check ``maxsim_residual_varlen``'s arguments (packed documents: ``codes [T]``,
+    ``residuals [T, packed_dim]``, document ``j`` the rows ``[cu_seqlens_d[j],
+    cu_seqlens_d[j + 1])``; rows past ``cu_seqlens_d[-1]`` are ignored). The offsets' and codes'
+    values as :func:`check_residual` checks the lengths'. The longest document is read from the
+    offsets where they are on the CPU, or on another device than CUDA, or with ``need_max_len``
+    (one synchronization on a GPU); otherwise it stays unknown (the kernel bounds each document by
+    the rows)."""
+    Q, q_mask, squeeze_q = _check_residual_query(Q, q_mask)
+    codes = _check_codes(codes, 1, "[T]")
+    centroids, bucket_weights = _check_residual_codec(
+        Q, centroids, bucket_weights, nbits, bit_order, residuals, _shape(codes),
+        "[T]")
+    _same_device(Q, codes=codes, residuals=residuals, centroids=centroids,
+                 bucket_weights=bucket_weights)
+    cu = _check_offsets("cu_seqlens_d", cu_seqlens_d, Q.device)
+    max_len = _check_max_seqlen("max_seqlen_d", max_seqlen_d)
+    validate = _check_validate(validate)
+    checked = _checks_ranges(validate, Q, cu)
+    T = codes.shape[0]
+    if checked or (max_len is None and (cu.device.type == "cpu" or Q.device.type != "cuda"
+                                        or need_max_len)):
+        first, last, shortest, longest = _offset_facts(cu).tolist()
+        if checked:
+            if first != 0:
+                raise ValueError(f"cu_seqlens_d must start at 0, got cu_seqlens_d[0] = {first}")
+            if shortest < 0:
+                raise ValueError("cu_seqlens_d must be non-decreasing (every length >= 0); it "
+                                 f"holds a length of {shortest}")
+            if last > T:
+                raise ValueError(f"cu_seqlens_d must end within the {T} rows of codes, got "
+                                 f"cu_seqlens_d[-1] = {last}")
+            if max_len is not None and longest > max_len:
+                raise ValueError(f"max_seqlen_d={max_len} is below the longest document in "
+                                 f"cu_seqlens_d ({longest} tokens)")
+            _check_code_range(codes[:last], centroids.shape[0])
+        if max_len is None:
+            max_len = max(0, longest)
+    cu = _to_device(cu, Q.device).long()
+    docs = ResidualDocs(codes, residuals, cu[:-1], cu[1:] - cu[:-1], max_len, None, centroids,
+                        bucket_weights, nbits, bit_order, checked)
+    return Q, q_mask, docs, squeeze_q
+
+
+# ------------------------------------------------------------------------------------------------
+# PLAID approximate scores (fusedmaxsim.plaid.plaid_approx_score): the IVF pruning score
+# ------------------------------------------------------------------------------------------------
+# Two layouts, the Problem's other fields unused (``Ld`` and ``dim`` are 0: each document's length
+# is read as the kernel runs, and the centroids' count enters no decision):
+# * ``approx``: every query's centroid scores ``cs [Nq, n_centroids, Lq]`` against every document
+#   of a packed list of centroid ids: ``Ncols = Nd``;
+# * ``approx candidates``: each query against its own candidate documents ``doc_ids [Nq, C]``
+#   (an id < 0: no candidate, scored -inf): ``Ncols = C``.
+
+APPROX, APPROX_CANDIDATES = "approx", "approx candidates"
+
+
+def approx_problem(cs: Tensor, n_cols: int, candidates: bool) -> Problem:
+    """The :class:`Problem` of the centroid scores ``cs [Nq, n_centroids, Lq]`` against ``n_cols``
+    documents (or each query's ``n_cols`` candidates)."""
+    Nq, _, Lq = cs.shape
+    return Problem(APPROX_CANDIDATES if candidates else APPROX, Nq, n_cols, Lq, 0, 0, cs.dtype,
+                   cs.device, False, False, False, False, 0.0, False, False)
+
+
+def _approx_int(name: str, t: object, dims: int, what: str, device: torch.device) -> Tensor:
+    """An integer tensor of ``dims`` dimensions on ``device`` (``what`` names its axes)."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must be {what}, got shape {_shape(t)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but query_centroid_scores is on {device}: "
+                         "every tensor must be on the same device")
+    return t
+
+
+def _approx_scores_arg(cs: object, dims: tuple[int, ...]) -> Tensor:
+    cs = _check_float("query_centroid_scores", cs)
+    if cs.dim() not in dims:
+        what = " or ".join({2: "[n_centroids, Lq]", 3: "[Nq, n_centroids, Lq]"}[d] for d in dims)
+        raise ValueError(f"query_centroid_scores must be {what}, got shape {_shape(cs)}")
+    return cs
+
+
+def check_approx_internal(cs: object, codes: object, starts: object, lengths: object,
+                          doc_ids: object) -> None:
+    """Shapes, dtypes and devices of ``_autograd.approx_scores``' arguments (no values: nothing
+    synchronizes; an id or a range out of bounds scores NaN, never a read out of bounds)."""
+    cs = _approx_scores_arg(cs, (3,))
+    device = cs.device
+    _approx_int("codes", codes, 1, "[T] centroid ids", device)
+    starts = _approx_int("starts", starts, 1, "[Nd] first token of each document", device)
+    lengths = _approx_int("lengths", lengths, 1, "[Nd] tokens of each document", device)
+    if lengths.shape != starts.shape:
+        raise ValueError(f"starts and lengths must have the same length [Nd], got "
+                         f"{_shape(starts)} and {_shape(lengths)}")
+    if doc_ids is not None:
+        doc_ids = _approx_int("doc_ids", doc_ids, 2, "[Nq, C] candidate documents", device)
+        if doc_ids.shape[0] != cs.shape[0]:
+            raise ValueError(f"doc_ids must be [Nq, C] with Nq = {cs.shape[0]} (the queries of "
+                             f"query_centroid_scores), got {_shape(doc_ids)}")
+
+
+class ApproxDocs(NamedTuple):
+    """``plaid_approx_score``'s documents as ``approx_scores`` takes them: document ``j`` is the
+    ids ``codes[starts[j] : starts[j] + lengths[j]]``."""
+
+    codes: Tensor  # [T] integers
+    starts: Tensor  # [Nd] int64
+    lengths: Tensor  # [Nd] integers
+
+
+_NO_ID = (torch.iinfo(torch.int64).max, torch.iinfo(torch.int64).min)
+
+
+def _approx_id_range(ids: Tensor, tokens: Tensor) -> Tensor:
+    """``[lowest, highest]`` (int64, on their device) of the ids where ``tokens`` (a bool tensor
+    broadcasting against them) is True; ``_NO_ID`` when there is none."""
+    ids = ids.long()
+    if ids.numel() == 0:
+        return torch.tensor(_NO_ID, device=ids.device)
+    return torch.stack([torch.where(tokens, ids, _NO_ID[0]).amin(),
+                        torch.where(tokens, ids, _NO_ID[1]).amax()])
+
+
+def _approx_id_errors(low: int, high: int, n_centroids: int) -> None:
+    if (low, high) != _NO_ID and (low < 0 or high >= n_centroids):
+        raise ValueError(
+            f"codes must be centroid ids in [0, {n_centroids}) (the rows of "
+            f"query_centroid_scores) in every document's tokens, got values in [{low}, {high}]")
+
+
+def check_approx(cs: object, codes: object, doc_lengths: object, cu_seqlens: object,
+                 validate: object) -> tuple[Tensor, ApproxDocs, bool]:
+    """Check ``plaid_approx_score``'s arguments: ``(cs [Nq, n_centroids, Lq], docs, squeeze_q)``.
+
+    Padded documents (``codes [B, max_Ld]``, ``doc_lengths [B]``) become the flattened ids with
+    ``starts = j · max_Ld``; packed ones (``codes [T]``, ``cu_seqlens [B + 1]``) ``starts =
+    cu_seqlens[:-1]``, ``lengths`` their differences. Shapes, dtypes and devices always; the
+    values (lengths in ``[0, max_Ld]``, offsets from 0, non-decreasing and within ``T``, every
+    document token's id in ``[0, n_centroids)``) where the index tensors are on the CPU (unless
+    ``validate=False``) or with ``validate=True`` (one synchronization). Unchecked, a padded
+    length outside ``[0, max_Ld]`` is passed on as -1, so that its document scores NaN."""
+    cs = _approx_scores_arg(cs, (2, 3))
+    device = cs.device
+    squeeze_q = cs.dim() == 2
+    if squeeze_q:
+        cs = cs.unsqueeze(0)
+    n_centroids = cs.shape[1]
+    validate = _check_validate(validate)
+    packed = cu_seqlens is not None
+    if packed and doc_lengths is not None:
+        raise ValueError("pass doc_lengths with padded codes [B, max_Ld], or cu_seqlens= with "
+                         "packed codes [T], not both")
+    if not isinstance(codes, Tensor):
+        raise TypeError(f"codes must be a torch.Tensor of centroid ids, got "
+                        f"{type(codes).__name__}")
+    if packed:
+        codes = _approx_int("codes", codes, 1, "1-D [T] (packed documents, with cu_seqlens=)",
+                            device)
+        cu = _check_offsets("cu_seqlens", cu_seqlens, device)
+        checked = validate is True or (validate is None and device.type == "cpu"
+                                       and cu.device.type == "cpu")
+        T = codes.shape[0]
+        if checked:  # one synchronization: ids past the last document belong to none
+            cu_here = _to_device(cu, device)
+            past = torch.arange(T, device=device) < cu_here[-1]
+            facts = torch.cat([_offset_facts(cu_here), _approx_id_range(codes, past)]).tolist()
+            (first, last, shortest, _), (low, high) = facts[:4], facts[4:]
+            if first != 0:
+                raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0] = {first}")
+            if shortest < 0:
+                raise ValueError("cu_seqlens must be non-decreasing (every length >= 0); it "
+                                 f"holds a length of {shortest}")
+            if last > T:
+                raise ValueError(f"cu_seqlens must end within the {T} ids of codes, got "
+                                 f"cu_seqlens[-1] = {last}")
+            _approx_id_errors(low, high, n_centroids)
+        cu = _to_device(cu, device).long()
+        return cs, ApproxDocs(codes, cu[:-1], cu[1:] - cu[:-1]), squeeze_q
+    if doc_lengths is None:
+        raise ValueError("plaid_approx_score needs doc_lengths [B] with padded codes [B, max_Ld] "
+                         "(or cu_seqlens= [B + 1] with packed codes [T])")
+    codes = _approx_int("codes", codes, 2, "[B, max_Ld] (padded documents, with doc_lengths; "
+                        "packed codes [T] take cu_seqlens=)", device)
+    B, Ld = codes.shape
+    lengths = _check_lengths("doc_lengths", doc_lengths, (B,), device)
+    if lengths.dtype not in (torch.int32, torch.int64):
+        lengths = lengths.long()
+    checked = validate is True or (validate is None and device.type == "cpu"
+                                   and lengths.device.type == "cpu")
+    lengths = _to_device(lengths, device)
+    if checked and B:  # one synchronization
+        inside = torch.arange(Ld, device=device) < lengths[:, None]
+        facts = torch.cat([torch.stack([lengths.min(), lengths.max()]).long(),
+                           _approx_id_range(codes, inside)]).tolist()
+        _check_length_range("doc_lengths", facts[0], facts[1], Ld)
+        _approx_id_errors(facts[2], facts[3], n_centroids)
+    elif not checked:
+        # A length out of [0, Ld] would read its neighbour's ids: -1 makes its score NaN.
+        lengths = torch.where((lengths < 0) | (lengths > Ld), -1, lengths)
+    starts = torch.arange(B, device=device, dtype=torch.int64) * Ld
+    return cs, ApproxDocs(codes.reshape(B * Ld), starts, lengths), squeeze_q

@@ -590,69 +590,186 @@ def decompress_residuals(codes: Tensor, residuals: Tensor, centroids: Tensor,
     return tokens.masked_fill_(~inside.unsqueeze(-1), float("nan"))
 
 
-def _residual_block(docs, j0: int, j1: int, normalize: bool):
-    """Documents ``[j0, j1)`` decompressed, their mask from the lengths and, with ``normalize``,
-    their tokens' inverse norms (fp32)."""
-    tokens = decompress_residuals(docs.codes[j0:j1], docs.residuals[j0:j1], docs.centroids,
+def _residual_docs(docs, ids: Tensor, normalize: bool):
+    """The documents ``ids`` (any shape; an id < 0: none) gathered from the packed rows and
+    decompressed: ``(tokens [*ids.shape, L, d], valid [*ids.shape, L], d_inv, broken
+    [*ids.shape])``, ``L`` the longest of them (on a GPU the documents' bound where it is known,
+    else one synchronization), ``d_inv`` the
+    tokens' inverse norms (fp32) with ``normalize``, ``broken`` the documents whose length or
+    offset is out of range (their scores are NaN; nothing of them is read)."""
+    safe = ids.clamp_min(0)
+    starts, lengths = docs.starts[safe], docs.lengths[safe].long()
+    n_rows = docs.codes.shape[0]
+    bound = n_rows if docs.max_len is None else docs.max_len
+    broken = (lengths < 0) | (lengths > bound) | (starts < 0) | (starts + lengths > n_rows)
+    lengths = torch.where(broken | (ids < 0), 0, lengths)
+    if ids.device.type != "cpu" and docs.max_len is not None:
+        L = docs.max_len
+    else:
+        L = int(lengths.max()) if lengths.numel() else 0
+    pos = torch.arange(L, device=ids.device)
+    valid = pos < lengths[..., None]
+    rows = torch.where(valid, starts[..., None] + pos, 0)
+    tokens = decompress_residuals(docs.codes[rows], docs.residuals[rows], docs.centroids,
                                   docs.bucket_weights, docs.nbits, docs.bit_order)
-    valid = torch.arange(tokens.shape[1], device=tokens.device) < docs.lengths[j0:j1, None]
     d_inv = None
     if normalize:
         norm = torch.linalg.vector_norm(tokens, dim=-1, dtype=_compute_dtype(tokens))
         d_inv = 1.0 / norm.clamp_min(1e-12)
-    return tokens, valid, d_inv
+    return tokens, valid, d_inv, broken
 
 
-def _out_of_range_docs(docs) -> Tensor:
-    """Documents whose length or ids were not found in range: their scores are NaN."""
-    Ld, n_centroids = docs.codes.shape[1], docs.centroids.shape[0]
-    bad_codes = ((docs.codes < 0) | (docs.codes >= n_centroids)).any(dim=1)
-    return (docs.lengths < 0) | (docs.lengths > Ld) | bad_codes
+def _residual_blocks(docs, blocks: tuple[int, int, int], Nq: int):
+    """The blocks of the scores, ``(q0, q1, j0, j1, ids)``: every query against a block of
+    documents, or a block of queries against a block of their own candidates."""
+    bq, bc, _ = blocks
+    n_cols = docs.n_cols
+    for j0 in range(0, n_cols, bc):
+        j1 = min(n_cols, j0 + bc)
+        if docs.doc_ids is None:
+            yield 0, Nq, j0, j1, torch.arange(j0, j1, device=docs.starts.device)
+        else:
+            for q0 in range(0, Nq, bq):
+                q1 = min(Nq, q0 + bq)
+                yield q0, q1, j0, j1, docs.doc_ids[q0:q1, j0:j1]
 
 
 def residual_fwd_torch(blocks: tuple[int, int, int], doc_major: bool, Q: Tensor, docs,
                        q_mask: Tensor | None, q_inv: Tensor | None, normalize: bool,
                        save_argmax: bool) -> tuple[Tensor, Tensor]:
-    """Scores ``[Nq, Nd]`` and argmax of ``Q`` against the compressed documents: each block of
-    ``blocks[1]`` documents decompressed, then scored as the cross product (the other two
-    entries of ``blocks`` split it, as :func:`maxsim_fwd_blocked` does)."""
+    """Scores ``[Nq, Ncols]`` and argmax of ``Q`` against the compressed documents: each block of
+    documents (or of each query's candidates) gathered, decompressed, then scored by
+    :func:`maxsim_fwd_blocked` (``blocks`` from the plan, as there)."""
     Nq, Lq, _ = Q.shape
-    Nd, Ld = docs.codes.shape
-    bq, bc, ls = blocks
-    parts = []
-    for j0 in range(0, Nd, bc):
-        j1 = min(Nd, j0 + bc)
-        tokens, valid, d_inv = _residual_block(docs, j0, j1, normalize)
-        parts.append(maxsim_fwd_blocked(Q, tokens, q_mask, valid, q_inv, d_inv, save_argmax,
-                                        (bq, j1 - j0, ls), 0.0, doc_major))
-    if len(parts) == 1:
-        scores, argmax = parts[0]
-    else:
-        ct = _compute_dtype(Q)
-        scores = torch.cat([s for s, _ in parts], 1) if parts else torch.zeros(
-            (Nq, 0), dtype=ct, device=Q.device)
-        argmax = (torch.cat([a for _, a in parts], 1) if parts else torch.empty(
-            (Nq, 0, Lq), dtype=argmax_dtype(Ld), device=Q.device)) if save_argmax else \
-            _nothing_saved(Q.device, argmax_dtype(Ld))
-    if not docs.checked:
-        scores = torch.where(_out_of_range_docs(docs), float("nan"), scores)
+    n_cols = docs.n_cols
+    ct = _compute_dtype(Q)
+    saved = argmax_dtype(docs.codes.shape[0] if docs.max_len is None else docs.max_len)
+    scores = torch.zeros((Nq, n_cols), dtype=ct, device=Q.device)
+    argmax = torch.full((Nq, n_cols, Lq), -1, dtype=saved, device=Q.device) if save_argmax \
+        else _nothing_saved(Q.device, saved)
+    if Nq == 0:
+        return scores, argmax
+    for q0, q1, j0, j1, ids in _residual_blocks(docs, blocks, Nq):
+        tokens, valid, d_inv, broken = _residual_docs(docs, ids, normalize)
+        s, a = maxsim_fwd_blocked(
+            Q[q0:q1], tokens, None if q_mask is None else q_mask[q0:q1], valid,
+            None if q_inv is None else q_inv[q0:q1], d_inv, save_argmax,
+            (blocks[0], j1 - j0, blocks[2]), 0.0, doc_major and docs.doc_ids is None)
+        if not docs.checked:
+            s = torch.where(broken, float("nan"), s)
+        if docs.doc_ids is not None:
+            s = torch.where(ids < 0, float("-inf"), s)  # no candidate
+        scores[q0:q1, j0:j1] = s
+        if save_argmax:
+            argmax[q0:q1, j0:j1] = a
     return scores, argmax
 
 
 def residual_bwd_torch(blocks: tuple[int, int, int], grad_scores: Tensor, Q: Tensor, docs,
                        argmax: Tensor, q_inv: Tensor | None, normalize: bool, fp32_out: bool,
                        block_bytes: int) -> tuple[Tensor, Tensor]:
-    """``(grad_Q, empty)``: the index is frozen. Each block of documents is decompressed again
-    and its part of ``grad_Q`` gathered from the saved argmax (:func:`maxsim_bwd_blocked`)."""
-    Nd = docs.codes.shape[0]
+    """``(grad_Q, empty)``: the index is frozen. Each block of documents is gathered and
+    decompressed again, and its part of ``grad_Q`` gathered from the saved argmax
+    (:func:`maxsim_bwd_blocked`)."""
     ct = _compute_dtype(Q)
     grad_q = torch.zeros(Q.shape, dtype=ct, device=Q.device)
-    for j0 in range(0, Nd, blocks[1]):
-        j1 = min(Nd, j0 + blocks[1])
-        tokens, _, d_inv = _residual_block(docs, j0, j1, normalize)
-        part, _ = maxsim_bwd_blocked(grad_scores[:, j0:j1], Q, tokens, argmax[:, j0:j1], q_inv,
-                                     d_inv, True, False, True, block_bytes)
-        grad_q += part
+    for q0, q1, j0, j1, ids in _residual_blocks(docs, blocks, Q.shape[0]):
+        tokens, _, d_inv, _ = _residual_docs(docs, ids, normalize)
+        part, _ = maxsim_bwd_blocked(grad_scores[q0:q1, j0:j1], Q[q0:q1], tokens,
+                                     argmax[q0:q1, j0:j1],
+                                     None if q_inv is None else q_inv[q0:q1], d_inv, True, False,
+                                     True, block_bytes)
+        grad_q[q0:q1] += part
     as_fp32 = fp32_out and ct != torch.float64
     return grad_q.to(torch.float32 if as_fp32 else Q.dtype), Q.new_empty((0,))
 
+
+# ------------------------------------------------------------------------------------------------
+# PLAID approximate scores: the centroid scores of a block of documents gathered at a time
+# ------------------------------------------------------------------------------------------------
+
+
+def _approx_rows(first: Tensor, length: Tensor, width: int, codes: Tensor,
+                 n_centroids: int) -> Tensor:
+    """``[n, width]`` rows of the table (the centroid scores, then a row of -inf and one of NaN)
+    for the tokens of some documents (``first``, ``length``) padded to ``width``: a token's
+    centroid, the -inf row past a document's length, the NaN row for an id outside
+    ``[0, n_centroids)``."""
+    slots = torch.arange(width, device=codes.device)
+    inside = slots < length[:, None]
+    ids = codes[(first[:, None] + slots).clamp(0, max(codes.shape[0] - 1, 0))].long()
+    ok = (ids >= 0) & (ids < n_centroids)
+    return torch.where(inside, torch.where(ok, ids, n_centroids + 1), n_centroids)
+
+
+def _approx_sum(vals: Tensor) -> Tensor:
+    """``Σ_s max_t`` over ``vals [..., tokens, Lq]``, a max of -inf adding 0 (NaN propagates)."""
+    best = vals.amax(-2)
+    return torch.where(best == float("-inf"), 0.0, best).sum(-1)
+
+
+def approx_scores_torch(block_elems: int, cs: Tensor, codes: Tensor, starts: Tensor,
+                        lengths: Tensor, doc_ids: Tensor | None) -> Tensor:
+    """PLAID's approximate scores (``kernels.approx``' contract) on the PyTorch path: ``[Nq,
+    Nd]``, or ``[Nq, C]`` with ``doc_ids`` (an id < 0: -inf), fp32 (float64 for float64 ``cs``).
+
+    The centroid scores are copied once into the compute dtype with two rows more, -inf (a
+    padding token) and NaN (an id out of range), so that one ``index_select`` gathers a block's
+    final values. Consecutive documents (or candidate pairs) are gathered a block at a time,
+    each block padded to its own longest document and holding at most ``block_elems`` values (a
+    single document larger than that is still gathered whole). A document whose range leaves
+    ``codes``, or a candidate id ``>= Nd``, scores NaN."""
+    Nq, n_centroids, Lq = cs.shape
+    ct = _compute_dtype(cs)
+    n_docs, n_tokens = starts.shape[0], codes.shape[0]
+    candidates = doc_ids is not None
+    out = torch.zeros((Nq, doc_ids.shape[1] if candidates else n_docs), dtype=ct,
+                      device=cs.device)
+    if out.numel() == 0:
+        return out
+    with torch.no_grad():
+        first, length = starts.long(), lengths.long()
+        broken = (first < 0) | (length < 0) | (first > n_tokens) | (length > n_tokens - first)
+        length = torch.where(broken, 0, length)
+        first = torch.where(broken, 0, first)
+        extra = torch.tensor([float("-inf"), float("nan")], dtype=ct, device=cs.device)
+        table = torch.cat([cs.to(ct), extra[None, :, None].expand(Nq, 2, Lq)], 1)
+        rows = n_centroids + 2
+        if not candidates:
+            lengths_list = length.tolist()
+            longest = max(lengths_list)
+            bq = max(1, min(Nq, block_elems // max(1, longest * Lq)))
+            for q0 in range(0, Nq, bq):
+                q1 = min(Nq, q0 + bq)
+                for j0, j1, width in _column_groups(lengths_list, longest, (q1 - q0) * max(Lq, 1),
+                                                    block_elems):
+                    if width == 0 or Lq == 0:
+                        continue  # every document of the block empty: 0
+                    idx = _approx_rows(first[j0:j1], length[j0:j1], width, codes,
+                                       n_centroids)
+                    vals = table[q0:q1].index_select(1, idx.flatten())
+                    out[q0:q1, j0:j1] = _approx_sum(vals.view(q1 - q0, j1 - j0, width, Lq))
+            return torch.where(broken, float("nan"), out)
+        ids = doc_ids.long()
+        none = ids < 0
+        known = ~none & (ids < n_docs)
+        if n_docs == 0:
+            return torch.where(none, float("-inf"), float("nan")).to(ct)
+        doc = torch.where(known, ids, 0).flatten()
+        pair_first, pair_len = first[doc], torch.where(known.flatten(), length[doc], 0)
+        base = torch.arange(Nq, device=cs.device).repeat_interleave(ids.shape[1]) * rows
+        lengths_list = pair_len.tolist()
+        flat, flat_table = out.view(-1), table.view(Nq * rows, Lq)
+        for p0, p1, width in _column_groups(lengths_list, max(lengths_list), max(Lq, 1),
+                                            block_elems):
+            if width == 0 or Lq == 0:
+                continue
+            idx = _approx_rows(pair_first[p0:p1], pair_len[p0:p1], width, codes,
+                               n_centroids) + base[p0:p1, None]
+            vals = flat_table.index_select(0, idx.flatten())
+            flat[p0:p1] = _approx_sum(vals.view(p1 - p0, width, Lq))
+        out = torch.where(~known | broken[doc].view_as(known), float("nan"), out)
+        return torch.where(none, float("-inf"), out)
+
+
+__all__ += ["approx_scores_torch"]

@@ -20,12 +20,15 @@ import torch
 from torch import Tensor
 
 from ._autograd import inverse_norms, scores_residual
+from ._plaid_index import PlaidIndex, load, plaid_search
 from ._problem import (
-    BIT_ORDERS, NBITS, check_bool, check_residual, options_for, residual_problem,
+    BIT_ORDERS, NBITS, check_bool, check_residual, check_residual_varlen, options_for,
+    residual_problem,
 )
 from ._torch_path import decompress_residuals as _decompress
 
-__all__ = ["decompress_residuals", "maxsim_residual"]
+__all__ = ["PlaidIndex", "decompress_residuals", "load", "maxsim_residual",
+           "maxsim_residual_varlen", "plaid_approx_score", "plaid_search"]
 
 
 def decompress_residuals(codes: Tensor, residuals: Tensor, centroids: Tensor,
@@ -109,3 +112,110 @@ def maxsim_residual(
     p = residual_problem(docs, Q, q_mask, normalize=normalize, save_argmax=save_argmax)
     scores = scores_residual(p, o, Q, docs, q_mask, q_inv)
     return scores.squeeze(0) if squeeze_q else scores
+
+
+def maxsim_residual_varlen(
+    Q: Tensor,
+    codes: Tensor,
+    residuals: Tensor,
+    cu_seqlens_d: Tensor,
+    centroids: Tensor,
+    bucket_weights: Tensor,
+    nbits: int,
+    *,
+    normalize: bool = True,
+    q_mask: Tensor | None = None,
+    bit_order: str = "big",
+    max_seqlen_d: int | None = None,
+    validate: bool | None = None,
+) -> Tensor:
+    """:func:`maxsim_residual` on packed documents, the layout of an index on disk: ``[Nq, Nd]``.
+
+    Document ``j`` is rows ``[cu_seqlens_d[j], cu_seqlens_d[j + 1])`` of ``codes`` and
+    ``residuals`` (rows past ``cu_seqlens_d[-1]`` are ignored: fast-plaid pads its merged files).
+    Rules, precision and autograd (to ``Q``) as :func:`maxsim_residual`'s; one compiled kernel
+    serves every document length.
+
+    Args:
+        Q (torch.Tensor): `[Nq, Lq, d]` or `[Lq, d]`.
+        codes (torch.Tensor): `[T]` centroid ids.
+        residuals (torch.Tensor): `[T, ceil(d * nbits / 8)]` uint8.
+        cu_seqlens_d (torch.Tensor): `[Nd + 1]` offsets: 0, non-decreasing, at most `T`.
+        centroids, bucket_weights, nbits, normalize, q_mask, bit_order: as
+            :func:`maxsim_residual`'s.
+        max_seqlen_d (int, optional): a bound on the documents' lengths. The forward on a GPU
+            never needs it (the kernel reads each document's own length and compiles once for
+            all); the backward does (without it, it is read from the offsets: one
+            synchronization), and on other devices it saves reading the offsets.
+        validate (bool, optional): check the offsets (and ``max_seqlen_d``) and the ids, as
+            :func:`maxsim_residual`'s ``validate``. An unchecked document out of range scores NaN,
+            never a read out of bounds.
+    """
+    save_argmax = torch.is_grad_enabled() and isinstance(Q, Tensor) and Q.requires_grad
+    Q, q_mask, docs, squeeze_q = check_residual_varlen(
+        Q, codes, residuals, cu_seqlens_d, centroids, bucket_weights, nbits, bit_order, q_mask,
+        max_seqlen_d, validate, save_argmax)
+    normalize = check_bool("normalize", normalize)
+    if torch.promote_types(Q.dtype, centroids.dtype) == torch.float64:
+        Q = Q.double()
+    o = options_for(Q)
+    q_inv = inverse_norms(Q, o.backend) if normalize else None
+    p = residual_problem(docs, Q, q_mask, normalize=normalize, save_argmax=save_argmax)
+    scores = scores_residual(p, o, Q, docs, q_mask, q_inv)
+    return scores.squeeze(0) if squeeze_q else scores
+
+
+# ------------------------------------------------------------------------------------------------
+# The approximate (IVF pruning) score
+# ------------------------------------------------------------------------------------------------
+
+from ._autograd import approx_scores as _approx_scores
+from ._problem import check_approx as _check_approx
+
+
+def plaid_approx_score(
+    query_centroid_scores: Tensor,
+    codes: Tensor,
+    doc_lengths: Tensor | None = None,
+    *,
+    cu_seqlens: Tensor | None = None,
+    validate: bool | None = None,
+) -> Tensor:
+    """PLAID's approximate score (the IVF pruning step): MaxSim against documents known only by
+    their tokens' centroid ids, from the queries' scores against every centroid.
+
+    ``score[q, b] = Σ_s max_{t < len_b} cs[q, codes[b, t], s]`` for ``cs =
+    query_centroid_scores`` (usually ``centroids @ Q[q]ᵀ``, per query). The max is taken over the
+    stored values (exact), the sum in fp32 (float64 for float64 ``cs``). A query token whose max
+    is ``-inf`` adds 0, so an empty document scores 0. Query tokens that should not count are
+    the caller's to drop: zero their columns of ``cs`` (they then add 0). Not differentiable: the
+    scores carry no gradient.
+
+    Args:
+        query_centroid_scores (torch.Tensor): ``[n_centroids, Lq]`` (one query; the query axis
+            dropped from the output) or ``[Nq, n_centroids, Lq]``; fp16, bf16, fp32 or fp64, any
+            strides.
+        codes (torch.Tensor): centroid ids, integers in ``[0, n_centroids)``: padded ``[B,
+            max_Ld]`` (with ``doc_lengths``; ids past a document's length are ignored) or packed
+            ``[T]`` (with ``cu_seqlens``).
+        doc_lengths (torch.Tensor, optional): ``[B]`` integers in ``[0, max_Ld]`` (padded codes).
+        cu_seqlens (torch.Tensor, optional): ``[B + 1]`` int32 or int64 offsets (packed codes):
+            document ``b`` is ``codes[cu_seqlens[b] : cu_seqlens[b + 1]]``; they start at 0, do
+            not decrease and end within ``T`` (ids past the end belong to no document).
+        validate (bool, optional): check the lengths or offsets and every document token's id.
+            ``None`` (default) checks index tensors on the CPU and nothing on a GPU (no
+            synchronization); ``True`` always checks (one synchronization on a GPU). Unchecked,
+            a document with a length, offset or id out of range scores NaN, never a read out of
+            bounds.
+
+    Returns:
+        ``[B]`` (one query) or ``[Nq, B]`` fp32 scores (float64 for float64 ``cs``).
+    """
+    cs, docs, squeeze_q = _check_approx(query_centroid_scores, codes, doc_lengths, cu_seqlens,
+                                        validate)
+    scores = _approx_scores(cs, docs.codes, docs.starts, docs.lengths)
+    return scores.squeeze(0) if squeeze_q else scores
+
+
+if "plaid_approx_score" not in __all__:
+    __all__.append("plaid_approx_score")

@@ -136,3 +136,37 @@ def maxsim_residual_ref(Q: Tensor, codes: Tensor, residuals: Tensor, doc_lengths
     d_mask = torch.arange(codes.shape[1], device=codes.device) < doc_lengths[:, None]
     return maxsim_ref(Q, D, q_mask, d_mask, normalize=normalize)
 
+
+def plaid_approx_score_ref(query_centroid_scores: Tensor, codes: Tensor,
+                           doc_lengths: Tensor | None = None, *,
+                           cu_seqlens: Tensor | None = None) -> Tensor:
+    """PLAID's approximate score by the definition, in float64: ``score[q, b] = Σ_s max_{t <
+    len_b} cs[q, codes[b, t], s]``, a max of -inf (an empty document) adding 0; an id outside
+    ``[0, n_centroids)`` in a document's tokens makes its scores NaN. ``cs [n_centroids, Lq]``
+    or ``[Nq, n_centroids, Lq]``; padded ``codes [B, max_Ld]`` with ``doc_lengths [B]``, or
+    packed ``codes [T]`` with ``cu_seqlens [B + 1]``. Returns ``[B]`` or ``[Nq, B]`` float64.
+    Document by document, for checking only."""
+    cs = query_centroid_scores.double()
+    squeeze = cs.dim() == 2
+    if squeeze:
+        cs = cs.unsqueeze(0)
+    Nq, n_centroids, _ = cs.shape
+    if cu_seqlens is not None:
+        bounds = cu_seqlens.tolist()
+        docs = [codes[bounds[b]:bounds[b + 1]] for b in range(len(bounds) - 1)]
+    else:
+        docs = [row[:n] for row, n in zip(codes, doc_lengths.tolist())]
+    scores = torch.zeros(Nq, len(docs), dtype=torch.float64, device=cs.device)
+    for b, ids in enumerate(docs):
+        ids = ids.long().to(cs.device)
+        if ids.numel() == 0:
+            continue
+        if ((ids < 0) | (ids >= n_centroids)).any():
+            scores[:, b] = float("nan")
+            continue
+        best = cs[:, ids, :].max(dim=1).values  # [Nq, Lq]
+        scores[:, b] = torch.where(best == float("-inf"), 0.0, best).sum(-1)
+    return scores.squeeze(0) if squeeze else scores
+
+
+__all__ += ["plaid_approx_score_ref"]

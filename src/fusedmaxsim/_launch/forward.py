@@ -173,47 +173,48 @@ def _launch_triton(cfg, plan: ForwardPlan, p: Problem, fp32_precision: str, Q, D
 
 
 def forward_residual(plan: ForwardPlan, p: Problem, fp32_precision: str, Q: Tensor, docs,
-                     q_mask: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Scores ``[Nq, Nd]`` (fp32) and the argmax of ``Q`` against PLAID documents
-    (``_problem.ResidualDocs``), decompressed tile by tile inside the kernel; with
-    ``p.normalize`` both sides' norms come from the tiles. ``Q`` is brought to the dtype it
-    shares with the centroids (the decompressed tile is rounded to the centroids' first)."""
-    Nq, Ncols, Lq, Ld = p.Nq, p.Ncols, p.Lq, p.Ld
+                     q_mask: Tensor | None, normalize_q: bool) -> tuple[Tensor, Tensor]:
+    """Scores ``[Nq, Ncols]`` (fp32) and the argmax of ``Q`` against PLAID documents
+    (``_problem.ResidualDocs``: every document, or each query's candidates), decompressed tile by
+    tile inside the kernel; with ``p.normalize`` the documents' tokens are normalized, with
+    ``normalize_q`` the queries', their norms from the tiles. ``Q`` is
+    brought to the dtype it shares with the centroids (the decompressed tile is rounded to the
+    centroids' first)."""
+    Nq, Ncols, Lq = p.Nq, p.Ncols, p.Lq
     device = Q.device
     scores = empty((Nq, Ncols), torch.float32, device)
     save_argmax = p.save_argmax
-    argmax = empty((Nq, Ncols, Lq), argmax_dtype(Ld), device) if save_argmax else \
-        no_argmax(device, argmax_dtype(Ld))
+    argmax = empty((Nq, Ncols, Lq), argmax_dtype(p.Ld), device) if save_argmax else \
+        no_argmax(device, argmax_dtype(p.Ld))
     if not (Nq and Ncols):
         return scores, argmax
-    if Lq == 0 or Ld == 0:
-        scores.zero_()
-        argmax.fill_(-1)
-        broken = (docs.lengths < 0) | (docs.lengths > Ld)
-        return torch.where(broken, float("nan"), scores), argmax
     if Q.dtype != p.dtype:
         Q = Q.to(p.dtype)
+    per_query_docs = docs.doc_ids is not None
     residuals = docs.residuals if docs.residuals.stride(-1) == 1 else docs.residuals.contiguous()
     centroids = docs.centroids if docs.centroids.stride(-1) == 1 else docs.centroids.contiguous()
     weights = docs.bucket_weights.contiguous()
+    doc_ids = docs.doc_ids.contiguous() if per_query_docs else docs.starts
     qm = as_bytes(q_mask)
     cfg = plan.tiles
     meta = fwd_meta(cfg, Q.dtype, p.dim, has_q_mask=qm is not None, has_d_mask=False,
                     normalize=p.normalize, save_argmax=save_argmax, fp32_precision=fp32_precision)
     del meta["HAS_D_MASK"]  # the lengths bound each document
-    consts = constants(NBITS=docs.nbits, BIG=docs.bit_order == "big", **meta)
+    consts = constants(NBITS=docs.nbits, BIG=docs.bit_order == "big",
+                       PER_QUERY_DOCS=per_query_docs, NORMALIZE_Q=normalize_q, **meta)
     kernel = launcher(_maxsim_residual_fwd_kernel)
     qpb = cfg.queries_per_block
 
     def launch_slice(rows, out, _stride_out_split):
         q, q_m = take(Q, rows), take(qm, rows)
+        ids = take(doc_ids, rows) if per_query_docs else doc_ids
         kernel(
             (Ncols, cdiv(q.shape[0], qpb)),
             (
-                q, docs.codes, residuals, docs.lengths, centroids, weights,
+                q, docs.codes, residuals, docs.starts, docs.lengths, ids, centroids, weights,
                 q if q_m is None else q_m, out, take(argmax, rows) if save_argmax else argmax,
-                q.shape[0], Ncols, Lq, Ld, centroids.shape[0], p.dim, *q.stride(),
-                *docs.codes.stride(), residuals.stride(0), residuals.stride(1),
+                q.shape[0], Ncols, Lq, p.Ld, docs.codes.shape[0], centroids.shape[0],
+                p.dim, *q.stride(), docs.codes.stride(0), residuals.stride(0),
                 centroids.stride(0),
             ),
             consts,

@@ -30,10 +30,15 @@ Grid mapping
   streams through :func:`fusedmaxsim.kernels.common._doc_max`, the one MaxSim inner loop, over its
   true length ``[0, Ld_j)``: short documents cost what they hold, never the longest one.
 * ``_maxsim_residual_fwd_kernel``: the dense cross product's mapping (program = document column,
-  block of query rows; no chunk splits) over PLAID documents: ``_doc_max`` decompresses each
-  document tile on chip from its centroid ids and residual codes (``common._residual_tile``) and
-  runs to the document's length; norms from the tiles. A length outside ``[0, Ld]`` makes the
-  column's scores NaN; an id outside the centroids makes its token NaN.
+  block of query rows; no chunk splits) over PLAID documents stored as packed rows (document
+  ``j``: rows ``[starts[j], starts[j] + lengths[j])``; padded documents are rows ``j · Ld``
+  onwards), or, with ``PER_QUERY_DOCS``, one query a block against its own candidate documents
+  (column ``c`` of query ``i`` is document ``DocIds[i, c]``; an id < 0 scores -inf).
+  ``_doc_max`` decompresses each document tile on chip from its centroid ids and residual codes
+  (``common._residual_tile``) and runs to the document's length; norms from the tiles
+  (``NORMALIZE``: the documents' tokens, ``NORMALIZE_Q``: the queries'). A length
+  outside ``[0, max_len]`` or rows outside ``[0, n_rows)`` make the column's scores NaN, with
+  nothing read; an id outside the centroids makes its token NaN.
 * ``_inverse_norm_kernel``: program = a block of token rows; ``1 / max(‖x‖, eps)`` in fp32, each
   token read once (the norms are computed once per token, never per tile).
 
@@ -168,12 +173,14 @@ def _maxsim_fwd_kernel(
     tl.store(Out + i_split.to(tl.int64) * stride_out_split + o_out * Ncols + i_col, acc, mask=o_out < Nq)
 
 
-@triton.jit(do_not_specialize=["Nq", "Ncols", "Lq", "Ld", "n_centroids"])
+@triton.jit(do_not_specialize=["Nq", "Ncols", "Lq", "max_len", "n_rows", "n_centroids"])
 def _maxsim_residual_fwd_kernel(
     Q,
     Codes,
     Residuals,
+    Starts,
     Lengths,
+    DocIds,
     Centroids,
     BucketWeights,
     QMask,
@@ -182,20 +189,21 @@ def _maxsim_residual_fwd_kernel(
     Nq,
     Ncols,
     Lq,
-    Ld,
+    max_len,
+    n_rows,
     n_centroids,
     dim,
     stride_q_seq,
     stride_q_tok,
     stride_q_dim,
-    stride_code_col,
     stride_code_tok,
-    stride_res_col,
     stride_res_tok,
     stride_cent,
     HAS_Q_MASK: tl.constexpr,
     NORMALIZE: tl.constexpr,
+    NORMALIZE_Q: tl.constexpr,
     SAVE_ARGMAX: tl.constexpr,
+    PER_QUERY_DOCS: tl.constexpr,
     LQ_TILE: tl.constexpr,
     QUERIES_PER_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -217,12 +225,19 @@ def _maxsim_residual_fwd_kernel(
     o_k = tl.arange(0, BLOCK_K)
     m_k = o_k < dim
 
-    length = tl.load(Lengths + i_col).to(tl.int64)
-    broken = (length < 0) | (length > Ld)
-    t_hi = tl.minimum(tl.maximum(length, 0), Ld).to(tl.int32)  # token indices are int32
-    p_codes = Codes + i_col * stride_code_col
-    res = (Residuals + i_col * stride_res_col, stride_res_tok, Centroids, stride_cent,
-           BucketWeights, n_centroids)
+    # The column's document: the column itself, or (one query a block) the query's candidate.
+    doc = i_col
+    if PER_QUERY_DOCS:
+        doc = tl.load(DocIds + i_blk * Ncols + i_col).to(tl.int64)
+    missing = doc < 0
+    doc = tl.maximum(doc, 0)
+    start = tl.load(Starts + doc).to(tl.int64)
+    length = tl.load(Lengths + doc).to(tl.int64)
+    broken = (length < 0) | (length > max_len) | (start < 0) | (start + length > n_rows)
+    t_hi = tl.where(broken | missing, 0, length).to(tl.int32)  # token indices are int32
+    p_codes = Codes + tl.maximum(start, 0) * stride_code_tok
+    res = (Residuals + tl.maximum(start, 0) * stride_res_tok, stride_res_tok, Centroids,
+           stride_cent, BucketWeights, n_centroids)
     acc = tl.zeros([QUERIES_PER_BLOCK], tl.float32)
     for chunk in range(0, Lq, LQ_TILE):
         o_s = chunk + o_row_in_tile
@@ -237,13 +252,14 @@ def _maxsim_residual_fwd_kernel(
             DOT_PRECISION, UPCAST, QUERY_IN_REGISTERS, NBITS, BIG,
         )
         q_inv = 1.0
-        if NORMALIZE:
+        if NORMALIZE_Q:
             q_inv = _inverse_norm(b_q, NORM_EPS)
         acc += _chunk_scores(row_max, m_valid, 1.0, q_inv, QUERIES_PER_BLOCK, LQ_TILE)
         if SAVE_ARGMAX:
             arg = tl.where(m_valid, row_arg, -1)
             tl.store(Argmax + (o_query * Ncols + i_col) * Lq + o_s, arg, mask=m_row)
     acc = tl.where(broken, float("nan"), acc)
+    acc = tl.where(missing, float("-inf"), acc)
     o_out = i_blk * QUERIES_PER_BLOCK + tl.arange(0, QUERIES_PER_BLOCK)
     tl.store(Out + o_out * Ncols + i_col, acc, mask=o_out < Nq)
 

@@ -1,0 +1,420 @@
+"""PLAID indexes: fast-plaid's directories read in place, and the search pipeline on the device.
+
+The on-disk format (fast-plaid 1.x, what PyLate's PLAID index writes), one directory:
+
+* ``metadata.json``: ``nbits``, ``num_chunks``, ``num_documents``, ...;
+* ``centroids.npy`` ``[K, d]`` float16; ``bucket_weights.npy`` ``[2 ** nbits]`` (float32 on disk,
+  read as the centroids' dtype, as fast-plaid reads it); the bucket cutoffs and average residual
+  serve compression only and are not read;
+* ``doclens.{i}.json``: the token counts of chunk ``i``'s documents;
+* ``merged_codes.npy`` ``[R]`` int64 and ``merged_residuals.npy`` ``[R, d · nbits / 8]`` uint8:
+  every document's tokens back to back (``R >= T``, the sum of the lengths: fast-plaid pads the
+  end); before fast-plaid first merges them, ``{i}.codes.npy`` / ``{i}.residuals.npy`` per chunk;
+* ``ivf.npy`` ``[E]`` int64 and ``ivf_lengths.npy`` ``[K]`` int32: each centroid's documents (those
+  with a token of that centroid), the lists back to back.
+
+Only these tensors are read, by a parser of the ``.npy`` header that accepts plain little-endian
+numbers (never a pickle); the large payloads are memory-mapped (copy-on-write, never written).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import os
+
+import torch
+from torch import Tensor
+
+from ._autograd import run_forward
+from ._problem import (
+    NBITS, ResidualDocs, _check_residual_query, check_int, options_for, residual_problem,
+)
+
+_NPY_DTYPES = {
+    "<i8": torch.int64, "<i4": torch.int32, "|u1": torch.uint8, "<u1": torch.uint8,
+    "|i1": torch.int8, "<f2": torch.float16, "<f4": torch.float32, "<f8": torch.float64,
+}
+
+
+def read_npy(path: str) -> Tensor:
+    """An ``.npy`` file as a CPU tensor memory-mapped from it (copy-on-write). Plain
+    little-endian numbers in C order only; anything else is a ``ValueError`` naming the file."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(12)
+            if len(head) < 10 or head[:6] != b"\x93NUMPY":
+                raise ValueError(f"{path}: not an .npy file")
+            wide = head[6] >= 2
+            hlen = int.from_bytes(head[8:12] if wide else head[8:10], "little")
+            offset = (12 if wide else 10) + hlen
+            f.seek(offset - hlen)
+            header = f.read(hlen).decode("latin1")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: missing") from None
+    try:
+        meta = ast.literal_eval(header)
+        descr, fortran, shape = meta["descr"], meta["fortran_order"], tuple(meta["shape"])
+    except (ValueError, SyntaxError, KeyError, TypeError):
+        raise ValueError(f"{path}: unreadable .npy header {header.strip()!r}") from None
+    dtype = _NPY_DTYPES.get(descr) if isinstance(descr, str) else None
+    if dtype is None:
+        raise ValueError(f"{path}: holds {descr!r}; an index file holds plain little-endian "
+                         f"numbers ({', '.join(_NPY_DTYPES)})")
+    if fortran and len(shape) > 1:
+        raise ValueError(f"{path}: Fortran order; an index file is in C order")
+    n = math.prod(shape)
+    need = offset + n * dtype.itemsize
+    if size < need:
+        raise ValueError(f"{path}: truncated: its header promises {descr} {shape} ({need} bytes "
+                         f"with the header), the file holds {size}")
+    if n == 0:
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.from_file(path, shared=False, size=need, dtype=torch.uint8)[offset:]
+    if offset % dtype.itemsize:
+        raw = raw.clone()
+    return raw.view(dtype).view(shape)
+
+
+def _read_json(directory: str, name: str):
+    path = os.path.join(directory, name)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: missing") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def _payload(directory: str, suffix: str, num_chunks: int) -> Tensor:
+    """``codes`` or ``residuals``: the merged file, mapped, or the chunks' files, concatenated."""
+    merged = os.path.join(directory, f"merged_{suffix}.npy")
+    staged = [i for i in range(num_chunks)
+              if os.path.exists(os.path.join(directory, f"{i}.{suffix}.npy"))]
+    if os.path.exists(merged):
+        if staged:
+            manifest = _read_json(directory, f"merged_{suffix}.manifest.json") if os.path.exists(
+                os.path.join(directory, f"merged_{suffix}.manifest.json")) else {}
+            pending = [i for i in staged if not manifest.get(f"{i}.{suffix}.npy", {}).get("merged")]
+            if pending:
+                raise ValueError(
+                    f"{merged}: chunk files {', '.join(f'{i}.{suffix}.npy' for i in pending)} "
+                    "hold updates not merged into it yet; open the index with fast-plaid once "
+                    "to merge them")
+        return read_npy(merged)
+    if len(staged) != num_chunks:
+        missing = sorted(set(range(num_chunks)) - set(staged))
+        raise FileNotFoundError(
+            f"{merged}: missing, and so are chunk files "
+            f"{', '.join(f'{i}.{suffix}.npy' for i in missing)}")
+    parts = [read_npy(os.path.join(directory, f"{i}.{suffix}.npy")) for i in range(num_chunks)]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+
+def _fail(directory: str, name: str, what: str):
+    raise ValueError(f"{os.path.join(directory, name)}: {what}")
+
+
+def read_fast_plaid(directory: str, validate: bool = True) -> dict:
+    """The tensors of a fast-plaid index directory, on the CPU, checked for consistency (with
+    ``validate``, also every centroid id and inverted-list entry for its range)."""
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"{directory}: not a directory (a fast-plaid index is one)")
+    meta = _read_json(directory, "metadata.json")
+    nbits, num_chunks = meta.get("nbits"), meta.get("num_chunks")
+    if isinstance(nbits, bool) or nbits not in NBITS:
+        _fail(directory, "metadata.json", f"nbits must be one of {NBITS}, got {nbits!r}")
+    if not isinstance(num_chunks, int) or isinstance(num_chunks, bool) or num_chunks < 0:
+        _fail(directory, "metadata.json", f"num_chunks must be an int >= 0, got {num_chunks!r}")
+    centroids = read_npy(os.path.join(directory, "centroids.npy"))
+    if centroids.dim() != 2 or not centroids.dtype.is_floating_point:
+        _fail(directory, "centroids.npy", f"must be float [K, d], got {centroids.dtype} "
+                                          f"{tuple(centroids.shape)}")
+    K, dim = centroids.shape
+    weights = read_npy(os.path.join(directory, "bucket_weights.npy"))
+    if tuple(weights.shape) != (1 << nbits,) or not weights.dtype.is_floating_point:
+        _fail(directory, "bucket_weights.npy", f"must be float [2 ** nbits] = ({1 << nbits},) "
+                                               f"for nbits={nbits}, got {weights.dtype} "
+                                               f"{tuple(weights.shape)}")
+    lengths = []
+    for i in range(num_chunks):
+        chunk = _read_json(directory, f"doclens.{i}.json")
+        if not isinstance(chunk, list) or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in chunk):
+            _fail(directory, f"doclens.{i}.json", "must be a list of token counts (ints >= 0)")
+        lengths.extend(chunk)
+    n_docs = meta.get("num_documents", len(lengths))
+    if n_docs != len(lengths):
+        _fail(directory, "metadata.json", f"num_documents = {n_docs}, but the doclens files "
+                                          f"list {len(lengths)} documents")
+    T = sum(lengths)
+    codes = _payload(directory, "codes", num_chunks)
+    residuals = _payload(directory, "residuals", num_chunks)
+    packed_dim = -(-dim * nbits // 8)
+    if codes.dim() != 1 or codes.dtype not in (torch.int64, torch.int32) or codes.shape[0] < T:
+        _fail(directory, "merged_codes.npy", f"must be int [R >= {T}] (the documents' {T} "
+                                             f"tokens), got {codes.dtype} {tuple(codes.shape)}")
+    if residuals.dtype != torch.uint8 or tuple(residuals.shape) != (codes.shape[0], packed_dim):
+        _fail(directory, "merged_residuals.npy",
+              f"must be uint8 [{codes.shape[0]}, {packed_dim}] (a row per code, "
+              f"ceil(d * nbits / 8) bytes), got {residuals.dtype} {tuple(residuals.shape)}")
+    ivf = ivf_lengths = None
+    if os.path.exists(os.path.join(directory, "ivf.npy")):
+        ivf = read_npy(os.path.join(directory, "ivf.npy"))
+        ivf_lengths = read_npy(os.path.join(directory, "ivf_lengths.npy"))
+        if ivf.dim() != 1 or ivf.dtype.is_floating_point:
+            _fail(directory, "ivf.npy", f"must be int [E], got {ivf.dtype} {tuple(ivf.shape)}")
+        if tuple(ivf_lengths.shape) != (K,) or ivf_lengths.dtype.is_floating_point:
+            _fail(directory, "ivf_lengths.npy", f"must be int [{K}] (a count per centroid), got "
+                                                f"{ivf_lengths.dtype} {tuple(ivf_lengths.shape)}")
+        if ivf_lengths.numel() and (int(ivf_lengths.min()) < 0
+                                    or int(ivf_lengths.sum()) != ivf.shape[0]):
+            _fail(directory, "ivf_lengths.npy", f"must be counts >= 0 adding up to the "
+                                                f"{ivf.shape[0]} entries of ivf.npy")
+    if validate:
+        if T and not (0 <= int(codes[:T].min()) and int(codes[:T].max()) < K):
+            _fail(directory, "merged_codes.npy", f"holds centroid ids outside [0, {K})")
+        if ivf is not None and ivf.numel() and not (
+                0 <= int(ivf.min()) and int(ivf.max()) < n_docs):
+            _fail(directory, "ivf.npy", f"holds document ids outside [0, {n_docs})")
+    return {"nbits": nbits, "centroids": centroids, "bucket_weights": weights.to(centroids.dtype),
+            "codes": codes, "residuals": residuals,
+            "doc_lengths": torch.tensor(lengths, dtype=torch.int64), "ivf": ivf,
+            "ivf_lengths": ivf_lengths}
+
+
+def build_ivf(codes: Tensor, starts: Tensor, lengths: Tensor, n_centroids: int):
+    """Each centroid's documents (those with a token of it), sorted, back to back, and the
+    lists' lengths: ``(ivf [E], ivf_lengths [K])``."""
+    n_docs = lengths.shape[0]
+    doc = torch.repeat_interleave(torch.arange(n_docs, device=codes.device), lengths)
+    rows = torch.repeat_interleave(starts, lengths) + (
+        torch.arange(doc.shape[0], device=codes.device)
+        - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths))
+    keys = torch.unique(codes[rows].long() * max(n_docs, 1) + doc)
+    cells = keys // max(n_docs, 1)
+    return keys % max(n_docs, 1), torch.bincount(cells, minlength=n_centroids)
+
+
+class PlaidIndex:
+    """A PLAID (ColBERTv2) index on one device: documents as centroid ids and residual codes,
+    packed back to back, and the inverted lists the search probes.
+
+    Open a fast-plaid directory with :func:`fusedmaxsim.plaid.load`, or build one from tensors
+    with :meth:`from_tensors`. :meth:`search` runs the whole PLAID pipeline on the device;
+    :meth:`score` scores queries against every document, in place.
+
+    Attributes: ``centroids [K, d]``, ``bucket_weights [2 ** nbits]``, ``nbits``, ``bit_order``,
+    ``codes [R]``, ``residuals [R, ceil(d · nbits / 8)]``, ``doc_lengths [Nd]`` and
+    ``doc_starts [Nd]`` (int64: document ``j`` is rows ``[doc_starts[j], doc_starts[j] +
+    doc_lengths[j])``), ``ivf [E]`` and ``ivf_offsets [K + 1]`` (the documents of centroid ``c``:
+    ``ivf[ivf_offsets[c]:ivf_offsets[c + 1]]``, or None without inverted lists).
+    """
+
+    def __init__(self, centroids: Tensor, bucket_weights: Tensor, nbits: int, codes: Tensor,
+                 residuals: Tensor, doc_lengths: Tensor, ivf: Tensor | None,
+                 ivf_lengths: Tensor | None, *, bit_order: str = "big"):
+        device = centroids.device
+        self.centroids, self.bucket_weights = centroids, bucket_weights.to(device)
+        self.nbits, self.bit_order = nbits, bit_order
+        self.codes, self.residuals = codes.to(device), residuals.to(device)
+        lengths = doc_lengths.long()
+        self.doc_starts = (torch.cumsum(lengths, 0) - lengths).to(device)
+        self.doc_lengths = lengths.to(device)
+        self.max_doc_len = int(lengths.max()) if lengths.numel() else 0
+        self.ivf = self.ivf_offsets = None
+        self.max_list_len = 0
+        if ivf is not None:
+            counts = ivf_lengths.long()
+            self.ivf = ivf.to(device)
+            self.ivf_offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]).to(device)
+            self.max_list_len = int(counts.max()) if counts.numel() else 0
+
+    @classmethod
+    def from_tensors(cls, centroids: Tensor, bucket_weights: Tensor, nbits: int, codes: Tensor,
+                     residuals: Tensor, doc_lengths: Tensor, *, bit_order: str = "big",
+                     validate: bool = True) -> PlaidIndex:
+        """An index from its tensors (on the centroids' device): ``codes [T]`` and ``residuals
+        [T, ceil(d · nbits / 8)]`` the documents' tokens back to back, ``doc_lengths [Nd]``; the
+        inverted lists are built from the codes. ``validate``: check every id's range (one
+        synchronization on a GPU)."""
+        from .plaid import maxsim_residual_varlen  # the front door's checks
+        lengths = doc_lengths.long().to(centroids.device)
+        cu = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
+        probe = centroids.new_zeros((1, 0, centroids.shape[1]))
+        maxsim_residual_varlen(probe, codes, residuals, cu, centroids, bucket_weights, nbits,
+                               bit_order=bit_order, validate=validate)
+        ivf, ivf_lengths = build_ivf(codes.to(centroids.device), cu[:-1], lengths,
+                                     centroids.shape[0])
+        return cls(centroids, bucket_weights, nbits, codes, residuals, lengths, ivf, ivf_lengths,
+                   bit_order=bit_order)
+
+    @property
+    def n_docs(self) -> int:
+        return self.doc_lengths.shape[0]
+
+    @property
+    def dim(self) -> int:
+        return self.centroids.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.centroids.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the documents: codes and residuals."""
+        return self.codes.nbytes + self.residuals.nbytes
+
+    def __repr__(self) -> str:
+        return (f"PlaidIndex({self.n_docs} documents, {self.doc_lengths.sum().item()} tokens, "
+                f"d={self.dim}, nbits={self.nbits}, {self.centroids.shape[0]} centroids, "
+                f"{self.nbytes / 2**20:.1f} MiB of codes and residuals on {self.device})")
+
+    def _docs(self, doc_ids: Tensor | None) -> ResidualDocs:
+        return ResidualDocs(self.codes, self.residuals, self.doc_starts, self.doc_lengths,
+                            self.max_doc_len, doc_ids, self.centroids, self.bucket_weights,
+                            self.nbits, self.bit_order, True)
+
+    def score(self, Q: Tensor, *, q_mask: Tensor | None = None, normalize: bool = True):
+        """MaxSim of ``Q`` against every document: ``[Nq, Nd]``, as
+        :func:`fusedmaxsim.plaid.maxsim_residual_varlen` (autograd to ``Q``)."""
+        from .plaid import maxsim_residual_varlen
+        cu = torch.cat([self.doc_starts, (self.doc_starts[-1:] + self.doc_lengths[-1:])]) \
+            if self.n_docs else self.doc_starts.new_zeros(1)
+        return maxsim_residual_varlen(Q, self.codes, self.residuals, cu, self.centroids,
+                                      self.bucket_weights, self.nbits, normalize=normalize,
+                                      q_mask=q_mask, bit_order=self.bit_order,
+                                      max_seqlen_d=self.max_doc_len, validate=False)
+
+    def search(self, Q: Tensor, top_k: int = 10, *, n_probe: int = 8, n_candidates: int = 4096,
+               q_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """:func:`plaid_search` of this index."""
+        return plaid_search(Q, self, top_k, n_probe=n_probe, n_candidates=n_candidates,
+                            q_mask=q_mask)
+
+
+def load(path: str | os.PathLike, device: str | torch.device | None = None, *,
+         validate: bool = True) -> PlaidIndex:
+    """Open a fast-plaid index directory (what PyLate's PLAID index writes) in place.
+
+    Only tensors are read (``.npy`` headers parsed, never a pickle); the codes and residuals are
+    memory-mapped, then moved to ``device`` (default: the CPU, where they stay mapped). The
+    bucket weights are read in the centroids' dtype, as fast-plaid reads them. A missing,
+    truncated or inconsistent file is an error naming the file; ``validate`` (default) also
+    checks every centroid id and inverted-list entry for its range.
+    """
+    t = read_fast_plaid(os.fspath(path), validate)
+    device = torch.device("cpu") if device is None else torch.device(device)
+    return PlaidIndex(t["centroids"].to(device), t["bucket_weights"], t["nbits"], t["codes"],
+                      t["residuals"], t["doc_lengths"], t["ivf"], t["ivf_lengths"])
+
+
+def _probed_documents(index: PlaidIndex, cells: Tensor) -> Tensor:
+    """``[Nq, Nd]`` bool: the documents in the inverted lists of each query's probed ``cells
+    [Nq, P]`` (-1: none), gathered a block of queries at a time."""
+    Nq, P = cells.shape
+    hit = torch.zeros((Nq, index.n_docs + 1), dtype=torch.bool, device=cells.device)
+    M = index.max_list_len
+    if M == 0 or P == 0:
+        return hit[:, :-1]
+    cells, _ = cells.sort(dim=1)  # a cell probed by several query tokens is read once
+    repeat = torch.zeros_like(cells, dtype=torch.bool)
+    repeat[:, 1:] = cells[:, 1:] == cells[:, :-1]
+    cells = cells.masked_fill(repeat, -1)
+    pos = torch.arange(M, device=cells.device)
+    step = max(1, (1 << 24) // (P * M))
+    for q0 in range(0, Nq, step):
+        c = cells[q0:q0 + step]
+        safe = c.clamp_min(0)
+        lo = index.ivf_offsets[safe]
+        n = torch.where(c >= 0, index.ivf_offsets[safe + 1] - lo, 0)
+        entry = (lo[..., None] + pos).clamp_max(index.ivf.shape[0] - 1)
+        docs = torch.where(pos < n[..., None], index.ivf[entry], index.n_docs)
+        hit[q0:q0 + step].scatter_(1, docs.flatten(1), True)
+    return hit[:, :-1]
+
+
+def _candidate_table(hit: Tensor) -> Tensor:
+    """``[Nq, W]`` int64: each query's documents in ascending order, -1 past its count (``W`` the
+    largest count: the search's synchronizations, for the table's width)."""
+    Nq = hit.shape[0]
+    where = hit.nonzero()
+    counts = torch.bincount(where[:, 0], minlength=Nq)
+    width = int(counts.max()) if Nq and where.shape[0] else 0
+    table = torch.full((Nq, width), -1, dtype=torch.int64, device=hit.device)
+    if width:
+        first = torch.cumsum(counts, 0) - counts
+        col = torch.arange(where.shape[0], device=hit.device) - first[where[:, 0]]
+        table[where[:, 0], col] = where[:, 1]
+    return table
+
+
+def plaid_search(Q: Tensor, index: PlaidIndex, top_k: int = 10, *, n_probe: int = 8,
+                 n_candidates: int = 4096,
+                 q_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The PLAID search of ``Q`` in ``index``, on its device: ``(scores [Nq, top_k] fp32, ids
+    [Nq, top_k] int64)``, best first (``[top_k]`` each for a single query ``[Lq, d]``).
+
+    fast-plaid's pipeline (``n_probe`` is its ``n_ivf_probe``, ``n_candidates`` its
+    ``n_full_scores``), batched over queries:
+
+    1. the queries in the centroids' dtype, and their centroid scores ``centroids @ qᵀ``;
+    2. each query token probes its ``n_probe`` best centroids; the candidates are the documents
+       of their inverted lists;
+    3. each candidate's approximate score (:func:`fusedmaxsim.plaid.plaid_approx_score`: the
+       centroid scores of its tokens, max over tokens, summed over query tokens);
+    4. the best ``max(1, n_candidates // 4)`` by that score are scored exactly: decompressed on
+       chip, the documents' tokens L2-normalized, the queries as given (ColBERT's encoders
+       normalize them), fp32 similarities (:func:`fusedmaxsim.plaid.maxsim_residual`'s kernel);
+    5. the ``top_k`` best. Where a query finds fewer documents its row ends in ids -1, scores
+       -inf.
+
+    ``q_mask [Nq, Lq]`` (nonzero = a real token): masked tokens probe nothing and add nothing.
+    Memory holds the centroid scores, a ``[Nq, Nd]`` bitmap of candidates and the candidates'
+    ids and approximate scores, never a decompressed document. Two synchronizations (the
+    candidates' count, for the width of their table); no gradient.
+    """
+    from ._autograd import approx_scores
+    Q, q_mask, squeeze = _check_residual_query(Q, q_mask)
+    if not isinstance(index, PlaidIndex):
+        raise TypeError(f"index must be a fusedmaxsim.plaid.PlaidIndex, got "
+                        f"{type(index).__name__}")
+    top_k = check_int("top_k", top_k, optional=False, low=1, bound=">= 1")
+    n_probe = check_int("n_probe", n_probe, optional=False, low=1, bound=">= 1")
+    n_candidates = check_int("n_candidates", n_candidates, optional=False, low=1, bound=">= 1")
+    if Q.shape[-1] != index.dim:
+        raise ValueError(f"Q has d = {Q.shape[-1]} but the index has d = {index.dim}")
+    if Q.device != index.device:
+        raise ValueError(f"Q is on {Q.device} but the index is on {index.device}")
+    if index.ivf is None:
+        raise ValueError("the index has no inverted lists (fast-plaid's compress_only): it can "
+                         "be scored (PlaidIndex.score), not searched")
+    with torch.no_grad():
+        Nq, Lq, _ = Q.shape
+        Qc = Q.to(index.centroids.dtype)
+        cs = torch.matmul(index.centroids, Qc.transpose(1, 2))  # [Nq, K, Lq]
+        cells = cs.topk(min(n_probe, cs.shape[1]), dim=1).indices if Lq else \
+            cs.new_zeros((Nq, 0, 0), dtype=torch.int64)
+        if q_mask is not None:
+            valid = q_mask.bool()
+            cells = cells.masked_fill(~valid[:, None, :], -1)
+            cs = cs.masked_fill(~valid[:, None, :], 0)
+        candidates = _candidate_table(_probed_documents(index, cells.flatten(1)))
+        approx = approx_scores(cs, index.codes, index.doc_starts, index.doc_lengths, candidates)
+        n_exact = min(max(1, n_candidates // 4), candidates.shape[1])
+        best = approx.topk(n_exact, dim=1).indices
+        ids = candidates.gather(1, best)
+        docs = index._docs(ids)
+        p = residual_problem(docs, Qc, q_mask, normalize=True, save_argmax=False)
+        exact = run_forward(p, options_for(Qc), Qc, None, q_mask, None, None, None, docs)[0]
+        k = min(top_k, n_exact)
+        scores, order = exact.float().topk(k, dim=1)
+        ids = ids.gather(1, order)
+        if k < top_k:
+            scores = torch.cat([scores, scores.new_full((Nq, top_k - k), float("-inf"))], 1)
+            ids = torch.cat([ids, ids.new_full((Nq, top_k - k), -1)], 1)
+    return (scores[0], ids[0]) if squeeze else (scores, ids)
