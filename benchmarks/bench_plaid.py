@@ -134,6 +134,21 @@ def _providers(index, nbits):
     return found
 
 
+def _interleaved(row, timed, rounds, device):
+    """Each provider's median over ``rounds`` interleaved rounds, each round in another order,
+    into ``row``, and the speedup against late-interaction-kernels."""
+    names = list(timed)
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(_time_ms(timed[name], device))
+    for name, ms in times.items():
+        row["providers"][name]["ms"] = statistics.median(ms)
+    ours_ms = row["providers"].get("fusedmaxsim", {}).get("ms")
+    lik_ms = row["providers"].get("lik", {}).get("ms")
+    row["speedup_vs_lik"] = lik_ms / ours_ms if ours_ms and lik_ms else None
+
+
 def _time_ms(fn, device, rounds=3):
     if device.type == "cuda":
         from triton.testing import do_bench
@@ -166,16 +181,7 @@ def run_case(case, device, rounds):
                 timed[name] = lambda fn=fn: fn(Q)
             except Exception as exc:  # noqa: BLE001 - recorded, never hidden
                 entry["failed"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-        names = list(timed)
-        times = {name: [] for name in names}
-        for r in range(rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                times[name].append(_time_ms(timed[name], device))
-    for name, ms in times.items():
-        row["providers"][name]["ms"] = statistics.median(ms)
-    ours_ms = row["providers"].get("fusedmaxsim", {}).get("ms")
-    lik_ms = row["providers"].get("lik", {}).get("ms")
-    row["speedup_vs_lik"] = lik_ms / ours_ms if ours_ms and lik_ms else None
+        _interleaved(row, timed, rounds, device)
     return row
 
 
@@ -242,16 +248,7 @@ def run_approx_case(case, device, rounds):
                 timed[name] = fn
             except Exception as exc:  # noqa: BLE001 - recorded, never hidden
                 entry["failed"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-        names = list(timed)
-        times = {name: [] for name in names}
-        for r in range(rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                times[name].append(_time_ms(timed[name], device))
-    for name, ms in times.items():
-        row["providers"][name]["ms"] = statistics.median(ms)
-    ours_ms = row["providers"].get("fusedmaxsim", {}).get("ms")
-    lik_ms = row["providers"].get("lik", {}).get("ms")
-    row["speedup_vs_lik"] = lik_ms / ours_ms if ours_ms and lik_ms else None
+        _interleaved(row, timed, rounds, device)
     return row
 
 

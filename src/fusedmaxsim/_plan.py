@@ -28,8 +28,8 @@ import torch
 
 from . import settings
 from ._problem import (
-    CANDIDATES, CROSS, PAIRS, PACKED, RESIDUAL, RESIDUAL_CANDIDATES, RESIDUAL_LAYOUTS, Options,
-    Problem,
+    APPROX_CANDIDATES, CANDIDATES, CROSS, PAIRS, PACKED, RESIDUAL, RESIDUAL_CANDIDATES,
+    RESIDUAL_LAYOUTS, Options, Problem,
 )
 
 __all__ = [
@@ -994,8 +994,6 @@ def explain_plans(p: Problem, o: Options, strategy: str = "auto") -> str:
 # ------------------------------------------------------------------------------------------------
 # PLAID approximate scores (plaid_approx_score): tiles of the gather kernel, or the PyTorch path
 # ------------------------------------------------------------------------------------------------
-
-from ._problem import APPROX_CANDIDATES
 
 # Not measured yet (no GPU run of the approx kernel so far; the interpreter's are small so that
 # tests cross tiles and query chunks). A program's [tokens, queries · query tokens] tile of

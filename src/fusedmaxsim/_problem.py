@@ -19,6 +19,8 @@ Layouts
   ``Ld`` a bound on the documents' lengths.
 * ``residual candidates``: the same, each query against its own candidate documents of the index
   (``ResidualDocs.doc_ids [Nq, C]``, the search's rerank): ``Ncols = C``.
+* ``approx`` / ``approx candidates``: PLAID's approximate score, query-centroid scores gathered
+  by the documents' centroid ids (every document, or each query's candidates); no gradient.
 
 Every error names the argument and the shapes, and is raised before anything is launched.
 """
@@ -44,7 +46,7 @@ RESIDUAL_LAYOUTS = (RESIDUAL, RESIDUAL_CANDIDATES)
 class Problem(NamedTuple):
     """What is computed (hashable: the planner's cache key, with :class:`Options`)."""
 
-    layout: str  # CROSS, CANDIDATES, PACKED or PAIRS
+    layout: str  # CROSS, CANDIDATES, PACKED, PAIRS, a residual or an approx layout
     Nq: int  # queries
     Ncols: int  # columns of the scores: documents, candidates or pairs
     Lq: int  # query tokens (packed: the longest)
@@ -720,6 +722,18 @@ class ResidualDocs(NamedTuple):
         return self.starts.shape[0] if self.doc_ids is None else self.doc_ids.shape[1]
 
 
+def _packed_offset_errors(name: str, first: int, last: int, shortest: int, T: int,
+                          what: str) -> None:
+    """Offsets into ``T`` packed rows of codes that may leave rows after the last document."""
+    if first != 0:
+        raise ValueError(f"{name} must start at 0, got {name}[0] = {first}")
+    if shortest < 0:
+        raise ValueError(f"{name} must be non-decreasing (every length >= 0); it holds a length "
+                         f"of {shortest}")
+    if last > T:
+        raise ValueError(f"{name} must end within the {T} {what} of codes, got {name}[-1] = {last}")
+
+
 def _check_residual_codec(Q: Tensor, centroids: object, bucket_weights: object, nbits: object,
                           bit_order: object, residuals: object, rows: tuple[int, ...],
                           rows_name: str) -> tuple[Tensor, Tensor]:
@@ -848,14 +862,7 @@ def check_residual_varlen(Q: object, codes: object, residuals: object, cu_seqlen
                                         or need_max_len)):
         first, last, shortest, longest = _offset_facts(cu).tolist()
         if checked:
-            if first != 0:
-                raise ValueError(f"cu_seqlens_d must start at 0, got cu_seqlens_d[0] = {first}")
-            if shortest < 0:
-                raise ValueError("cu_seqlens_d must be non-decreasing (every length >= 0); it "
-                                 f"holds a length of {shortest}")
-            if last > T:
-                raise ValueError(f"cu_seqlens_d must end within the {T} rows of codes, got "
-                                 f"cu_seqlens_d[-1] = {last}")
+            _packed_offset_errors("cu_seqlens_d", first, last, shortest, T, "rows")
             if max_len is not None and longest > max_len:
                 raise ValueError(f"max_seqlen_d={max_len} is below the longest document in "
                                  f"cu_seqlens_d ({longest} tokens)")
@@ -996,14 +1003,7 @@ def check_approx(cs: object, codes: object, doc_lengths: object, cu_seqlens: obj
             past = torch.arange(T, device=device) < cu_here[-1]
             facts = torch.cat([_offset_facts(cu_here), _approx_id_range(codes, past)]).tolist()
             (first, last, shortest, _), (low, high) = facts[:4], facts[4:]
-            if first != 0:
-                raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0] = {first}")
-            if shortest < 0:
-                raise ValueError("cu_seqlens must be non-decreasing (every length >= 0); it "
-                                 f"holds a length of {shortest}")
-            if last > T:
-                raise ValueError(f"cu_seqlens must end within the {T} ids of codes, got "
-                                 f"cu_seqlens[-1] = {last}")
+            _packed_offset_errors("cu_seqlens", first, last, shortest, T, "ids")
             _approx_id_errors(low, high, n_centroids)
         cu = _to_device(cu, device).long()
         return cs, ApproxDocs(codes, cu[:-1], cu[1:] - cu[:-1]), squeeze_q

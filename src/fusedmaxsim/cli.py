@@ -17,6 +17,8 @@ from ._problem import select_backend, triton_available
 from .testing import TOLERANCES, relative_error
 
 LAYOUTS = ("cross", "candidates", "pairs", "single")
+# PLAID: maxsim_residual_varlen (packed compressed documents; grad_Q) and plaid_approx_score.
+PLAID_LAYOUTS = ("residual", "approx")
 
 
 def _default_device() -> str:
@@ -86,7 +88,7 @@ def info_report(device: str) -> dict:
             chosen = f"error: {exc}"
         name = str(dtype).replace("torch.", "")
         # Every layout shares one kernel family, so the choice depends on device and dtype only.
-        report["layouts"][name] = {layout: chosen for layout in LAYOUTS}
+        report["layouts"][name] = {layout: chosen for layout in LAYOUTS + PLAID_LAYOUTS}
     return report
 
 
@@ -101,13 +103,50 @@ def _print_info(report: dict) -> None:
     print("\nsettings in force (docs: README, Settings)")
     for key, value in report["settings"].items():
         print(f"  {key:<32}{value}")
-    print(f"\n{'dtype':<10}" + "".join(f"{layout:<12}" for layout in LAYOUTS))
+    every = LAYOUTS + PLAID_LAYOUTS
+    print(f"\n{'dtype':<10}" + "".join(f"{layout:<12}" for layout in every))
     for dtype, row in report["layouts"].items():
-        print(f"{dtype:<10}" + "".join(f"{row[layout]:<12}" for layout in LAYOUTS))
+        print(f"{dtype:<10}" + "".join(f"{row[layout]:<12}" for layout in every))
 
 
 # --------------------------------------------------------------------------------------- check
+def _check_plaid(layout, dtype, normalize, device):
+    """PLAID documents, packed as on disk (an empty one among them), 2-bit codes, a query mask:
+    ``maxsim_residual_varlen``'s scores and grad_Q, or ``plaid_approx_score``'s scores."""
+    from .plaid import maxsim_residual_varlen, plaid_approx_score
+    from .reference import maxsim_residual_ref, plaid_approx_score_ref
+
+    Nq, Lq, dim, n_centroids, nbits = 3, 37, 96, 29, 2
+    lengths = torch.randint(1, 54, (5,))
+    lengths[1] = 0
+    cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    codes = torch.randint(0, n_centroids, (int(cu[-1]),))
+    if layout == "approx":
+        cs = torch.randn(Nq, n_centroids, Lq).to(dtype)
+        out = plaid_approx_score(cs.to(device), codes.to(device), cu_seqlens=cu.to(device))
+        return relative_error(out, plaid_approx_score_ref(cs, codes, cu_seqlens=cu)), None, None
+    residuals = torch.randint(0, 256, (codes.shape[0], dim * nbits // 8), dtype=torch.uint8)
+    centroids = torch.randn(n_centroids, dim).to(dtype)
+    weights = torch.randn(1 << nbits) * 0.1
+    rows = (cu[:-1, None] + torch.arange(int(lengths.max()))).clamp_max(codes.shape[0] - 1)
+    q_mask = torch.rand(Nq, Lq) > 0.2
+    Q = torch.randn(Nq, Lq, dim, device=device).to(dtype).requires_grad_()
+    Q64 = Q.detach().cpu().double().requires_grad_()
+    out = maxsim_residual_varlen(Q, *(t.to(device) for t in (codes, residuals, cu, centroids,
+                                                              weights)), nbits,
+                                 normalize=normalize, q_mask=q_mask.to(device))
+    ref = maxsim_residual_ref(Q64, codes[rows], residuals[rows], lengths, centroids, weights,
+                              nbits, normalize=normalize, q_mask=q_mask)
+    grad = torch.randn_like(out)
+    gq, = torch.autograd.grad(out, Q, grad)
+    rq, = torch.autograd.grad(ref, Q64, grad.double().cpu())
+    return relative_error(out.cpu(), ref), relative_error(gq.cpu(), rq), None
+
+
 def _check_case(layout, dtype, strategy, normalize, device, fp32_precision):
+    if layout in PLAID_LAYOUTS:
+        with settings.use_fp32_precision(fp32_precision):
+            return _check_plaid(layout, dtype, normalize, device)
     from . import maxsim, maxsim_pairs
     from .reference import maxsim_pairs_ref, maxsim_ref
 
@@ -153,13 +192,14 @@ def _format_row(row: dict) -> str:
     )
 
 
-# The Triton interpreter takes seconds a case: on a CPU, ``check --triton`` runs twelve cases
-# (every --all), three per layout, so that each combination of dtype, backward strategy and
-# normalization appears once.
+# The Triton interpreter takes seconds a case: on a CPU, ``check --triton`` runs fourteen cases
+# (every --all): three per dense layout, so that each combination of dtype, backward strategy
+# and normalization appears once, and one per PLAID layout.
 def _triton_subset(dtypes: list[torch.dtype]) -> list[tuple]:
     strategies = ("unified", "lowmem", "smooth")
     return [(LAYOUTS[i // 3], dtypes[i % 2], strategies[i % 3], (i // 2) % 2 == 1)
-            for i in range(12)]
+            for i in range(12)] + [("residual", dtypes[1], "-", True), ("approx", dtypes[0], "-",
+                                                                         False)]
 
 
 def _fp32_note(on_gpu: bool) -> str:
@@ -188,6 +228,11 @@ def run_check(device: str, as_json: bool = False, triton: bool = False,
     dtypes = [torch.bfloat16, torch.float32] if on_gpu else [torch.float32, torch.float16]
     cases = [(layout, dtype, strategy, normalize) for layout in LAYOUTS for dtype in dtypes
              for strategy in ("unified", "lowmem", "smooth") for normalize in (False, True)]
+    # PLAID: no backward strategy (grad_Q only, from the saved argmax); the approximate score
+    # has no gradient and no normalization.
+    cases += [("residual", dtype, "-", normalize) for dtype in dtypes for normalize in (False,
+                                                                                       True)]
+    cases += [("approx", dtype, "-", False) for dtype in dtypes]
     interpreted = triton and not on_gpu
     if interpreted and not every_case:
         cases, total = _triton_subset(dtypes), len(cases)
@@ -220,7 +265,8 @@ def run_check(device: str, as_json: bool = False, triton: bool = False,
     for layout, dtype, strategy, normalize in cases:
         # TF32 moves similarities by ~1e-3, enough to change the winner of a near-tie, so
         # gradients are checked in exact fp32; the forward is checked in TF32 too.
-        precisions = ["ieee", "tf32"] if dtype == torch.float32 and on_gpu else ["ieee"]
+        precisions = ["ieee", "tf32"] if (dtype == torch.float32 and on_gpu
+                                          and layout not in PLAID_LAYOUTS) else ["ieee"]
         for precision in precisions:
             backend = "-"
             try:
@@ -231,7 +277,9 @@ def run_check(device: str, as_json: bool = False, triton: bool = False,
                 errs, error = (float("inf"),) * 3, f"{type(exc).__name__}: {exc}"
             score_tol, grad_tol = TOLERANCES[dtype]
             grads_checked = precision == "ieee" or dtype != torch.float32
-            ok = errs[0] <= score_tol and (not grads_checked or max(errs[1:]) <= grad_tol)
+            grad_errs = [e for e in errs[1:] if e is not None]
+            ok = errs[0] <= score_tol and (not grads_checked or max(grad_errs, default=0.0)
+                                           <= grad_tol)
             row = {
                 "layout": layout, "dtype": str(dtype).replace("torch.", ""),
                 "fp32": precision if dtype == torch.float32 else "-",

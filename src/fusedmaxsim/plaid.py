@@ -1,9 +1,13 @@
-"""PLAID (ColBERTv2) indexes scored in place: MaxSim against compressed documents.
+"""PLAID (ColBERTv2) indexes scored in place: MaxSim against compressed documents, and search.
 
 A PLAID index stores each document token as the id of its nearest centroid and, per dimension,
 an ``nbits``-bit code of the residual bucket; the token is ``centroids[code] + bucket_weights[b]``
-per dimension ``b``. :func:`maxsim_residual` scores queries against such documents without
-a decompressed copy of the corpus, with :func:`fusedmaxsim.maxsim`'s rules.
+per dimension ``b``. :func:`maxsim_residual` (padded documents) and
+:func:`maxsim_residual_varlen` (packed, the layout on disk) score queries against such documents
+without a decompressed copy of the corpus, with :func:`fusedmaxsim.maxsim`'s rules;
+:func:`plaid_approx_score` is PLAID's pruning score from centroid ids alone. :func:`load` opens a
+fast-plaid index directory as a :class:`PlaidIndex`, and :func:`plaid_search` runs the PLAID
+search on its device (docs/plaid.md).
 
 The residual codes form a bit stream, each code least significant bit first, packed into bytes
 most significant bit first (``bit_order="big"``: what ColBERT's and fast-plaid's
@@ -19,11 +23,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._autograd import inverse_norms, scores_residual
+from ._autograd import approx_scores, inverse_norms, scores_residual
 from ._plaid_index import PlaidIndex, load, plaid_search
 from ._problem import (
-    BIT_ORDERS, NBITS, check_bool, check_residual, check_residual_varlen, options_for,
-    residual_problem,
+    BIT_ORDERS, NBITS, check_approx, check_bool, check_residual, check_residual_varlen,
+    options_for, residual_problem,
 )
 from ._torch_path import decompress_residuals as _decompress
 
@@ -103,8 +107,13 @@ def maxsim_residual(
     Q, q_mask, docs, squeeze_q = check_residual(Q, codes, residuals, doc_lengths, centroids,
                                                 bucket_weights, nbits, bit_order, q_mask,
                                                 validate)
+    return _scores(Q, q_mask, docs, squeeze_q, normalize)
+
+
+def _scores(Q: Tensor, q_mask: Tensor | None, docs, squeeze_q: bool, normalize: bool) -> Tensor:
+    """The residual layout's scores, with autograd to ``Q`` where it requires a gradient."""
     normalize = check_bool("normalize", normalize)
-    if torch.promote_types(Q.dtype, centroids.dtype) == torch.float64:
+    if torch.promote_types(Q.dtype, docs.centroids.dtype) == torch.float64:
         Q = Q.double()  # float64 similarities where either side is float64
     o = options_for(Q)
     save_argmax = torch.is_grad_enabled() and Q.requires_grad
@@ -151,26 +160,16 @@ def maxsim_residual_varlen(
             :func:`maxsim_residual`'s ``validate``. An unchecked document out of range scores NaN,
             never a read out of bounds.
     """
-    save_argmax = torch.is_grad_enabled() and isinstance(Q, Tensor) and Q.requires_grad
+    need_grad = torch.is_grad_enabled() and isinstance(Q, Tensor) and Q.requires_grad
     Q, q_mask, docs, squeeze_q = check_residual_varlen(
         Q, codes, residuals, cu_seqlens_d, centroids, bucket_weights, nbits, bit_order, q_mask,
-        max_seqlen_d, validate, save_argmax)
-    normalize = check_bool("normalize", normalize)
-    if torch.promote_types(Q.dtype, centroids.dtype) == torch.float64:
-        Q = Q.double()
-    o = options_for(Q)
-    q_inv = inverse_norms(Q, o.backend) if normalize else None
-    p = residual_problem(docs, Q, q_mask, normalize=normalize, save_argmax=save_argmax)
-    scores = scores_residual(p, o, Q, docs, q_mask, q_inv)
-    return scores.squeeze(0) if squeeze_q else scores
+        max_seqlen_d, validate, need_grad)
+    return _scores(Q, q_mask, docs, squeeze_q, normalize)
 
 
 # ------------------------------------------------------------------------------------------------
 # The approximate (IVF pruning) score
 # ------------------------------------------------------------------------------------------------
-
-from ._autograd import approx_scores as _approx_scores
-from ._problem import check_approx as _check_approx
 
 
 def plaid_approx_score(
@@ -211,11 +210,8 @@ def plaid_approx_score(
     Returns:
         ``[B]`` (one query) or ``[Nq, B]`` fp32 scores (float64 for float64 ``cs``).
     """
-    cs, docs, squeeze_q = _check_approx(query_centroid_scores, codes, doc_lengths, cu_seqlens,
-                                        validate)
-    scores = _approx_scores(cs, docs.codes, docs.starts, docs.lengths)
+    cs, docs, squeeze_q = check_approx(query_centroid_scores, codes, doc_lengths, cu_seqlens,
+                                       validate)
+    scores = approx_scores(cs, docs.codes, docs.starts, docs.lengths)
     return scores.squeeze(0) if squeeze_q else scores
 
-
-if "plaid_approx_score" not in __all__:
-    __all__.append("plaid_approx_score")
