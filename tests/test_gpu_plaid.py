@@ -196,14 +196,3 @@ def test_search_from_tensors_on_cuda_is_exact_when_exhaustive():
     assert torch.equal(ids, top.indices)
     assert_close_to_reference(scores, top.values, 1e-5, "scores")
     assert index.score(Q).shape == (8, 300)
-
-
-def test_search_has_no_host_synchronization():
-    index = load(FIXTURE / "nbits4", device="cuda")
-    Q = torch.from_numpy(np.load(FIXTURE / "queries.npy")).cuda()
-
-    def calls():
-        index.search(Q, 10, n_probe=4, n_candidates=64)
-        index.search(Q[0], 3, n_probe=1, n_candidates=8)
-
-    assert_no_host_synchronization(calls)

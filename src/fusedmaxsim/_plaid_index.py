@@ -339,12 +339,18 @@ def _probed_documents(index: PlaidIndex, cells: Tensor) -> Tensor:
 
 
 def _candidate_table(hit: Tensor) -> Tensor:
-    """``[Nq, Nd]``: document ``j``'s id where query ``i`` probed it, -1 elsewhere (no
-    candidate). A table as wide as the corpus, never compacted: its width is known without
-    reading the bitmap back."""
-    n_docs = hit.shape[1]
-    dtype = torch.int32 if n_docs < 2**31 else torch.int64
-    return torch.where(hit, torch.arange(n_docs, device=hit.device, dtype=dtype), -1)
+    """``[Nq, W]`` int64: each query's documents in ascending order, -1 past its count (``W`` the
+    largest count: the search's synchronizations, for the table's width)."""
+    Nq = hit.shape[0]
+    where = hit.nonzero()
+    counts = torch.bincount(where[:, 0], minlength=Nq)
+    width = int(counts.max()) if Nq and where.shape[0] else 0
+    table = torch.full((Nq, width), -1, dtype=torch.int64, device=hit.device)
+    if width:
+        first = torch.cumsum(counts, 0) - counts
+        col = torch.arange(where.shape[0], device=hit.device) - first[where[:, 0]]
+        table[where[:, 0], col] = where[:, 1]
+    return table
 
 
 def plaid_search(Q: Tensor, index: PlaidIndex, top_k: int = 10, *, n_probe: int = 8,
@@ -368,9 +374,9 @@ def plaid_search(Q: Tensor, index: PlaidIndex, top_k: int = 10, *, n_probe: int 
        -inf.
 
     ``q_mask [Nq, Lq]`` (nonzero = a real token): masked tokens probe nothing and add nothing.
-    Memory holds the centroid scores and, per query and document, a candidate bit, id (int32)
-    and approximate score (fp32), never a decompressed document. No synchronization: every
-    size is known on the host; no gradient.
+    Memory holds the centroid scores, a ``[Nq, Nd]`` bitmap of candidates and the candidates'
+    ids and approximate scores, never a decompressed document. Two synchronizations (the
+    candidates' count, for the width of their table); no gradient.
     """
     from ._autograd import approx_scores
     Q, q_mask, squeeze = _check_residual_query(Q, q_mask)
@@ -401,7 +407,7 @@ def plaid_search(Q: Tensor, index: PlaidIndex, top_k: int = 10, *, n_probe: int 
         approx = approx_scores(cs, index.codes, index.doc_starts, index.doc_lengths, candidates)
         n_exact = min(max(1, n_candidates // 4), candidates.shape[1])
         best = approx.topk(n_exact, dim=1).indices
-        ids = candidates.gather(1, best).long()
+        ids = candidates.gather(1, best)
         docs = index._docs(ids)
         p = residual_problem(docs, Qc, q_mask, normalize=True, save_argmax=False)
         exact = run_forward(p, options_for(Qc), Qc, None, q_mask, None, None, None, docs)[0]
