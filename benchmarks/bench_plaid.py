@@ -8,6 +8,8 @@ queries of 32 tokens, d = 128, normalized, inference:
 * ``fusedmaxsim``: the Triton forward, each document tile decompressed on chip;
 * ``fusedmaxsim torch``: the same call on the PyTorch path (blocks decompressed, then scored);
 * ``lik``: late-interaction-kernels 0.4.5 ``plaid.maxsim_residual`` where it is importable;
+* ``fusedmaxsim varlen`` and ``lik varlen``: the same documents packed back to back (the on-disk
+  layout), ``maxsim_residual_varlen`` of each (LIK's given ``max_seqlen_d``);
 * ``naive``: decompress every document (``decompress_residuals``), normalize, einsum, max, sum,
   in chunks of documents.
 
@@ -54,6 +56,7 @@ from fusedmaxsim import forced_plan  # noqa: E402
 from fusedmaxsim.plaid import (  # noqa: E402
     decompress_residuals,
     maxsim_residual,
+    maxsim_residual_varlen,
     plaid_approx_score,
 )
 from fusedmaxsim.reference import plaid_approx_score_ref  # noqa: E402
@@ -111,24 +114,42 @@ def _reference(Q, index, nbits, chunk=500):
     return torch.cat(parts, 1)
 
 
+def _packed(codes, residuals, lengths):
+    """The padded documents back to back (the on-disk layout) and their offsets."""
+    valid = torch.arange(codes.shape[1], device=codes.device) < lengths[:, None]
+    cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    return codes[valid], residuals[valid], cu
+
+
 def _providers(index, nbits):
     codes, residuals, lengths, centroids, weights = index
+    flat_codes, flat_residuals, cu = _packed(codes, residuals, lengths)
+    max_len = codes.shape[1]
 
     def ours(Q):
         return maxsim_residual(Q, codes, residuals, lengths, centroids, weights, nbits,
                                bit_order="little")
+
+    def ours_varlen(Q):
+        return maxsim_residual_varlen(Q, flat_codes, flat_residuals, cu, centroids, weights,
+                                      nbits, bit_order="little")
 
     def ours_torch(Q):
         with forced_plan(kernel="torch"):
             return ours(Q)
 
     found = {"fusedmaxsim": ours, "fusedmaxsim torch": ours_torch,
-             "naive": lambda Q: _naive(Q, index, nbits)}
+             "fusedmaxsim varlen": ours_varlen, "naive": lambda Q: _naive(Q, index, nbits)}
     try:
         from late_interaction_kernels.plaid import maxsim_residual as lik_residual
+        from late_interaction_kernels.plaid import maxsim_residual_varlen as lik_varlen
 
         found["lik"] = lambda Q: lik_residual(Q, codes, residuals, lengths, centroids, weights,
                                               nbits, normalize=True)
+        # max_seqlen_d given, as a caller that knows it would (omitted, LIK synchronizes).
+        found["lik varlen"] = lambda Q: lik_varlen(Q, flat_codes, flat_residuals, cu, centroids,
+                                                   weights, nbits, max_seqlen_d=max_len,
+                                                   normalize=True)
     except ImportError:
         pass
     return found
@@ -144,9 +165,11 @@ def _interleaved(row, timed, rounds, device):
             times[name].append(_time_ms(timed[name], device))
     for name, ms in times.items():
         row["providers"][name]["ms"] = statistics.median(ms)
-    ours_ms = row["providers"].get("fusedmaxsim", {}).get("ms")
-    lik_ms = row["providers"].get("lik", {}).get("ms")
-    row["speedup_vs_lik"] = lik_ms / ours_ms if ours_ms and lik_ms else None
+    for ours, lik, key in (("fusedmaxsim", "lik", "speedup_vs_lik"),
+                           ("fusedmaxsim varlen", "lik varlen", "varlen_speedup_vs_lik")):
+        ours_ms = row["providers"].get(ours, {}).get("ms")
+        lik_ms = row["providers"].get(lik, {}).get("ms")
+        row[key] = lik_ms / ours_ms if ours_ms and lik_ms else None
 
 
 def _time_ms(fn, device, rounds=3):
@@ -291,14 +314,18 @@ def _markdown(record) -> str:
         lines += ["", "## Residual scoring (maxsim_residual)", "",
                   (f"- d = 128, Lq = 32, fp16 queries and centroids, normalized, inference; "
                    f"parity against float64 at {TOL:.0e}"), "",
-                  "| Nd × Ld | Nq | nbits | fusedmaxsim | fusedmaxsim torch | LIK | naive | × LIK |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  ("| Nd × Ld | Nq | nbits | fusedmaxsim | fusedmaxsim torch | LIK | naive | × LIK "
+                   "| varlen: fusedmaxsim | LIK | × LIK |"),
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in record["rows"]:
         c, p = row["case"], row["providers"]
         x = f"{row['speedup_vs_lik']:.2f}" if row["speedup_vs_lik"] else "–"
+        xv = row.get("varlen_speedup_vs_lik")
         lines.append(f"| {c['Nd']} × {c['Ld']} | {c['Nq']} | {c['nbits']} | "
                      f"{_cell(p, 'fusedmaxsim')} | {_cell(p, 'fusedmaxsim torch')} | "
-                     f"{_cell(p, 'lik')} | {_cell(p, 'naive')} | {x} |")
+                     f"{_cell(p, 'lik')} | {_cell(p, 'naive')} | {x} | "
+                     f"{_cell(p, 'fusedmaxsim varlen')} | {_cell(p, 'lik varlen')} | "
+                     f"{f'{xv:.2f}' if xv else '–'} |")
     if record["rows"]:
         lines += ["", "Errors (relative, max norm, against float64):", ""]
     for row in record["rows"]:

@@ -43,6 +43,21 @@ def test_fast_plaid_index_loads_and_decompresses_as_fast_plaid(nbits):
     assert (ours - theirs).abs().max() < 1e-3  # two fp16 roundings apart at most
 
 
+def test_documents_are_fast_plaids_embeddings():
+    """PlaidIndex.documents: fast-plaid's get_embeddings, document by document."""
+    index = load(FIXTURE / "nbits4")
+    theirs = torch.from_numpy(np.load(FIXTURE / "nbits4" / "decompressed.npy")).float()
+    n = int((index.doc_lengths.cumsum(0) <= theirs.shape[0]).sum())
+    ours = index.documents(range(n))
+    assert [t.shape[0] for t in ours] == index.doc_lengths[:n].tolist()
+    assert (torch.cat(ours).float() - theirs).abs().max() < 1e-3
+    two = index.documents([5, 2], normalize=False)
+    assert two[0].dtype == index.centroids.dtype and two[1].shape == (index.doc_lengths[2], 64)
+    assert index.documents([]) == []
+    with pytest.raises(ValueError, match=r"ids must be documents of the index, in \[0, 240\)"):
+        index.documents([240])
+
+
 @pytest.mark.parametrize("nbits", [2, 4])
 def test_search_finds_fast_plaids_documents(nbits, backend):
     """For every setting fast-plaid was asked (pruned to 16 exact scores, 4 or 1 probes, every

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from ._autograd import run_forward
+from ._torch_path import decompress_residuals as _decompress
 from ._problem import (
     NBITS, ResidualDocs, _check_residual_query, check_int, options_for, residual_problem,
 )
@@ -278,6 +279,25 @@ class PlaidIndex:
         return ResidualDocs(self.codes, self.residuals, self.doc_starts, self.doc_lengths,
                             self.max_doc_len, doc_ids, self.centroids, self.bucket_weights,
                             self.nbits, self.bit_order, True)
+
+    def documents(self, ids, *, normalize: bool = True) -> list[Tensor]:
+        """Documents ``ids`` (ints) decompressed: a ``[L_j, d]`` tensor each, in the centroids'
+        dtype, L2-normalized by default (what fast-plaid's ``get_embeddings`` returns). Reads
+        the lengths back to the host (one synchronization on a GPU)."""
+        ids = torch.as_tensor(ids, dtype=torch.int64).reshape(-1)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.n_docs):
+            raise ValueError(f"ids must be documents of the index, in [0, {self.n_docs}), got "
+                             f"values in [{int(ids.min())}, {int(ids.max())}]")
+        ids = ids.to(self.device)
+        lengths = self.doc_lengths[ids]
+        rows = torch.repeat_interleave(self.doc_starts[ids], lengths) + (
+            torch.arange(int(lengths.sum()), device=self.device)
+            - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths))
+        tokens = _decompress(self.codes[rows], self.residuals[rows], self.centroids,
+                             self.bucket_weights, self.nbits, self.bit_order)
+        if normalize:
+            tokens = torch.nn.functional.normalize(tokens.float(), dim=-1).to(tokens.dtype)
+        return list(tokens.split(lengths.tolist()))
 
     def score(self, Q: Tensor, *, q_mask: Tensor | None = None, normalize: bool = True):
         """MaxSim of ``Q`` against every document: ``[Nq, Nd]``, as
