@@ -326,3 +326,68 @@ def test_loader_reads_unmerged_chunks_and_runs_nothing(tmp_path):
     assert torch.equal(chunks.residuals, whole.residuals[:T])
     with pytest.raises(FileNotFoundError, match=r"not a directory"):
         load(tmp_path / "nowhere")
+
+
+def _fast_plaid_search_ref(q, index, n_probe, n_full, top_k, subset=None):
+    """fast-plaid's search of one query, ported from its Rust source (search.rs, ``search``)
+    with plain loops: subset centroids, probe, inverted lists, approximate scores, the two
+    prunings, exact scores of the decompressed, normalized tokens, top-k. ``q [Lq, d]``."""
+    cs = index.centroids.float() @ q.float().T  # [K, Lq]
+    if subset is not None:
+        cells = sorted({int(c) for j in subset for c in index.codes[
+            int(index.doc_starts[j]):int(index.doc_starts[j] + index.doc_lengths[j])]})
+        local = cs[cells].topk(min(n_probe, len(cells)), dim=0).indices
+        probed = {cells[int(i)] for i in local.flatten()} if cells else set()
+    else:
+        probed = {int(c) for c in cs.topk(n_probe, dim=0).indices.flatten()}
+    pids = sorted({int(d) for c in probed
+                   for d in index.ivf[index.ivf_offsets[c]:index.ivf_offsets[c + 1]]})
+    if subset is not None:
+        pids = sorted(set(pids) & {int(j) for j in subset})
+    approx = []
+    for j in pids:
+        a, n = int(index.doc_starts[j]), int(index.doc_lengths[j])
+        approx.append(cs[index.codes[a:a + n].long()].max(0).values.sum().item())
+    order = sorted(range(len(pids)), key=lambda i: -approx[i])
+    keep = [pids[i] for i in order[:max(1, n_full // 4)]]
+    exact = {}
+    for j, D in zip(keep, index.documents(keep)):
+        exact[j] = (q.double() @ D.double().T).max(1).values.sum().item()
+    return sorted(exact, key=lambda j: -exact[j])[:top_k]
+
+
+def test_search_with_subsets_is_fast_plaids_pipeline():
+    """Against a port of fast-plaid's search: no subset, one subset for every query (the probe
+    restricted to its centroids), one subset a query (an empty one among them)."""
+    # Many centroids for few tokens: approximate scores do not tie (a tie at a pruning boundary
+    # may go either way).
+    codes, residuals, cu, centroids, weights, lengths = _packed_index(Nd=40, d=16, nbits=2,
+                                                                      K=200, max_len=12)
+    index = PlaidIndex.from_tensors(centroids, weights, 2, codes, residuals, lengths)
+    Q = torch.nn.functional.normalize(torch.randn(3, 5, 16), dim=-1)
+    gen = torch.Generator().manual_seed(3)
+    shared = torch.randperm(40, generator=gen)[:15].tolist()
+    per_query = [torch.randperm(40, generator=gen)[:10].tolist(), [], [7, 3, 31]]
+    for subset, subsets in ((None, [None] * 3), (shared, [shared] * 3),
+                            (per_query, per_query)):
+        _, ids = plaid_search(Q, index, 5, n_probe=3, n_candidates=24, subset=subset)
+        for q in range(3):
+            ref = _fast_plaid_search_ref(Q[q], index, 3, 24, 5, subsets[q])
+            found = [j for j in ids[q].tolist() if j >= 0]
+            assert found == ref, (subset is None, q)
+
+
+def test_subset_errors():
+    codes, residuals, cu, centroids, weights, lengths = _packed_index(Nd=6, d=8, nbits=2)
+    index = PlaidIndex.from_tensors(centroids, weights, 2, codes, residuals, lengths)
+    Q = torch.randn(2, 3, 8)
+    with pytest.raises(ValueError, match=r"subset must hold documents of the index, in \[0, 6\)"):
+        plaid_search(Q, index, subset=[1, 6])
+    with pytest.raises(ValueError, match=r"subset\[1\] must hold documents of the index"):
+        plaid_search(Q, index, subset=[[1], [-1]])
+    with pytest.raises(ValueError, match=r"one a query \(2\), got 3 sequences"):
+        plaid_search(Q, index, subset=[[1], [2], [3]])
+    with pytest.raises(ValueError, match=r"subset is empty: give None for no filter"):
+        plaid_search(Q, index, subset=[])
+    with pytest.raises(ValueError, match=r"subset must be a 1-D sequence of document ids"):
+        plaid_search(Q, index, subset=torch.tensor([0.5]))

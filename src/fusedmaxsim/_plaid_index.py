@@ -225,6 +225,7 @@ class PlaidIndex:
         lengths = doc_lengths.long()
         self.doc_starts = (torch.cumsum(lengths, 0) - lengths).to(device)
         self.doc_lengths = lengths.to(device)
+        self._host_lengths = lengths.cpu()  # sizes known on the host (subset filters)
         self.max_doc_len = int(lengths.max()) if lengths.numel() else 0
         self.ivf = self.ivf_offsets = None
         self.max_list_len = 0
@@ -311,10 +312,10 @@ class PlaidIndex:
                                       max_seqlen_d=self.max_doc_len, validate=False)
 
     def search(self, Q: Tensor, top_k: int = 10, *, n_probe: int = 8, n_candidates: int = 4096,
-               q_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+               q_mask: Tensor | None = None, subset=None) -> tuple[Tensor, Tensor]:
         """:func:`plaid_search` of this index."""
         return plaid_search(Q, self, top_k, n_probe=n_probe, n_candidates=n_candidates,
-                            q_mask=q_mask)
+                            q_mask=q_mask, subset=subset)
 
 
 def load(path: str | os.PathLike, device: str | torch.device | None = None, *,
@@ -373,9 +374,55 @@ def _candidate_table(hit: Tensor) -> Tensor:
     return table
 
 
+def _subset_ids(index: PlaidIndex, ids, what: str) -> Tensor:
+    ids = ids.cpu() if isinstance(ids, Tensor) else torch.as_tensor(list(ids))
+    if ids.numel() == 0:
+        ids = ids.long()
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.dim() != 1:
+        raise ValueError(f"{what} must be a 1-D sequence of document ids (ints), got "
+                         f"{ids.dtype} of shape {tuple(ids.shape)}")
+    ids = ids.long()
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= index.n_docs):
+        raise ValueError(f"{what} must hold documents of the index, in [0, {index.n_docs}), got "
+                         f"values in [{int(ids.min())}, {int(ids.max())}]")
+    return ids
+
+
+def _subset_masks(index: PlaidIndex, subset, Nq: int) -> tuple[Tensor, Tensor]:
+    """fast-plaid's ``subset``: the documents ``[Nq or 1, Nd]`` each query may return, and the
+    centroids ``[Nq or 1, K]`` of their tokens, the only ones it probes. One sequence of ids for
+    every query, or one a query; sizes come from the host's copy of the lengths, so nothing
+    synchronizes once the ids are on the host."""
+    shared = isinstance(subset, Tensor) or all(
+        isinstance(x, int) and not isinstance(x, bool) for x in subset)
+    if not isinstance(subset, Tensor) and len(subset) == 0:
+        raise ValueError("subset is empty: give None for no filter, or one (possibly empty) "
+                         "sequence a query")
+    if shared:
+        per_query = [_subset_ids(index, subset, "subset")]
+    else:
+        if len(subset) != Nq:
+            raise ValueError(f"subset must be one sequence of document ids for every query, or "
+                             f"one a query ({Nq}), got {len(subset)} sequences")
+        per_query = [_subset_ids(index, ids, f"subset[{q}]") for q, ids in enumerate(subset)]
+    device, n_centroids = index.device, index.centroids.shape[0]
+    docs = torch.zeros((len(per_query), index.n_docs), dtype=torch.bool, device=device)
+    cells = torch.zeros((len(per_query), n_centroids), dtype=torch.bool, device=device)
+    for q, ids in enumerate(per_query):
+        total = int(index._host_lengths[ids].sum())
+        ids = ids.to(device)
+        docs[q, ids] = True
+        lengths = index.doc_lengths[ids]
+        first = torch.cumsum(lengths, 0) - lengths
+        rows = torch.repeat_interleave(index.doc_starts[ids] - first, lengths,
+                                       output_size=total) + torch.arange(total, device=device)
+        cells[q, index.codes[rows].long()] = True
+    return docs, cells
+
+
 def plaid_search(Q: Tensor, index: PlaidIndex, top_k: int = 10, *, n_probe: int = 8,
-                 n_candidates: int = 4096,
-                 q_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                 n_candidates: int = 4096, q_mask: Tensor | None = None,
+                 subset=None) -> tuple[Tensor, Tensor]:
     """The PLAID search of ``Q`` in ``index``, on its device: ``(scores [Nq, top_k] fp32, ids
     [Nq, top_k] int64)``, best first (``[top_k]`` each for a single query ``[Lq, d]``).
 
@@ -394,6 +441,9 @@ def plaid_search(Q: Tensor, index: PlaidIndex, top_k: int = 10, *, n_probe: int 
        -inf.
 
     ``q_mask [Nq, Lq]`` (nonzero = a real token): masked tokens probe nothing and add nothing.
+    ``subset`` (fast-plaid's filter): document ids, one sequence for every query or one a query;
+    a query then probes only the centroids of its subset's tokens and returns only its subset's
+    documents (ids checked on the host; a subset on the GPU is read back first).
     Memory holds the centroid scores, a ``[Nq, Nd]`` bitmap of candidates and the candidates'
     ids and approximate scores, never a decompressed document. Two synchronizations (the
     candidates' count, for the width of their table); no gradient.
@@ -417,13 +467,26 @@ def plaid_search(Q: Tensor, index: PlaidIndex, top_k: int = 10, *, n_probe: int 
         Nq, Lq, _ = Q.shape
         Qc = Q.to(index.centroids.dtype)
         cs = torch.matmul(index.centroids, Qc.transpose(1, 2))  # [Nq, K, Lq]
-        cells = cs.topk(min(n_probe, cs.shape[1]), dim=1).indices if Lq else \
-            cs.new_zeros((Nq, 0, 0), dtype=torch.int64)
+        allowed = None
+        probe = cs
+        if subset is not None:
+            allowed, allowed_cells = _subset_masks(index, subset, Nq)
+            probe = cs.masked_fill(~allowed_cells[:, :, None], float("-inf"))
+        cells = probe.topk(min(n_probe, cs.shape[1]), dim=1) if Lq else None
+        if cells is None:
+            cells = cs.new_zeros((Nq, 0, 0), dtype=torch.int64)
+        elif subset is not None:  # fewer centroids than n_probe in the subset: the rest probe none
+            cells = cells.indices.masked_fill(cells.values == float("-inf"), -1)
+        else:
+            cells = cells.indices
         if q_mask is not None:
             valid = q_mask.bool()
             cells = cells.masked_fill(~valid[:, None, :], -1)
             cs = cs.masked_fill(~valid[:, None, :], 0)
-        candidates = _candidate_table(_probed_documents(index, cells.flatten(1)))
+        hit = _probed_documents(index, cells.flatten(1))
+        if allowed is not None:
+            hit &= allowed
+        candidates = _candidate_table(hit)
         approx = approx_scores(cs, index.codes, index.doc_starts, index.doc_lengths, candidates)
         n_exact = min(max(1, n_candidates // 4), candidates.shape[1])
         best = approx.topk(n_exact, dim=1).indices
