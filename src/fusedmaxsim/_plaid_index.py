@@ -187,14 +187,24 @@ def read_fast_plaid(directory: str, validate: bool = True) -> dict:
             "ivf_lengths": ivf_lengths}
 
 
+def token_rows(starts: Tensor, lengths: Tensor, total: int | None = None) -> Tensor:
+    """The rows of documents ``(starts, lengths)``, back to back: ``[Σ lengths]`` int64.
+    ``total`` (their sum, if the caller knows it) saves reading it back from a GPU."""
+    if total is None:
+        total = int(lengths.sum())
+    first = torch.cumsum(lengths, 0) - lengths
+    return torch.repeat_interleave(starts - first, lengths, output_size=total) + torch.arange(
+        total, device=starts.device)
+
+
 def build_ivf(codes: Tensor, starts: Tensor, lengths: Tensor, n_centroids: int):
     """Each centroid's documents (those with a token of it), sorted, back to back, and the
     lists' lengths: ``(ivf [E], ivf_lengths [K])``."""
     n_docs = lengths.shape[0]
-    doc = torch.repeat_interleave(torch.arange(n_docs, device=codes.device), lengths)
-    rows = torch.repeat_interleave(starts, lengths) + (
-        torch.arange(doc.shape[0], device=codes.device)
-        - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths))
+    total = int(lengths.sum())
+    doc = torch.repeat_interleave(torch.arange(n_docs, device=codes.device), lengths,
+                                  output_size=total)
+    rows = token_rows(starts, lengths, total)
     keys = torch.unique(codes[rows].long() * max(n_docs, 1) + doc)
     cells = keys // max(n_docs, 1)
     return keys % max(n_docs, 1), torch.bincount(cells, minlength=n_centroids)
@@ -291,9 +301,7 @@ class PlaidIndex:
                              f"values in [{int(ids.min())}, {int(ids.max())}]")
         ids = ids.to(self.device)
         lengths = self.doc_lengths[ids]
-        rows = torch.repeat_interleave(self.doc_starts[ids], lengths) + (
-            torch.arange(int(lengths.sum()), device=self.device)
-            - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths))
+        rows = token_rows(self.doc_starts[ids], lengths)
         tokens = _decompress(self.codes[rows], self.residuals[rows], self.centroids,
                              self.bucket_weights, self.nbits, self.bit_order)
         if normalize:
@@ -412,10 +420,7 @@ def _subset_masks(index: PlaidIndex, subset, Nq: int) -> tuple[Tensor, Tensor]:
         total = int(index._host_lengths[ids].sum())
         ids = ids.to(device)
         docs[q, ids] = True
-        lengths = index.doc_lengths[ids]
-        first = torch.cumsum(lengths, 0) - lengths
-        rows = torch.repeat_interleave(index.doc_starts[ids] - first, lengths,
-                                       output_size=total) + torch.arange(total, device=device)
+        rows = token_rows(index.doc_starts[ids], index.doc_lengths[ids], total)
         cells[q, index.codes[rows].long()] = True
     return docs, cells
 
