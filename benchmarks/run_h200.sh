@@ -9,7 +9,9 @@
 # STAGES picks and orders the stages (default: tests check suite cold memory report); GPU_TESTS
 # narrows the tests (pytest arguments). More stages are off by default: `probe`
 # (benchmarks/probes/ with the sections named in PROBES), `fp32` (fp32 inputs: the default, TF32 and IEEE),
-# `host` (benchmarks/bench_host.py), `ragged` (benchmarks/bench_ragged.py)
+# `host` (benchmarks/bench_host.py), `ragged` (benchmarks/bench_ragged.py), `plaid` (the PLAID
+# GPU tests, benchmarks/bench_plaid.py and bench_plaid_search.py, with fast-plaid's wheels from
+# .whl/fastplaid/ when carried; PLAID_DOCS and PLAID_SCALE size the search corpora)
 # and `e2e` (the PyLate fine-tune of benchmarks/train_pylate_e2e.py, which needs its wheels in
 # .whl/e2e/ and the fp16 model that `train_pylate_e2e.py --export-model .whl/minilm-fp16` writes).
 #
@@ -160,6 +162,22 @@ for name in $STAGES; do
             --out "$OUT/fp32" --dtype float32 --providers fusedmaxsim,fusedmaxsim_tf32,fusedmaxsim_ieee,lik,flash,naive \
             --shapes "${FP32_SHAPES:-rerank_colbert,rerank_colpali,batch_colbert,small_batch,train_colbert,train_colpali,train_small_batch,train_kd}" \
             --warmup-ms 25 --rep-ms 100 --budget-s $((${FP32_CAP:-150} - 30))
+        ;;
+    plaid)
+        # fast-plaid's wheels are built per torch version: without them the search bench times
+        # fusedmaxsim alone and the fast-plaid GPU test skips.
+        if ls .whl/fastplaid/*.whl >/dev/null 2>&1; then
+            python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+                --target /tmp/site-plaid .whl/fastplaid/*.whl >>"$RUN_LOG" 2>&1 &&
+                export PYTHONPATH="$PYTHONPATH:/tmp/site-plaid"
+        fi
+        stage "plaid tests" "${PLAID_TESTS_CAP:-150}" "$OUT/gpu_plaid_tests.log" python3 -m pytest \
+            -q -rf -p no:cacheprovider -m gpu tests/test_gpu_plaid.py tests/test_gpu_plaid_approx.py
+        stage "plaid kernels" "${PLAID_BENCH_CAP:-240}" "$OUT/plaid_bench.log" python3 \
+            benchmarks/bench_plaid.py --out "$OUT"
+        stage "plaid search" "${PLAID_SEARCH_CAP:-200}" "$OUT/plaid_search_bench.log" python3 \
+            benchmarks/bench_plaid_search.py --out "$OUT" --docs "${PLAID_DOCS:-10000,100000}" \
+            --scale "${PLAID_SCALE:-1000000}" --profile
         ;;
     *) note "unknown stage: $name" ;;
     esac
