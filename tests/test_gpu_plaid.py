@@ -196,3 +196,41 @@ def test_search_from_tensors_on_cuda_is_exact_when_exhaustive():
     assert torch.equal(ids, top.indices)
     assert_close_to_reference(scores, top.values, 1e-5, "scores")
     assert index.score(Q).shape == (8, 300)
+
+
+def test_plaid_ops_pass_opcheck_and_compile_on_cuda():
+    """The PLAID ops on the Triton path: opcheck of the residual forward (every document and
+    candidates), its backward and the approximate score; a compiled training step equals the
+    eager one."""
+    fwd, bwd = torch.ops.fusedmaxsim.maxsim_residual_fwd, torch.ops.fusedmaxsim.maxsim_residual_bwd
+    codes, residuals, cu, centroids, weights, lengths = _packed(9, 70, 128, 2)
+    index = (codes, residuals, cu[:-1].clone(), lengths)
+    Q = torch.randn(3, 32, 128, device="cuda", dtype=torch.float16, requires_grad=True)
+    q_inv = 1.0 / Q.detach().float().norm(dim=-1)
+    ids = torch.tensor([[3, -1], [8, 0], [2, 2]], device="cuda")
+    for doc_ids, save in ((None, True), (ids, False)):
+        torch.library.opcheck(fwd, (Q if save else Q.detach(), *index, doc_ids, centroids,
+                                    weights, None, q_inv, 70, 2, "big", True, save, "triton",
+                                    "ieee"))
+    scores, argmax = fwd(Q, *index, None, centroids, weights, None, q_inv, 70, 2, "big", True,
+                         True, "triton", "ieee")
+    torch.library.opcheck(bwd, (torch.randn_like(scores), Q.detach(), argmax, *index, centroids,
+                                weights, q_inv, 70, 2, "big", True, "triton", "ieee"))
+    cs = torch.randn(3, 4096, 32, device="cuda", dtype=torch.float16)
+    torch.library.opcheck(torch.ops.fusedmaxsim.plaid_approx,
+                          (cs, codes, index[2], lengths, None, "triton"))
+
+    def step(q):
+        return maxsim_residual_varlen(q, codes, residuals, cu, centroids, weights, 2,
+                                      max_seqlen_d=70)
+
+    torch._dynamo.reset()
+    grad = torch.randn(3, 9, device="cuda")
+    results = []
+    for fn in (torch.compile(step, fullgraph=True), step):
+        q = Q.detach().clone().requires_grad_()
+        out = fn(q)
+        out.backward(grad)
+        results.append((out.detach(), q.grad))
+    for compiled, eager in zip(*results):
+        torch.testing.assert_close(compiled, eager)

@@ -391,3 +391,64 @@ def test_subset_errors():
         plaid_search(Q, index, subset=[])
     with pytest.raises(ValueError, match=r"subset must be a 1-D sequence of document ids"):
         plaid_search(Q, index, subset=torch.tensor([0.5]))
+
+
+def test_registered_plaid_ops_pass_opcheck():
+    """The PLAID ops on the PyTorch path: schema, fake tensors, autograd registration and AOT
+    dispatch: the residual forward (every document, normalized or not, masked; candidates with a
+    missing one; inference), its backward, and the approximate score."""
+    fwd, bwd = torch.ops.fusedmaxsim.maxsim_residual_fwd, torch.ops.fusedmaxsim.maxsim_residual_bwd
+    codes, residuals, cu, centroids, weights, lengths = _packed_index(Nd=6, d=12, nbits=4)
+    starts = cu[:-1].clone()
+    Q = torch.randn(2, 5, 12, requires_grad=True)
+    q_mask = torch.rand(2, 5) > 0.3
+    q_inv = 1.0 / Q.detach().norm(dim=-1)
+    ids = torch.tensor([[3, -1, 0], [5, 5, 2]])
+    index = (codes, residuals, starts, lengths)
+    for doc_ids, mask, inv, normalize, max_len, save in (
+            (None, q_mask, q_inv, True, 9, True), (None, None, None, False, -1, True),
+            (ids, None, None, True, 9, False), (None, q_mask, q_inv, True, 9, False)):
+        q = Q if save else Q.detach()
+        torch.library.opcheck(fwd, (q, *index, doc_ids, centroids, weights, mask, inv, max_len, 4,
+                                    "big", normalize, save, "torch", "ieee"))
+    scores, argmax = fwd(Q, *index, None, centroids, weights, q_mask, q_inv, 9, 4, "big", True,
+                         True, "torch", "ieee")
+    torch.library.opcheck(bwd, (torch.randn_like(scores), Q.detach(), argmax, *index, centroids,
+                                weights, q_inv, 9, 4, "big", True, "torch", "ieee"))
+    cs = torch.randn(2, 6, 5)
+    torch.library.opcheck(torch.ops.fusedmaxsim.plaid_approx,
+                          (cs, codes % 6, starts, lengths, None, "torch"))
+    torch.library.opcheck(torch.ops.fusedmaxsim.plaid_approx,
+                          (cs, codes % 6, starts, lengths, ids, "torch"))
+
+
+@pytest.mark.skipif(not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "c++",
+                                                      "clang++")),
+                    reason="torch.compile's CPU backend (Inductor) needs a C++ compiler, none found")
+def test_torch_compile_fullgraph_plaid_training_step():
+    """maxsim_residual_varlen (max_seqlen_d given), maxsim_residual and plaid_approx_score under
+    torch.compile(fullgraph=True), on the PyTorch path: the eager step's scores and grad_Q."""
+    from fusedmaxsim import settings
+    from fusedmaxsim.plaid import plaid_approx_score
+    torch._dynamo.reset()
+    codes, residuals, cu, centroids, weights, lengths = _packed_index(Nd=7, d=16, nbits=2)
+    pc, pr, _ = _padded(codes, residuals, cu)
+    cs = torch.randn(3, 6, 4)
+    grad = torch.randn(3, 7)
+
+    def step(q):
+        a = maxsim_residual_varlen(q, codes, residuals, cu, centroids, weights, 2,
+                                   max_seqlen_d=9, validate=False)
+        b = maxsim_residual(q, pc, pr, lengths, centroids, weights, 2, validate=False)
+        c = plaid_approx_score(cs, codes, cu_seqlens=cu, validate=False)
+        return a + b * 0.5, c
+
+    results = []
+    with settings.use_backend("torch"):
+        for fn in (torch.compile(step, fullgraph=True), step):
+            q = torch.randn(3, 4, 16, generator=torch.Generator().manual_seed(0)).requires_grad_()
+            out, approx = fn(q)
+            out.backward(grad)
+            results.append((out.detach(), approx, q.grad))
+    for compiled, eager in zip(*results):
+        torch.testing.assert_close(compiled, eager)

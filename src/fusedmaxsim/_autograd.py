@@ -1,13 +1,16 @@
 """Autograd for every layout: registered ``torch.library`` ops and an eager fast path.
 
-Two op pairs, each with fake (meta) implementations, so that every front door traces under
+Op pairs, each with fake (meta) implementations, so that every front door traces under
 ``torch.compile(fullgraph=True)`` and passes ``torch.library.opcheck``:
 
 * ``fusedmaxsim::maxsim_fwd`` / ``maxsim_bwd``: the dense layouts (cross product, per-query
   candidates, diagonal pairs);
 * ``fusedmaxsim::maxsim_packed_fwd`` / ``maxsim_packed_bwd``: the packed layouts (packed cross
   product over a range of documents, pair lists), the ``RaggedLayout`` passed as its tensors and
-  integers.
+  integers;
+* ``fusedmaxsim::maxsim_residual_fwd`` / ``maxsim_residual_bwd``: PLAID documents (``grad_Q``
+  only), the ``ResidualDocs`` passed as its tensors and values; and ``fusedmaxsim::plaid_approx``
+  (no gradient), PLAID's approximate score.
 
 The forward returns the scores and, when a gradient will be needed, what the backward reads (the
 argmax, or under the smooth max each row's log-sum-exp); the backward turns it into gradients.
@@ -29,7 +32,7 @@ from . import _torch_path
 from ._plan import argmax_dtype, plan_backward, plan_forward
 from ._problem import (
     RESIDUAL_LAYOUTS, Options, Problem, RaggedLayout, ResidualDocs, dense_problem, options_for,
-    packed_problem,
+    packed_problem, residual_problem,
 )
 
 NORM_EPS = 1e-12  # F.normalize's default
@@ -297,6 +300,91 @@ def _(grad_scores, Q, D, argmax, cu_q, cu_d, pair_q, pair_d, q_inv, d_inv, max_q
 
 
 # ------------------------------------------------------------------------------------------------
+# The PLAID ops: residual documents (gradient to Q only) and the approximate score
+# ------------------------------------------------------------------------------------------------
+
+
+def _residual_docs(codes, residuals, starts, lengths, doc_ids, centroids, bucket_weights,
+                   max_len, nbits, bit_order) -> ResidualDocs:
+    return ResidualDocs(codes, residuals, starts, lengths, None if max_len < 0 else max_len,
+                        doc_ids, centroids, bucket_weights, nbits, bit_order, False)
+
+
+@torch.library.custom_op("fusedmaxsim::maxsim_residual_fwd", mutates_args=())
+def maxsim_residual_fwd(
+    Q: Tensor, codes: Tensor, residuals: Tensor, starts: Tensor, lengths: Tensor,
+    doc_ids: Tensor | None, centroids: Tensor, bucket_weights: Tensor, q_mask: Tensor | None,
+    q_inv: Tensor | None, max_len: int, nbits: int, bit_order: str, normalize: bool,
+    save_argmax: bool, backend: str, fp32_precision: str,
+) -> tuple[Tensor, Tensor]:
+    """Scores ``[Nq, Ncols]`` of ``Q`` against PLAID documents (``_problem.ResidualDocs`` as its
+    tensors; ``max_len < 0``: unknown) and, when saved, the argmax ``[Nq, Ncols, Lq]``."""
+    docs = _residual_docs(codes, residuals, starts, lengths, doc_ids, centroids, bucket_weights,
+                          max_len, nbits, bit_order)
+    p = residual_problem(docs, Q, q_mask, normalize=normalize, save_argmax=save_argmax)
+    scores, saved = run_forward(p, options_for(Q, backend, fp32_precision), Q, None, q_mask,
+                                None, q_inv, None, docs)
+    return scores, saved if save_argmax else saved.new_empty((0,))
+
+
+@maxsim_residual_fwd.register_fake
+def _(Q, codes, residuals, starts, lengths, doc_ids, centroids, bucket_weights, q_mask, q_inv,
+      max_len, nbits, bit_order, normalize, save_argmax, backend, fp32_precision):
+    n_cols = starts.shape[0] if doc_ids is None else doc_ids.shape[1]
+    dtype = _score_dtype(Q)  # the front door brings Q to float64 with float64 centroids
+    saved = argmax_dtype(codes.shape[0] if max_len < 0 else max_len)
+    return (Q.new_empty((Q.shape[0], n_cols), dtype=dtype),
+            Q.new_empty((Q.shape[0], n_cols, Q.shape[1]) if save_argmax else (0,), dtype=saved))
+
+
+@torch.library.custom_op("fusedmaxsim::maxsim_residual_bwd", mutates_args=())
+def maxsim_residual_bwd(
+    grad_scores: Tensor, Q: Tensor, argmax: Tensor, codes: Tensor, residuals: Tensor,
+    starts: Tensor, lengths: Tensor, centroids: Tensor, bucket_weights: Tensor,
+    q_inv: Tensor | None, max_len: int, nbits: int, bit_order: str, normalize: bool,
+    backend: str, fp32_precision: str,
+) -> Tensor:
+    """``grad_Q`` with respect to the (normalized) queries; the index is frozen."""
+    docs = _residual_docs(codes, residuals, starts, lengths, None, centroids, bucket_weights,
+                          max_len, nbits, bit_order)
+    p = residual_problem(docs, Q, None, normalize=normalize, save_argmax=True)
+    return run_backward(p, options_for(Q, backend, fp32_precision), "auto", grad_scores, Q, None,
+                        argmax, q_inv, None, None, True, False, docs)[0]
+
+
+@maxsim_residual_bwd.register_fake
+def _(grad_scores, Q, argmax, codes, residuals, starts, lengths, centroids, bucket_weights, q_inv,
+      max_len, nbits, bit_order, normalize, backend, fp32_precision):
+    return _grad_like(Q, True, normalize)
+
+
+def _residual_setup_context(ctx, inputs, output) -> None:
+    (Q, codes, residuals, starts, lengths, doc_ids, centroids, bucket_weights, q_mask, q_inv,
+     max_len, nbits, bit_order, normalize, save_argmax, backend, fp32_precision) = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(Q, output[1], codes, residuals, starts, lengths, centroids,
+                          bucket_weights, q_inv)
+    ctx.consts = (max_len, nbits, bit_order, normalize, backend, fp32_precision)
+
+
+def _residual_backward(ctx, grad_scores: Tensor, _grad_saved):
+    Q, argmax, codes, residuals, starts, lengths, centroids, weights, q_inv = ctx.saved_tensors
+    max_len, nbits, bit_order, normalize, backend, fp32_precision = ctx.consts
+    grad = grad_scores.to(_score_dtype(Q)) if grad_scores.dtype != _score_dtype(Q) else \
+        grad_scores
+    grad_q = maxsim_residual_bwd(grad, Q, argmax, codes, residuals, starts, lengths, centroids,
+                                 weights, q_inv, max_len, nbits, bit_order, normalize, backend,
+                                 fp32_precision)
+    if q_inv is not None:
+        grad_q = normalize_backward(Q, grad_q, q_inv)
+    return (grad_q, *(None,) * 16)
+
+
+torch.library.register_autograd("fusedmaxsim::maxsim_residual_fwd", _residual_backward,
+                                setup_context=_residual_setup_context)
+
+
+# ------------------------------------------------------------------------------------------------
 # Autograd of both: one backward, through the registered op when traced
 # ------------------------------------------------------------------------------------------------
 
@@ -499,11 +587,13 @@ def scores_packed(p: Problem, o: Options, strategy: str, layout: RaggedLayout, Q
 def scores_residual(p: Problem, o: Options, Q: Tensor, docs: ResidualDocs, q_mask,
                     q_inv) -> Tensor:
     """Scores of ``Q`` against compressed documents, with autograd to ``Q`` when
-    ``p.save_argmax`` (the index is frozen). Eager only for now."""
+    ``p.save_argmax`` (the index is frozen); through the registered op under ``torch.compile``."""
     if torch.compiler.is_compiling():
-        raise NotImplementedError(
-            "fusedmaxsim.plaid.maxsim_residual does not run under torch.compile yet; call it "
-            "outside the compiled function")
+        return maxsim_residual_fwd(
+            Q, docs.codes, docs.residuals, docs.starts, docs.lengths, docs.doc_ids,
+            docs.centroids, docs.bucket_weights, q_mask, q_inv,
+            -1 if docs.max_len is None else docs.max_len, docs.nbits, docs.bit_order,
+            p.normalize, p.save_argmax, o.backend, o.fp32_precision)[0]
     if not p.save_argmax:
         return run_forward(p, o, Q, docs.codes, q_mask, None, q_inv, None, docs)[0]
     return MaxSimFunction.apply(Q, docs.codes, _Call(p, o, "auto", q_mask, None, q_inv, None,
@@ -539,14 +629,16 @@ def approx_scores(cs: Tensor, codes: Tensor, starts: Tensor, lengths: Tensor,
     candidate id ``>= Nd``, or an id outside ``[0, n_centroids)`` in a document's tokens scores
     NaN, never a read out of bounds. The plan (``_plan.plan_approx``) picks the Triton kernel on
     CUDA, the PyTorch path elsewhere, or as forced (``forced_plan(kernel="torch")``)."""
-    global _approx_launcher
-    if torch.compiler.is_compiling():
-        raise NotImplementedError(
-            "fusedmaxsim's PLAID approximate scores do not run under torch.compile yet; call "
-            "them outside the compiled function")
     check_approx_internal(cs, codes, starts, lengths, doc_ids)
-    n_cols = starts.shape[0] if doc_ids is None else doc_ids.shape[1]
     o = options_for(cs)
+    if torch.compiler.is_compiling():
+        return plaid_approx(cs, codes, starts, lengths, doc_ids, o.backend)
+    return _approx(cs, codes, starts, lengths, doc_ids, o)
+
+
+def _approx(cs, codes, starts, lengths, doc_ids, o: Options) -> Tensor:
+    global _approx_launcher
+    n_cols = starts.shape[0] if doc_ids is None else doc_ids.shape[1]
     plan = plan_approx(approx_problem(cs, n_cols, doc_ids is not None), o)
     if plan.kernel == "torch":
         return _torch_path.approx_scores_torch(plan.torch_block_elems, cs, codes, starts, lengths,
@@ -554,6 +646,19 @@ def approx_scores(cs: Tensor, codes: Tensor, starts: Tensor, lengths: Tensor,
     if _approx_launcher is None:  # imported on first use: the PyTorch path never imports Triton
         from ._launch.approx import approx_scores as _approx_launcher
     return _approx_launcher(plan, cs, codes, starts, lengths, doc_ids)
+
+
+@torch.library.custom_op("fusedmaxsim::plaid_approx", mutates_args=())
+def plaid_approx(cs: Tensor, codes: Tensor, starts: Tensor, lengths: Tensor,
+                 doc_ids: Tensor | None, backend: str) -> Tensor:
+    """:func:`approx_scores` as a registered op (``torch.compile``); no gradient."""
+    return _approx(cs, codes, starts, lengths, doc_ids, options_for(cs, backend))
+
+
+@plaid_approx.register_fake
+def _(cs, codes, starts, lengths, doc_ids, backend):
+    n_cols = starts.shape[0] if doc_ids is None else doc_ids.shape[1]
+    return cs.new_empty((cs.shape[0], n_cols), dtype=_score_dtype(cs))
 
 
 __all__ += ["approx_scores"]

@@ -451,9 +451,14 @@ def plaid_search(Q: Tensor, index: PlaidIndex, top_k: int = 10, *, n_probe: int 
     documents (ids checked on the host; a subset on the GPU is read back first).
     Memory holds the centroid scores, a ``[Nq, Nd]`` bitmap of candidates and the candidates'
     ids and approximate scores, never a decompressed document. Two synchronizations (the
-    candidates' count, for the width of their table); no gradient.
+    candidates' count, for the width of their table); no gradient; eager only (not under
+    ``torch.compile``).
     """
     from ._autograd import approx_scores
+    if torch.compiler.is_compiling():
+        raise NotImplementedError(
+            "fusedmaxsim.plaid.plaid_search runs eagerly (it reads the number of candidates back "
+            "to size their table); call it outside the compiled function")
     Q, q_mask, squeeze = _check_residual_query(Q, q_mask)
     if not isinstance(index, PlaidIndex):
         raise TypeError(f"index must be a fusedmaxsim.plaid.PlaidIndex, got "

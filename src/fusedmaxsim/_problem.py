@@ -802,8 +802,10 @@ def _check_code_range(codes: Tensor, n_centroids: int) -> None:
 
 
 def _checks_ranges(validate: bool | None, *tensors: Tensor) -> bool:
-    """``validate=None``: check tensors that all live on the CPU (no synchronization)."""
-    return validate is True or (validate is None and all(t.device.type == "cpu" for t in tensors))
+    """``validate=None``: check tensors that all live on the CPU (no synchronization), and
+    nothing while ``torch.compile`` traces (a value read would break the graph)."""
+    return validate is True or (validate is None and not torch.compiler.is_compiling()
+                                and all(t.device.type == "cpu" for t in tensors))
 
 
 def check_residual(Q: object, codes: object, residuals: object, doc_lengths: object,
@@ -858,8 +860,8 @@ def check_residual_varlen(Q: object, codes: object, residuals: object, cu_seqlen
     validate = _check_validate(validate)
     checked = _checks_ranges(validate, Q, cu)
     T = codes.shape[0]
-    if checked or (max_len is None and (cu.device.type == "cpu" or Q.device.type != "cuda"
-                                        or need_max_len)):
+    if checked or (max_len is None and not torch.compiler.is_compiling()
+                   and (cu.device.type == "cpu" or Q.device.type != "cuda" or need_max_len)):
         first, last, shortest, longest = _offset_facts(cu).tolist()
         if checked:
             _packed_offset_errors("cu_seqlens_d", first, last, shortest, T, "rows")
@@ -995,8 +997,7 @@ def check_approx(cs: object, codes: object, doc_lengths: object, cu_seqlens: obj
         codes = _approx_int("codes", codes, 1, "1-D [T] (packed documents, with cu_seqlens=)",
                             device)
         cu = _check_offsets("cu_seqlens", cu_seqlens, device)
-        checked = validate is True or (validate is None and device.type == "cpu"
-                                       and cu.device.type == "cpu")
+        checked = _checks_ranges(validate, cs, cu)
         T = codes.shape[0]
         if checked:  # one synchronization: ids past the last document belong to none
             cu_here = _to_device(cu, device)
@@ -1016,8 +1017,7 @@ def check_approx(cs: object, codes: object, doc_lengths: object, cu_seqlens: obj
     lengths = _check_lengths("doc_lengths", doc_lengths, (B,), device)
     if lengths.dtype not in (torch.int32, torch.int64):
         lengths = lengths.long()
-    checked = validate is True or (validate is None and device.type == "cpu"
-                                   and lengths.device.type == "cpu")
+    checked = _checks_ranges(validate, cs, lengths)
     lengths = _to_device(lengths, device)
     if checked and B:  # one synchronization
         inside = torch.arange(Ld, device=device) < lengths[:, None]
