@@ -327,7 +327,7 @@ class PlaidIndex:
 
 
 def load(path: str | os.PathLike, device: str | torch.device | None = None, *,
-         validate: bool = True) -> PlaidIndex:
+         validate: bool = True, shard: tuple[int, int] | None = None) -> PlaidIndex:
     """Open a fast-plaid index directory (what PyLate's PLAID index writes) in place.
 
     Only tensors are read (``.npy`` headers parsed, never a pickle); the codes and residuals are
@@ -335,11 +335,33 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, *,
     bucket weights are read in the centroids' dtype, as fast-plaid reads them. A missing,
     truncated or inconsistent file is an error naming the file; ``validate`` (default) also
     checks every centroid id and inverted-list entry for its range.
+
+    ``shard=(rank, world_size)``: only the documents of
+    :func:`fusedmaxsim.distributed.shard_range` for that rank (their rows read from the mapped
+    files; the inverted lists rebuilt for them), ids local to the shard (0 is its first
+    document), for :func:`fusedmaxsim.distributed.plaid_search`.
     """
-    t = read_fast_plaid(os.fspath(path), validate)
+    t = read_fast_plaid(os.fspath(path), validate and shard is None)
     device = torch.device("cpu") if device is None else torch.device(device)
-    return PlaidIndex(t["centroids"].to(device), t["bucket_weights"], t["nbits"], t["codes"],
-                      t["residuals"], t["doc_lengths"], t["ivf"], t["ivf_lengths"])
+    codes, residuals, lengths, ivf, ivf_lengths = (t["codes"], t["residuals"], t["doc_lengths"],
+                                                   t["ivf"], t["ivf_lengths"])
+    if shard is not None:
+        from .distributed import shard_range
+        start, stop = shard_range(lengths.shape[0], *shard)
+        first = int(lengths[:start].sum())
+        lengths = lengths[start:stop]
+        rows = slice(first, first + int(lengths.sum()))
+        codes, residuals = codes[rows], residuals[rows]
+        n_centroids = t["centroids"].shape[0]
+        if validate and codes.numel() and not (
+                0 <= int(codes.min()) and int(codes.max()) < n_centroids):
+            _fail(os.fspath(path), "merged_codes.npy", f"holds centroid ids outside "
+                                                       f"[0, {n_centroids})")
+        starts = torch.cumsum(lengths, 0) - lengths
+        ivf, ivf_lengths = (None, None) if ivf is None else build_ivf(codes, starts, lengths,
+                                                                        n_centroids)
+    return PlaidIndex(t["centroids"].to(device), t["bucket_weights"], t["nbits"], codes,
+                      residuals, lengths, ivf, ivf_lengths)
 
 
 def _probed_documents(index: PlaidIndex, cells: Tensor) -> Tensor:
