@@ -22,17 +22,21 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
                                 reason="torch.distributed with gloo is not available")
 
 
-def _worker(rank, world, init, check, args):
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+def _worker(rank, world, init, comm, check, args):
+    """One rank: gloo on the CPU (the PyTorch path), or on a GPU (``comm`` "nccl" or "gloo"
+    over CUDA tensors: the kernels) where ``check``'s last argument is a CUDA device."""
+    if comm == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(comm, init_method=init, rank=rank, world_size=world)
     try:
-        with settings.use_backend("torch"):
+        with settings.use_backend("torch" if args[-1] == "cpu" else "auto"):
             check(rank, world, *args)
     finally:
         dist.destroy_process_group()
 
 
-def _spawn(tmp_path, world, check, *args):
-    mp.spawn(_worker, args=(world, f"file://{tmp_path}/pg", check, args), nprocs=world,
+def _spawn(tmp_path, world, check, *args, comm="gloo"):
+    mp.spawn(_worker, args=(world, f"file://{tmp_path}/pg", comm, check, args), nprocs=world,
              join=True)
 
 
@@ -48,8 +52,10 @@ def _corpus(n_docs, seed=0):
     return Q, D, d_mask
 
 
-def _check_retrieve(rank, world, sizes, top_k, src, dst):
-    Q, D, d_mask = _corpus(sum(sizes))
+def _check_retrieve(rank, world, sizes, top_k, src, dst, device):
+    if device == "nccl":
+        device = f"cuda:{rank}"
+    Q, D, d_mask = (t.to(device) for t in _corpus(sum(sizes)))
     ref = retrieve(Q, D, top_k, d_mask=d_mask, normalize=False)
     start = sum(sizes[:rank])
     shard = slice(start, start + sizes[rank])
@@ -63,7 +69,7 @@ def _check_retrieve(rank, world, sizes, top_k, src, dst):
     # One query, 2-D, a packed shard: the same again.
     lengths = d_mask[shard].sum(1)
     packed = D[shard][d_mask[shard]]
-    cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).cpu()
     one = distributed.retrieve(Q[0], packed, top_k, cu_seqlens_d=cu, normalize=False)
     ref_one = retrieve(Q[0], D, top_k, d_mask=d_mask, normalize=False)
     assert torch.equal(one[1], ref_one[1])
@@ -75,24 +81,26 @@ def _check_retrieve(rank, world, sizes, top_k, src, dst):
     ([4, 6, 2], 30, None, 2),      # top_k above the corpus, results on rank 2 only
 ])
 def test_sharded_retrieve_equals_one_process(tmp_path, sizes, top_k, src, dst):
-    _spawn(tmp_path, len(sizes), _check_retrieve, sizes, top_k, src, dst)
+    _spawn(tmp_path, len(sizes), _check_retrieve, sizes, top_k, src, dst, "cpu")
 
 
-def _check_plaid(rank, world):
-    index = load(FIXTURE / "nbits4")
-    Q = torch.from_numpy(np.load(FIXTURE / "queries.npy"))
+def _check_plaid(rank, world, device):
+    if device == "nccl":
+        device = f"cuda:{rank}"
+    index = load(FIXTURE / "nbits4", device)
+    Q = torch.from_numpy(np.load(FIXTURE / "queries.npy")).to(device)
     lengths = torch.tensor(json.loads((FIXTURE / "query_lengths.json").read_text()))
-    q_mask = torch.arange(Q.shape[1])[None] < lengths[:, None]
+    q_mask = (torch.arange(Q.shape[1])[None] < lengths[:, None]).to(device)
     exhaustive = {"n_probe": 1024, "n_candidates": 4 * index.n_docs, "q_mask": q_mask}
     ref = index.search(Q, 12, **exhaustive)
-    shard = load(FIXTURE / "nbits4", shard=(rank, world))
+    shard = load(FIXTURE / "nbits4", device, shard=(rank, world))
     got = distributed.plaid_search(Q, shard, 12, **exhaustive)
     assert torch.equal(got[1], ref[1])
     torch.testing.assert_close(got[0], ref[0])
 
 
 def test_sharded_plaid_search_equals_one_index_when_nothing_is_pruned(tmp_path):
-    _spawn(tmp_path, 3, _check_plaid)
+    _spawn(tmp_path, 3, _check_plaid, "cpu")
 
 
 def _batches(world, seed=1):
@@ -107,12 +115,15 @@ def _batches(world, seed=1):
 
 def _loss(Q, D_all, first):
     scores = maxsim(Q, D_all, normalize=False)
-    labels = torch.arange(first, first + Q.shape[0])
+    labels = torch.arange(first, first + Q.shape[0], device=Q.device)
     return F.cross_entropy(scores / 0.05, labels, reduction="sum")
 
 
-def _check_all_gather(rank, world):
+def _check_all_gather(rank, world, device):
+    if device == "nccl":
+        device = f"cuda:{rank}"
     counts, Qs, Ds = _batches(world)
+    Qs, Ds = [x.to(device) for x in Qs], [x.to(device) for x in Ds]
     q = Qs[rank].clone().requires_grad_()
     d = Ds[rank].clone().requires_grad_()
     gathered = distributed.all_gather(d)
@@ -134,7 +145,23 @@ def _check_all_gather(rank, world):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_cross_rank_negatives_equal_one_process(tmp_path, world):
-    _spawn(tmp_path, world, _check_all_gather)
+    _spawn(tmp_path, world, _check_all_gather, "cpu")
+
+
+@pytest.mark.gpu
+def test_distributed_on_gpus(tmp_path):
+    """The same checks on CUDA tensors: NCCL with one process a GPU where there are several,
+    else gloo over CUDA tensors with two processes sharing the one GPU (the name of the test
+    run says which: see the printed line)."""
+    n = torch.cuda.device_count()
+    comm, world, device = ("nccl", min(n, 3), "nccl") if n >= 2 else ("gloo", 2, "cuda")
+    print(f"distributed GPU test: {comm}, {world} processes, {n} GPU(s)")
+    sizes = [5, 0, 9] if world == 3 else [5, 9]
+    for name in "rpg":
+        (tmp_path / name).mkdir()
+    _spawn(tmp_path / "r", world, _check_retrieve, sizes, 7, None, None, device, comm=comm)
+    _spawn(tmp_path / "p", world, _check_plaid, device, comm=comm)
+    _spawn(tmp_path / "g", world, _check_all_gather, device, comm=comm)
 
 
 def test_errors_without_a_process_group():
