@@ -10,7 +10,7 @@
 # narrows the tests (pytest arguments). More stages are off by default: `probe`
 # (benchmarks/probes/ with the sections named in PROBES), `fp32` (fp32 inputs: the default, TF32 and IEEE),
 # `host` (benchmarks/bench_host.py), `ragged` (benchmarks/bench_ragged.py), `plaid` (the PLAID
-# GPU tests, benchmarks/bench_plaid.py and bench_plaid_search.py, with fast-plaid's wheels from
+# and distributed GPU tests, benchmarks/bench_plaid.py and bench_plaid_search.py, with fast-plaid's wheels from
 # .whl/fastplaid/ when carried; PLAID_DOCS and PLAID_SCALE size the search corpora)
 # and `e2e` (the PyLate fine-tune of benchmarks/train_pylate_e2e.py, which needs its wheels in
 # .whl/e2e/ and the fp16 model that `train_pylate_e2e.py --export-model .whl/minilm-fp16` writes).
@@ -172,7 +172,8 @@ for name in $STAGES; do
                 export PYTHONPATH="$PYTHONPATH:/tmp/site-plaid"
         fi
         stage "plaid tests" "${PLAID_TESTS_CAP:-150}" "$OUT/gpu_plaid_tests.log" python3 -m pytest \
-            -q -rf -p no:cacheprovider -m gpu tests/test_gpu_plaid.py tests/test_gpu_plaid_approx.py
+            -q -rf -s -p no:cacheprovider -m gpu tests/test_gpu_plaid.py \
+            tests/test_gpu_plaid_approx.py tests/test_distributed.py
         stage "plaid kernels" "${PLAID_BENCH_CAP:-240}" "$OUT/plaid_bench.log" python3 \
             benchmarks/bench_plaid.py --out "$OUT"
         stage "plaid search" "${PLAID_SEARCH_CAP:-200}" "$OUT/plaid_search_bench.log" python3 \
