@@ -492,3 +492,36 @@ def test_patch_without_pylate_says_what_is_missing(monkeypatch):
     with pytest.raises(ImportError, match="needs PyLate"):
         fp.patch()
     assert not fp.is_patched()
+
+
+def _gathered_parity(rank, world, init, do_query_expansion):
+    """One rank of a gloo group: PyLate's contrastive loss with ``gather_across_devices=True``
+    (its own differentiable all-gather of the documents), its torch scoring against
+    fusedmaxsim's, explicit and patched; each rank its own batch, the same model."""
+    import torch.distributed as dist
+
+    from fusedmaxsim import settings
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        torch.manual_seed(100 + rank)
+        sentence_features = batch(B=3, N=2)
+
+        def make(model, route):
+            return losses.Contrastive(model=model, score_metric=metric(route), temperature=0.5,
+                                      gather_across_devices=True)
+
+        with settings.use_backend("torch"):
+            assert_loss_parity(make, sentence_features, do_query_expansion=do_query_expansion)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("do_query_expansion", [True, False])
+def test_contrastive_gathered_across_ranks(tmp_path, do_query_expansion):
+    """Under torch.distributed (2 gloo processes) with PyLate gathering the documents across
+    ranks, the patched scoring gives PyLate's loss and gradients on every rank."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_gathered_parity, args=(2, f"file://{tmp_path}/pg", do_query_expansion), nprocs=2,
+             join=True)
