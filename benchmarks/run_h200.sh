@@ -11,7 +11,8 @@
 # (benchmarks/probes/ with the sections named in PROBES), `fp32` (fp32 inputs: the default, TF32 and IEEE),
 # `host` (benchmarks/bench_host.py), `ragged` (benchmarks/bench_ragged.py), `plaid` (the PLAID
 # and distributed GPU tests, benchmarks/bench_plaid.py and bench_plaid_search.py, with fast-plaid's wheels from
-# .whl/fastplaid/ when carried; PLAID_DOCS and PLAID_SCALE size the search corpora)
+# .whl/fastplaid/ when carried; PLAID_DOCS and PLAID_SCALE size the search corpora), `distributed`
+# (benchmarks/bench_distributed.py on one GPU, then on every GPU of the machine)
 # and `e2e` (the PyLate fine-tune of benchmarks/train_pylate_e2e.py, which needs its wheels in
 # .whl/e2e/ and the fp16 model that `train_pylate_e2e.py --export-model .whl/minilm-fp16` writes).
 #
@@ -179,6 +180,18 @@ for name in $STAGES; do
         stage "plaid search" "${PLAID_SEARCH_CAP:-200}" "$OUT/plaid_search_bench.log" python3 \
             benchmarks/bench_plaid_search.py --out "$OUT" --docs "${PLAID_DOCS:-10000,100000}" \
             --scale "${PLAID_SCALE:-1000000}" --profile
+        ;;
+    distributed)
+        # Sharded retrieval on 1 GPU, then on every GPU of the machine (a kind with several
+        # H200s), into one record: $OUT/distributed_bench.{json,md}.
+        GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
+        COUNTS=1
+        ((GPUS > 1)) && COUNTS="1 $GPUS"
+        for n in $COUNTS; do
+            stage "distributed x$n" "${DIST_CAP:-150}" "$OUT/distributed.log" env NCCL_NVLS_ENABLE=0 \
+                python3 -m torch.distributed.run --nproc-per-node "$n" benchmarks/bench_distributed.py \
+                --out "$OUT" ${DIST_ARGS:-}
+        done
         ;;
     *) note "unknown stage: $name" ;;
     esac
