@@ -452,3 +452,14 @@ def test_torch_compile_fullgraph_plaid_training_step():
             results.append((out.detach(), approx, q.grad))
     for compiled, eager in zip(*results):
         torch.testing.assert_close(compiled, eager)
+
+
+def test_search_gathers_the_probe_in_blocks_of_queries():
+    """The probe's gather a query at a time (forced) finds what one block finds."""
+    from fusedmaxsim import forced_plan
+    index = load(FIXTURE / "nbits2")
+    Q, q_mask = _queries()
+    whole = index.search(Q, 10, n_probe=4, n_candidates=256, q_mask=q_mask)
+    with forced_plan(PROBE_GATHER_IDS=1):
+        blocks = index.search(Q, 10, n_probe=4, n_candidates=256, q_mask=q_mask)
+    assert torch.equal(whole[1], blocks[1]) and torch.equal(whole[0], blocks[0])

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from ._autograd import run_forward
+from ._plan import plan_probe_queries
 from ._torch_path import decompress_residuals as _decompress
 from ._problem import (
     NBITS, ResidualDocs, _check_residual_query, check_int, options_for, residual_problem,
@@ -377,7 +378,7 @@ def _probed_documents(index: PlaidIndex, cells: Tensor) -> Tensor:
     repeat[:, 1:] = cells[:, 1:] == cells[:, :-1]
     cells = cells.masked_fill(repeat, -1)
     pos = torch.arange(M, device=cells.device)
-    step = max(1, (1 << 24) // (P * M))
+    step = plan_probe_queries(P, M)
     for q0 in range(0, Nq, step):
         c = cells[q0:q0 + step]
         safe = c.clamp_min(0)

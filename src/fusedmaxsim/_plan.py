@@ -1102,3 +1102,23 @@ def plan_approx(p: Problem, o: Options) -> ApproxPlan:
 
 
 __all__ += ["ApproxPlan", "ApproxTiles", "approx_tiles", "plan_approx"]
+
+
+# ------------------------------------------------------------------------------------------------
+# PLAID search: the probe's gather
+# ------------------------------------------------------------------------------------------------
+
+# Not measured: a memory bound. The search gathers the probed inverted lists of a block of
+# queries at a time, [queries, probed cells, longest list] ids (int64), at most this many.
+MEASURED["PROBE_GATHER_IDS"] = 1 << 24
+
+
+def plan_probe_queries(n_cells: int, longest_list: int) -> int:
+    """Queries whose probed inverted lists ``plaid_search`` gathers at a time (``n_cells`` cells
+    a query, lists of at most ``longest_list`` documents), within ``PROBE_GATHER_IDS`` ids;
+    forcible as ``forced_plan(PROBE_GATHER_IDS=...)``."""
+    return max(1, _measured("PROBE_GATHER_IDS") // max(1, n_cells * longest_list))
+
+
+__all__ += ["plan_probe_queries"]
+
