@@ -59,6 +59,8 @@ def _check_retrieve(rank, world, sizes, top_k, src, dst, device):
     ref = retrieve(Q, D, top_k, d_mask=d_mask, normalize=False)
     start = sum(sizes[:rank])
     shard = slice(start, start + sizes[rank])
+    even = distributed.shard(torch.arange(len(D)))  # the helper's own split of the same corpus
+    assert even.tolist() == list(range(*distributed.shard_range(len(D))))
     got = distributed.retrieve(Q if src is None or rank == src else None, D[shard], top_k,
                                d_mask=d_mask[shard], normalize=False, src=src, dst=dst)
     if dst is not None and rank != dst:

@@ -4,7 +4,8 @@ Every function here is collective: each rank of the process group calls it, in t
 (NCCL for CUDA tensors, gloo on the CPU; ``torchrun`` starts the processes). Nothing but scores,
 ids and sizes crosses ranks, except in :func:`all_gather`, whose point is to gather embeddings.
 
-* :func:`shard_range`: the contiguous range of a corpus each rank holds.
+* :func:`shard_range`: the contiguous range of a corpus each rank holds; :func:`shard`, that
+  range of a (memory-mapped) corpus.
 * :func:`retrieve`: each rank scores its shard with :func:`fusedmaxsim.retrieve`; the per-rank
   top-k (scores and global ids) are gathered and merged. The global corpus is the shards in rank
   order; equal scores rank the lower global id first, so the result is :func:`fusedmaxsim
@@ -25,7 +26,7 @@ from torch import Tensor
 from . import retrieval
 from ._problem import check_bool, check_int
 
-__all__ = ["all_gather", "plaid_search", "retrieve", "shard_range"]
+__all__ = ["all_gather", "plaid_search", "retrieve", "shard", "shard_range"]
 
 
 def _group_facts(group) -> tuple[int, int]:
@@ -61,6 +62,15 @@ def shard_range(n_docs: int, rank: int | None = None, world_size: int | None = N
     base, extra = divmod(n_docs, world_size)
     start = rank * base + min(rank, extra)
     return start, start + base + (rank < extra)
+
+
+def shard(x, *, group=None):
+    """This rank's rows of ``x`` (:func:`shard_range` of ``len(x)``): a slice, so a corpus
+    memory-mapped from disk (``torch.from_file``, ``numpy.load(..., mmap_mode="r")``) is read
+    only where this rank's documents lie. Any sliceable sequence works (a tensor, an array, a
+    list of documents)."""
+    start, stop = shard_range(len(x), group=group)
+    return x[start:stop]
 
 
 def _gather_rows(t: Tensor, group, dst: int | None) -> list[Tensor] | None:
