@@ -294,3 +294,68 @@ def test_patch_without_colpali_says_what_is_missing(monkeypatch):
     with pytest.raises(ImportError, match="needs colpali-engine"):
         fc.patch()
     assert not fc.is_patched()
+
+
+def _gathered_worker(rank, world, init, name):
+    """One rank of a gloo group, as colpali-engine's ContrastiveTrainer scores across ranks: the
+    documents left-padded to the longest rank's (what accelerate's ``pad_across_processes(...,
+    pad_first=True)`` does), gathered as colpali-engine's ``concat_all_gather`` gathers
+    (``torch.distributed.nn.functional.all_gather``, concatenated: its trainer module imports
+    peft, which the pinned integrations leave out), the loss at ``offset = rank · B``, scored by
+    fusedmaxsim (patched). The ranks' losses and gradients, added up, must be one process's on
+    the concatenated batch with the host's own scoring. (The host's scoring under that gather on
+    gloo is not the reference: its gradients came out far from one process's.)"""
+    import torch.distributed as dist
+    from torch.distributed.nn.functional import all_gather
+
+    from fusedmaxsim import settings
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        B, longest = 3, 9 + 2 * (world - 1)
+        data = []
+        for r in range(world):  # every rank's batch, made on every rank
+            torch.manual_seed(10 + r)
+            q, q_mask = colvision(B, 6, 32, pad=2)
+            data.append((q, q_mask, *colvision(B, 9 + 2 * r, 32, pad=3)))
+        torch.manual_seed(0)
+        encoder = Encoder()  # the same weights on every rank
+
+        def padded(d, d_mask):
+            return F.pad(encoder(d, d_mask), (0, 0, longest - d.shape[1], 0))
+
+        def run(value):
+            value.backward()
+            return value.detach(), encoder.proj.weight.grad.clone()
+
+        q, q_mask, d, d_mask = data[rank]
+        with settings.use_backend("torch"):
+            fc.patch()
+            try:
+                encoder.zero_grad(set_to_none=True)
+                loss, grad = run(getattr(host_losses, name)()(
+                    encoder(q, q_mask), torch.cat(all_gather(padded(d, d_mask)), dim=0),
+                    offset=rank * B))
+            finally:
+                fc.unpatch()
+            dist.all_reduce(loss)
+            dist.all_reduce(grad)
+            encoder.zero_grad(set_to_none=True)
+            docs = torch.cat([padded(dd, mm) for _, _, dd, mm in data])
+            host = getattr(host_losses, name)()
+            ref_loss, ref_grad = run(sum(host(encoder(qq, qm), docs, offset=r * B)
+                                         for r, (qq, qm, _, _) in enumerate(data)))
+        assert relative_error(loss, ref_loss) <= TOL, (rank, loss, ref_loss)
+        assert relative_error(grad, ref_grad) <= TOL, (rank, relative_error(grad, ref_grad))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ["ColbertLoss", "ColbertPairwiseCELoss"])
+def test_losses_gathered_across_ranks(tmp_path, name):
+    """Under torch.distributed (2 gloo processes) with documents gathered across ranks the way
+    colpali-engine's trainer gathers them, the patched losses and gradients, added up over the
+    ranks, are one process's on the concatenated batch."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_gathered_worker, args=(2, f"file://{tmp_path}/pg", name), nprocs=2, join=True)

@@ -497,22 +497,42 @@ def test_patch_without_pylate_says_what_is_missing(monkeypatch):
 def _gathered_parity(rank, world, init, do_query_expansion):
     """One rank of a gloo group: PyLate's contrastive loss with ``gather_across_devices=True``
     (its own differentiable all-gather of the documents), its torch scoring against
-    fusedmaxsim's, explicit and patched; each rank its own batch, the same model."""
+    fusedmaxsim's, explicit and patched; each rank its own batch, the same model; and the
+    patched ranks' losses and gradients added up against one process on the whole batch."""
     import torch.distributed as dist
 
     from fusedmaxsim import settings
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        torch.manual_seed(100 + rank)
-        sentence_features = batch(B=3, N=2)
+        every = []
+        for r in range(world):  # every rank's batch, made on every rank
+            torch.manual_seed(100 + r)
+            every.append(batch(B=3, N=2))
 
         def make(model, route):
             return losses.Contrastive(model=model, score_metric=metric(route), temperature=0.5,
                                       gather_across_devices=True)
 
         with settings.use_backend("torch"):
-            assert_loss_parity(make, sentence_features, do_query_expansion=do_query_expansion)
+            assert_loss_parity(make, every[rank], do_query_expansion=do_query_expansion)
+            # Added up over the ranks: one process's loss and gradients on the concatenated
+            # batch, times world² (each rank's mean over its queries, times the world size).
+            torch.manual_seed(0)
+            model = TinyColBERT(do_query_expansion)
+            fp.patch()
+            try:
+                loss, grad = run(make(model, None), model, every[rank])
+            finally:
+                fp.unpatch()
+            dist.all_reduce(loss)
+            dist.all_reduce(grad)
+            concatenated = [{k: torch.cat([f[i][k] for f in every]) for k in every[0][i]}
+                            for i in range(len(every[0]))]
+            ref_loss, ref_grad = run(losses.Contrastive(model=model, temperature=0.5), model,
+                                     concatenated)
+        assert relative_error(loss, ref_loss * world**2) <= TOL, (rank, loss, ref_loss)
+        assert relative_error(grad, ref_grad * world**2) <= TOL, rank
     finally:
         dist.destroy_process_group()
 
@@ -520,7 +540,8 @@ def _gathered_parity(rank, world, init, do_query_expansion):
 @pytest.mark.parametrize("do_query_expansion", [True, False])
 def test_contrastive_gathered_across_ranks(tmp_path, do_query_expansion):
     """Under torch.distributed (2 gloo processes) with PyLate gathering the documents across
-    ranks, the patched scoring gives PyLate's loss and gradients on every rank."""
+    ranks, the patched scoring gives PyLate's loss and gradients on every rank, and their sum
+    over the ranks is one process's on the concatenated batch."""
     import torch.multiprocessing as mp
 
     mp.spawn(_gathered_parity, args=(2, f"file://{tmp_path}/pg", do_query_expansion), nprocs=2,
