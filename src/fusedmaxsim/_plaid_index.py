@@ -31,7 +31,8 @@ from ._autograd import run_forward
 from ._plan import plan_probe_queries
 from ._torch_path import decompress_residuals as _decompress
 from ._problem import (
-    NBITS, ResidualDocs, _check_residual_query, check_int, options_for, residual_problem,
+    NBITS, ResidualDocs, _check_residual_query, check_int, check_residual_varlen, options_for,
+    residual_problem,
 )
 
 _NPY_DTYPES = {
@@ -254,12 +255,11 @@ class PlaidIndex:
         [T, ceil(d · nbits / 8)]`` the documents' tokens back to back, ``doc_lengths [Nd]``; the
         inverted lists are built from the codes. ``validate``: check every id's range (one
         synchronization on a GPU)."""
-        from .plaid import maxsim_residual_varlen  # the front door's checks
         lengths = doc_lengths.long().to(centroids.device)
         cu = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
-        probe = centroids.new_zeros((1, 0, centroids.shape[1]))
-        maxsim_residual_varlen(probe, codes, residuals, cu, centroids, bucket_weights, nbits,
-                               bit_order=bit_order, validate=validate)
+        no_query = centroids.new_zeros((1, 0, centroids.shape[1]))  # the checks need a Q
+        check_residual_varlen(no_query, codes, residuals, cu, centroids, bucket_weights, nbits,
+                              bit_order, None, None, validate, False)
         ivf, ivf_lengths = build_ivf(codes.to(centroids.device), cu[:-1], lengths,
                                      centroids.shape[0])
         return cls(centroids, bucket_weights, nbits, codes, residuals, lengths, ivf, ivf_lengths,

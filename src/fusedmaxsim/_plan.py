@@ -671,20 +671,25 @@ def _plan_hopper(p: Problem, o: Options, cfg: FwdConfig, sms: int):
 _forward_plans: dict = {}
 
 
-def plan_forward(p: Problem, o: Options) -> ForwardPlan:
-    """The forward's plan for ``p`` under ``o`` (cached; not while decisions are forced)."""
+def _cached(cache: dict, key, p: Problem, make, *args):
+    """``make(*args)``: a plan, cached under ``key`` (at most 4096 kept; none while decisions are
+    forced), and recorded for ``recording()``."""
     if _forced:
-        plan = _plan_forward(p, o)
+        plan = make(*args)
     else:
-        key = (p, o)
-        plan = _forward_plans.get(key)
+        plan = cache.get(key)
         if plan is None:
-            if len(_forward_plans) >= 4096:
-                _forward_plans.clear()
-            plan = _forward_plans[key] = _plan_forward(p, o)
+            if len(cache) >= 4096:
+                cache.clear()
+            plan = cache[key] = make(*args)
     if _recording is not None:
         _recording.append((p, plan))
     return plan
+
+
+def plan_forward(p: Problem, o: Options) -> ForwardPlan:
+    """The forward's plan for ``p`` under ``o`` (cached; not while decisions are forced)."""
+    return _cached(_forward_plans, (p, o), p, _plan_forward, p, o)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -957,19 +962,8 @@ def plan_backward(p: Problem, o: Options, need_q: bool, need_d: bool,
     deterministic algorithms is refused here, on every call."""
     refuse_nondeterministic(strategy)
     deterministic = torch.are_deterministic_algorithms_enabled()
-    if _forced:
-        plan = _plan_backward(p, o, need_q, need_d, strategy, deterministic)
-    else:
-        key = (p, o, need_q, need_d, strategy, deterministic)
-        plan = _backward_plans.get(key)
-        if plan is None:
-            if len(_backward_plans) >= 4096:
-                _backward_plans.clear()
-            plan = _backward_plans[key] = _plan_backward(p, o, need_q, need_d, strategy,
-                                                         deterministic)
-    if _recording is not None:
-        _recording.append((p, plan))
-    return plan
+    return _cached(_backward_plans, (p, o, need_q, need_d, strategy, deterministic), p,
+                   _plan_backward, p, o, need_q, need_d, strategy, deterministic)
 
 
 def explain_plans(p: Problem, o: Options, strategy: str = "auto") -> str:
@@ -1088,17 +1082,7 @@ _approx_plans: dict = {}
 def plan_approx(p: Problem, o: Options) -> ApproxPlan:
     """The plan of a PLAID approximate score (``p.layout`` ``approx`` or ``approx candidates``),
     cached on ``(p, o)`` (not while decisions are forced); ``recording()`` collects it."""
-    if _forced:
-        plan = _plan_approx(p, o)
-    else:
-        plan = _approx_plans.get((p, o))
-        if plan is None:
-            if len(_approx_plans) >= 4096:
-                _approx_plans.clear()
-            plan = _approx_plans[p, o] = _plan_approx(p, o)
-    if _recording is not None:
-        _recording.append((p, plan))
-    return plan
+    return _cached(_approx_plans, (p, o), p, _plan_approx, p, o)
 
 
 __all__ += ["ApproxPlan", "ApproxTiles", "approx_tiles", "plan_approx"]
