@@ -630,6 +630,11 @@ def approx_scores(cs: Tensor, codes: Tensor, starts: Tensor, lengths: Tensor,
     NaN, never a read out of bounds. The plan (``_plan.plan_approx``) picks the Triton kernel on
     CUDA, the PyTorch path elsewhere, or as forced (``forced_plan(kernel="torch")``)."""
     check_approx_internal(cs, codes, starts, lengths, doc_ids)
+    return approx_checked(cs, codes, starts, lengths, doc_ids)
+
+
+def approx_checked(cs, codes, starts, lengths, doc_ids=None) -> Tensor:
+    """:func:`approx_scores` of arguments a front door has checked already."""
     o = options_for(cs)
     if torch.compiler.is_compiling():
         return plaid_approx(cs, codes, starts, lengths, doc_ids, o.backend)
@@ -661,4 +666,4 @@ def _(cs, codes, starts, lengths, doc_ids, backend):
     return cs.new_empty((cs.shape[0], n_cols), dtype=_score_dtype(cs))
 
 
-__all__ += ["approx_scores"]
+__all__ += ["approx_checked", "approx_scores"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._autograd import approx_scores, inverse_norms, scores_residual
+from ._autograd import approx_checked, inverse_norms, scores_residual
 from ._plaid_index import PlaidIndex, load, plaid_search
 from ._problem import (
     BIT_ORDERS, NBITS, check_approx, check_bool, check_residual, check_residual_varlen,
@@ -212,6 +212,6 @@ def plaid_approx_score(
     """
     cs, docs, squeeze_q = check_approx(query_centroid_scores, codes, doc_lengths, cu_seqlens,
                                        validate)
-    scores = approx_scores(cs, docs.codes, docs.starts, docs.lengths)
+    scores = approx_checked(cs, docs.codes, docs.starts, docs.lengths)
     return scores.squeeze(0) if squeeze_q else scores
 
