@@ -25,7 +25,9 @@ def test_bench_prints_the_table_with_its_baseline_and_parity(capsys):
     summary = [line for line in out.splitlines() if line.startswith("against ")]
     assert len(summary) == 1
     assert summary[0].startswith("against naive PyTorch in float32: fused slower on ")
-    assert " of 2 timed shapes (median speedup " in summary[0]
+    assert re.search(r" of 2 timed shapes, level \(within the noise\) on \d, faster on \d "
+                     r"\(median speedup ", summary[0])
+    assert "speedup:  median of the rounds' ratios; x: faster, ~: level" in out
     assert "fp32 ms" not in out  # float32 inputs: the one baseline
 
 
@@ -67,11 +69,12 @@ def test_bench_names_both_baselines_for_16_bit_inputs(capsys):
     assert "naive ms  speedup   fp32 ms  speedup" in header
     rows = [line for line in out.splitlines() if line.startswith(("2x3x4x16x8", "1x5x3x7x16"))]
     assert len(rows) == 2
-    assert all(len(re.findall(r"\d\.\d\dx", line)) == 2 and line.endswith("ok") for line in rows)
+    assert all(len(re.findall(r"\d\.\d\d[x~<]", line)) == 2 and line.endswith("ok") for line in rows)
     summary = [line for line in out.splitlines() if line.startswith("against ")]
     assert [line.split(":")[0] for line in summary] == [
         "against naive PyTorch in bfloat16", "against naive PyTorch on float32 copies"]
-    assert all(" of 2 timed shapes (median speedup " in line for line in summary)
+    assert all(re.search(r"fused slower on \d of 2 timed shapes, level \(within the noise\) on "
+                         r"\d, faster on \d \(median speedup ", line) for line in summary)
 
 
 def test_bench_json_counts_the_shapes_where_fused_loses(capsys):
@@ -80,8 +83,22 @@ def test_bench_json_counts_the_shapes_where_fused_loses(capsys):
     assert result["baseline"] == "naive PyTorch in float16"
     assert result["baseline_fp32"] == "naive PyTorch on float32 copies"
     assert result["timed"] == 2 and result["parity_failed"] == 0
-    for key, speedup in (("slower", "speedup"), ("slower_fp32", "speedup_fp32")):
-        assert result[key] == sum(row[speedup] < 1 for row in result["rows"])
+    for suffix, speedup in (("", "speedup"), ("_fp32", "speedup_fp32")):
+        intervals = [row[speedup + "_interval"] for row in result["rows"]]
+        assert all(lo <= row[speedup] <= hi for row, (lo, hi) in zip(result["rows"], intervals))
+        assert result["slower" + suffix] == sum(hi < 1 for _, hi in intervals)
+        assert result["faster" + suffix] == sum(lo > 1 for lo, _ in intervals)
+        assert result["level" + suffix] == sum(lo <= 1 <= hi for lo, hi in intervals)
     for row in result["rows"]:
         assert row["naive_fp32_ms"] > 0
-        assert row["speedup_fp32"] == row["naive_fp32_ms"] / row["fused_ms"]
+
+
+def test_speedup_interval_is_the_median_and_its_order_statistics():
+    """The rounds' ratios base / fused: their median and the ranks n/2 ∓ 0.98·√n around it."""
+    from fusedmaxsim._bench import speedup_interval
+
+    fused = [1.0] * 100
+    base = [0.5 + i / 100 for i in range(100)]  # ratios 0.50 .. 1.49, shuffled order irrelevant
+    med, lo, hi = speedup_interval(base[::-1], fused)
+    assert med == base[50] and lo == base[40] and hi == base[60]
+    assert speedup_interval([2.0] * 7, [1.0] * 7) == (2.0, 2.0, 2.0)

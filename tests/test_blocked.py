@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import check_against_reference, leaf, masks_with_holes
 
-from fusedmaxsim import forced_plan, maxsim, settings
+from fusedmaxsim import forced_plan, maxsim, maxsim_varlen, reference, settings
 from fusedmaxsim.planning import recording
 from fusedmaxsim._plan import plan_blocks
 
@@ -150,3 +150,77 @@ def test_the_orientation_rule():
     assert not orientation(2, 32, torch.randn(2, 3, 9, 8))  # candidates
     with forced_plan(TORCH_DOC_MAJOR_ROWS=((1, 8),)):
         assert orientation(1, 8, docs) and not orientation(1, 32, docs)
+
+
+def _max_terms_abs(Q, D, q_mask, d_mask, normalize):
+    """Σ over a query's valid tokens of |max similarity| in float64: the scale of the bf16
+    product's rounding bound."""
+    Q, D = Q.double(), D.double()
+    if normalize:
+        Q, D = (torch.nn.functional.normalize(x, dim=-1) for x in (Q, D))
+    sim = torch.einsum("qsd,...ntd->qnst", Q, D) if D.dim() == 3 else torch.einsum(
+        "qsd,qntd->qnst", Q, D)
+    if d_mask is not None:
+        dm = d_mask[None, :, None, :] if d_mask.dim() == 2 else d_mask[:, :, None, :]
+        sim = sim.masked_fill(~dm, float("-inf"))
+    best = sim.amax(-1).nan_to_num(neginf=0.0).abs()
+    if q_mask is not None:
+        best = best * q_mask[:, None, :]
+    return best.sum(-1)
+
+
+@pytest.mark.parametrize("layout", ["cross", "candidates"])
+@pytest.mark.parametrize("case", ["plain", "masked", "normalized", "strided", "empty"])
+def test_bf16_product_within_its_rounding_bound(layout, case):
+    """bf16 inference on a CPU multiplies in bf16 (the plan's ``bf16_product``): each token's
+    maximum similarity is rounded to bf16 (2^-9 relative; 2^-8 with the documents' norms applied
+    to the rounded similarities) before the fp32 sum, so the scores lie within that bound of
+    float64, and forced off the fp32 product matches float64 closely."""
+    torch.manual_seed(3)
+    Q = torch.randn(4, 9, 24)
+    D = torch.randn(*((4, 3) if layout == "candidates" else (6,)), 13, 24)
+    q_mask = d_mask = None
+    normalize = case == "normalized"
+    if case == "masked":
+        q_mask = masks_with_holes((4, 9), "cpu")
+        d_mask = masks_with_holes(D.shape[:-1], "cpu")
+    elif case == "strided":
+        Q = torch.randn(4, 24, 9).transpose(1, 2)
+    elif case == "empty":
+        Q = torch.randn(0, 9, 24)
+        D = D[:0] if layout == "candidates" else D
+    Q, D = Q.bfloat16(), D.bfloat16()
+    ref = reference.maxsim_ref(Q.double(), D.double(), q_mask, d_mask, normalize=normalize)
+    bound = 2.0**-8 * _max_terms_abs(Q, D, q_mask, d_mask, normalize) + 1e-5
+    for forced in (None, False):
+        decisions = {} if forced is None else {"bf16_product": forced}
+        with settings.use_backend("torch"), forced_plan(**decisions), recording() as plans:
+            out = maxsim(Q, D, q_mask, d_mask, normalize=normalize)
+        assert plans[0][1].bf16_product == (forced is None)
+        assert out.dtype == torch.float32 and out.shape == ref.shape
+        err = (out.double() - ref).abs()
+        if forced is None:
+            assert bool((err <= bound).all()), (err - bound).max()
+        else:
+            assert bool((err <= 1e-4 * (1 + ref.abs())).all()), err.max()
+
+
+def test_the_bf16_product_rule():
+    """The bf16 product is taken for bf16 inference on a CPU only: not for fp16 or fp32, not when
+    a gradient will be needed (rounded similarities tie and would move the argmax), not for the
+    smooth max, not for the packed layouts."""
+    def product(Q, D, **kwargs):
+        with settings.use_backend("torch"), recording() as plans:
+            maxsim(Q, D, **kwargs)
+        return plans[0][1].bf16_product
+
+    Q, D = torch.randn(2, 5, 8), torch.randn(3, 7, 8)
+    assert product(Q.bfloat16(), D.bfloat16())
+    assert product(Q.bfloat16(), D.bfloat16(), normalize=True)
+    assert not product(Q.half(), D.half()) and not product(Q, D)
+    assert not product(Q.bfloat16().requires_grad_(), D.bfloat16())
+    assert not product(Q.bfloat16(), D.bfloat16(), reduction="smoothmax", tau=0.5)
+    with settings.use_backend("torch"), recording() as plans:
+        maxsim_varlen(Q.bfloat16().flatten(0, 1), D.bfloat16().flatten(0, 1),
+                      torch.tensor([0, 5, 10]), torch.tensor([0, 7, 14, 21]), 5, 7)
+    assert not plans[0][1].bf16_product

@@ -451,10 +451,11 @@ def host_floor() -> None:
 
 def cpu_orientation():
     """The PyTorch path's two layouts of the cross product's similarities on this CPU (design.md
-    "PyTorch path"): fp32 inference of one query of R tokens against ~24,000 document tokens, R
+    "PyTorch path"): inference of one query of R tokens against ~24,000 document tokens, R
     and the document length swept, each side forced through the plan and timed in alternation
-    (wall median of one call, 24 rounds). Prints time(query-major) / time(document-major): above
-    1, document-major is faster. Run with ``CUDA_VISIBLE_DEVICES=`` on a GPU machine."""
+    (wall median of one call, 24 rounds), in fp32 and in bf16 (the bf16 product). Prints
+    time(query-major) / time(document-major): above 1, document-major is faster. Run with
+    ``CUDA_VISIBLE_DEVICES=`` on a GPU machine."""
     import statistics
 
     import fusedmaxsim
@@ -474,9 +475,11 @@ def cpu_orientation():
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
           "time(query-major) / time(document-major)")
-    for Ld in (128, 300, 1024):
-        row = []
-        for R in (8, 16, 24, 32, 40, 48, 64, 128, 160, 192, 224, 256, 320, 384, 512):
-            Q, D = torch.randn(1, R, 128), torch.randn(max(1, 24000 // Ld), Ld, 128)
-            row.append(f"{R}:{ratio(Q, D):.2f}")
-        print(f"Ld={Ld:5d}  " + " ".join(row), flush=True)
+    for dtype in (torch.float32, torch.bfloat16):
+        for Ld in (128, 300, 1024):
+            row = []
+            for R in (8, 16, 24, 32, 40, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 512):
+                Q = torch.randn(1, R, 128, dtype=dtype)
+                D = torch.randn(max(1, 24000 // Ld), Ld, 128, dtype=dtype)
+                row.append(f"{R}:{ratio(Q, D):.2f}")
+            print(f"{str(dtype)[6:]:8s} Ld={Ld:5d}  " + " ".join(row), flush=True)

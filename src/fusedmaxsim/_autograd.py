@@ -78,7 +78,8 @@ def run_forward(p: Problem, o: Options, Q, D, q_mask, d_mask, q_inv, d_inv,
             return _torch_path.packed_fwd_torch(layout, Q, D, q_mask, d_mask, q_inv, d_inv,
                                                 p.save_argmax, o.torch_block_bytes)
         return _torch_path.maxsim_fwd_blocked(Q, D, q_mask, d_mask, q_inv, d_inv, p.save_argmax,
-                                              plan.blocks, p.tau, plan.doc_major)
+                                              plan.blocks, p.tau, plan.doc_major,
+                                              plan.bf16_product)
     forward = _launch()[0]
     if layout is not None:
         return forward.forward_packed(plan, p, o.fp32_precision, layout, Q, D, q_mask, d_mask,

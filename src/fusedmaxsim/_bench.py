@@ -7,7 +7,8 @@ of the fused similarities): the median wall time of one synchronized call, after
 sides called in alternation. First, the fused scores (and gradients with ``--backward``) are
 compared with the naive formula in float32 on the same inputs; past
 ``fusedmaxsim.testing.TOLERANCES`` no speedup is reported and the command exits with 1. The
-summary counts, for each baseline, the shapes where the fused op is slower. The suite against
+summary counts, for each baseline, the shapes where the fused op is slower, level (the 95% interval of
+the rounds' speedups holds 1) and faster. The suite against
 the peer libraries is in the repository's benchmarks/.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 
@@ -81,9 +83,9 @@ def _parse_shapes(spec: str | None, presets: dict) -> dict:
     return shapes
 
 
-def _interleaved_medians(fns: dict, sync, rep_ms: float, before=lambda: None) -> dict:
-    """Median ms of one synchronized call of each of ``fns`` (and the error of any that failed its
-    warm-up, left out), timed in rounds that call each once,
+def _interleaved_times(fns: dict, sync, rep_ms: float, before=lambda: None) -> tuple[dict, dict]:
+    """The ms of one synchronized call of each of ``fns``, one a round (and the error of any that
+    failed its warm-up, left out), timed in rounds that call each once,
     in an order that rotates from round to round, so that a slow spell of a busy machine falls on
     every side alike. About ``rep_ms`` per side, at least 7 rounds, after two warm-up calls each."""
     def call(fn) -> float:
@@ -109,7 +111,22 @@ def _interleaved_medians(fns: dict, sync, rep_ms: float, before=lambda: None) ->
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             times[name].append(call(fns[name]))
-    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}, errors
+    return times, errors
+
+
+def _median_of(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def speedup_interval(base: list[float], fused: list[float]) -> tuple[float, float, float]:
+    """``(median, low, high)`` of the ratios ``base / fused`` of the rounds (each round times
+    both sides back to back), ``low``-``high`` the order statistics that hold the median with
+    about 95% confidence (distribution-free: ranks ``n/2 ∓ 0.98·√n``)."""
+    ratios = sorted(b / f for b, f in zip(base, fused))
+    n = len(ratios)
+    half = 0.98 * n**0.5
+    lo, hi = max(0, int(n / 2 - half)), min(n - 1, int(math.ceil(n / 2 + half)))
+    return ratios[n // 2], ratios[lo], ratios[hi]
 
 
 def _error(exc: BaseException) -> str:
@@ -167,14 +184,13 @@ def bench_shape(name, dims, dtype, device, backward: bool, rep_ms: float) -> dic
                 with torch.no_grad():
                     fn(Q, D)
         steps[key] = step
-    medians, errors = _interleaved_medians(steps, sync, rep_ms, reset)
-    row.update(medians)
+    times, errors = _interleaved_times(steps, sync, rep_ms, reset)
+    row.update({key: _median_of(t) for key, t in times.items()})
     if errors:
         row["error"] = "; ".join(f"{key[:-3]}: {err}" for key, err in errors.items())
-    if row["fused_ms"] and row["naive_ms"]:
-        row["speedup"] = row["naive_ms"] / row["fused_ms"]
-    if row["fused_ms"] and row.get("naive_fp32_ms"):
-        row["speedup_fp32"] = row["naive_fp32_ms"] / row["fused_ms"]
+    for base, key in (("naive_ms", "speedup"), ("naive_fp32_ms", "speedup_fp32")):
+        if "fused_ms" in times and base in times:
+            row[key], *row[key + "_interval"] = speedup_interval(times[base], times["fused_ms"])
     return row
 
 
@@ -198,7 +214,8 @@ def run_bench(args: argparse.Namespace) -> int:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     fused = "fusedmaxsim.maxsim"
     if device.type == "cpu" and settings.backend() != "triton":
-        fused += (", on a CPU its PyTorch path: similarities in fp32 (float64 for float64), "
+        fused += (", on a CPU its PyTorch path: similarities in fp32 (float64 for float64; "
+                  "for bf16 inference a bf16 product, each token's maximum rounded to bf16), "
                   "in blocks that bound their memory")
     baseline = f"naive PyTorch in {dtype_name}"
     grads = " (scores; gradients in the Frobenius norm)" if args.backward else ""
@@ -215,6 +232,8 @@ def run_bench(args: argparse.Namespace) -> int:
                   "copies timed too (fp32 ms), as precise as the fused similarities")
         print("time:     median wall ms of one synchronized call, after a warm-up, the sides "
               "timed in alternation")
+        print("speedup:  median of the rounds' ratios; x: faster, ~: level (its 95% interval "
+              "holds 1, a tie within the noise), <: slower")
         print(f"parity:   relative error of fused against the naive formula in float32 on the "
               f"same inputs, at most {TOLERANCES[dtype][0]:.0e}{grads}; past it, no speedup\n")
         print(header + "\n" + "-" * len(header), flush=True)
@@ -226,40 +245,61 @@ def run_bench(args: argparse.Namespace) -> int:
             nq, nd, lq, ld, dim = dims
             errs = [e for e in (row["score_err"], row["grad_err"]) if e is not None]
             cells = (_cell(row["fused_ms"], ">10.3f", 10) + _cell(row["naive_ms"], ">10.3f", 10)
-                     + _cell(row["speedup"], ">8.2f", 9) + ("x" if row["speedup"] else ""))
+                     + _speedup_cell(row, "speedup"))
             if fp32_too:
                 cells += (_cell(row["naive_fp32_ms"], ">10.3f", 10)
-                          + _cell(row["speedup_fp32"], ">8.2f", 9)
-                          + ("x" if row["speedup_fp32"] else ""))
+                          + _speedup_cell(row, "speedup_fp32"))
             err = _cell(max(errs) if errs else None, ">9.1e", 9)
             note = f"  ({row['error']})" if row["error"] else ""
             print(f"{name:<20}{f'{nq} x {nd}, {lq} x {ld}, {dim}':<26}{cells}{err}"
                   f"  {'ok' if row['parity'] else 'FAIL'}{note}", flush=True)
     failed = sum(not r["parity"] for r in rows)
     timed = sum(r["speedup"] is not None for r in rows)
-    summary = {"baseline": baseline, "timed": timed, "slower": _slower(rows, "speedup"),
+    summary = {"baseline": baseline, "timed": timed, **_verdicts(rows, "speedup", ""),
                "median_speedup": _median(rows, "speedup"), "parity_failed": failed}
     if fp32_too:
         summary.update(baseline_fp32="naive PyTorch on float32 copies",
-                       slower_fp32=_slower(rows, "speedup_fp32"),
+                       **_verdicts(rows, "speedup_fp32", "_fp32"),
                        median_speedup_fp32=_median(rows, "speedup_fp32"))
     if args.json:
         print(json.dumps({"device": str(device), "dtype": dtype_name, "mode": mode, **summary,
                           "rows": rows}, indent=1))
     else:
-        print(f"\nagainst {baseline}: fused slower on {summary['slower']} of {timed} timed "
-              f"shapes{_median_text(summary['median_speedup'])}")
+        print(f"\nagainst {baseline}: {_verdict_text(summary, '', timed)}"
+              f"{_median_text(summary['median_speedup'])}")
         if fp32_too:
-            print(f"against naive PyTorch on float32 copies: fused slower on "
-                  f"{summary['slower_fp32']} of {timed} timed shapes"
+            print(f"against naive PyTorch on float32 copies: "
+                  f"{_verdict_text(summary, '_fp32', timed)}"
                   f"{_median_text(summary['median_speedup_fp32'])}")
         print(f"parity failed on {failed} of {len(rows)}"
               + (" (no speedup reported there)" if failed else ""))
     return 1 if failed or timed < len(rows) else 0
 
 
-def _slower(rows: list[dict], key: str) -> int:
-    return sum(r.get(key) is not None and r[key] < 1 for r in rows)
+def _verdict(row: dict, key: str) -> str | None:
+    """``"faster"``, ``"level"`` or ``"slower"``: where the speedup's 95% interval lies against 1
+    (a median on either side of 1 with an interval that holds it is a tie within the noise)."""
+    if row.get(key) is None:
+        return None
+    lo, hi = row[key + "_interval"]
+    return "faster" if lo > 1 else "slower" if hi < 1 else "level"
+
+
+def _verdicts(rows: list[dict], key: str, suffix: str) -> dict:
+    found = [_verdict(r, key) for r in rows]
+    return {word + suffix: found.count(word) for word in ("slower", "level", "faster")}
+
+
+def _verdict_text(summary: dict, suffix: str, timed: int) -> str:
+    return (f"fused slower on {summary['slower' + suffix]} of {timed} timed shapes, level "
+            f"(within the noise) on {summary['level' + suffix]}, faster on "
+            f"{summary['faster' + suffix]}")
+
+
+def _speedup_cell(row: dict, key: str) -> str:
+    """The median speedup and its verdict: ``x`` faster, ``~`` level, ``<`` slower."""
+    mark = {"faster": "x", "level": "~", "slower": "<", None: ""}[_verdict(row, key)]
+    return _cell(row.get(key), ">8.2f", 9) + mark
 
 
 def _median(rows: list[dict], key: str) -> float | None:

@@ -91,6 +91,10 @@ MEASURED: dict[str, object] = dict(
     # tokens as the product's rows) for query rows (Nq·Lq) in these ranges, where x86 MKL's fp32
     # product ran faster that way round. design.md "PyTorch path".
     TORCH_DOC_MAJOR_ROWS=((32, 32), (192, 256)),
+    # ... and for the bf16 product (bf16 inference on a CPU), for query rows that are a multiple
+    # of this, where oneDNN's AMX product ran 1.5-2.1× faster that way round (64-512 rows) and
+    # 1.3-2.1× slower for the rest (8-56, 96). design.md "PyTorch path".
+    TORCH_BF16_DOC_MAJOR_ROW_MULTIPLE=64,
 )
 # Programs an SM of the Gluon tile sets whose grids are counted in waves (design.md "Hopper").
 _HOPPER_PROGRAMS_PER_SM = {MEASURED["HOPPER_SHORT_TILES"]: 3,
@@ -124,6 +128,7 @@ FORCIBLE = frozenset({
     "sm_count",           # the device's SM count as the planner sees it
     "l2_bytes",           # the device's L2 bytes as the planner sees it
     "doc_major",          # PyTorch path: the cross product's similarities document-major
+    "bf16_product",       # PyTorch path: bf16 inputs multiplied in bf16 (inference)
 })
 
 
@@ -390,6 +395,7 @@ class ForwardPlan:
     autotune: bool = False
     blocks: tuple[int, int, int] = (1, 1, 1)  # PyTorch path: queries, columns, query tokens a block
     doc_major: bool = False  # PyTorch path: the similarities [Nd, Ld, Nq, Lq] (design.md)
+    bf16_product: bool = False  # PyTorch path: bf16 similarities, each max rounded (design.md)
     reasons: tuple[str, ...] = ()
 
 
@@ -555,18 +561,39 @@ def _plan_torch_forward(p: Problem, o: Options) -> ForwardPlan:
     reasons = ["backend: the PyTorch path" + (
                    ", each block of documents decompressed first" if residual else ""),
                f"blocks: {blocks[0]} queries × {blocks[1]} columns × {blocks[2]} query tokens"]
+    bf16_product = _forced.get("bf16_product")
+    if bf16_product is not None:
+        reasons.append("product: forced")
+    else:
+        # On a CPU the bf16 product runs on the bf16 matrix units (AMX, AVX-512 BF16) at 2-5×
+        # the fp32 one, and PyTorch's CPU product has no bf16-in, fp32-out form: inference
+        # takes it and rounds each token's maximum to bf16 (design.md "PyTorch path"). A
+        # gradient needs fp32 similarities: rounded ones would tie and move the argmax.
+        bf16_product = (p.device.type == "cpu" and p.dtype == torch.bfloat16
+                        and not p.save_argmax and not p.tau)
+        if bf16_product:
+            reasons.append("product: in bf16 (inference on a CPU), each token's maximum "
+                           "similarity rounded to bf16 before the fp32 sum")
+    bf16_product = bool(bf16_product) and p.layout in (CROSS, CANDIDATES)
     doc_major = _forced.get("doc_major")
+    rows = p.Nq * p.Lq
     if doc_major is not None:
         reasons.append("orientation: forced")
+    elif bf16_product:
+        multiple = _measured("TORCH_BF16_DOC_MAJOR_ROW_MULTIPLE")
+        doc_major = rows % multiple == 0
+        reasons.append(f"orientation: {'document' if doc_major else 'query'}-major similarities "
+                       f"({rows} query rows; document-major for the bf16 product on a "
+                       f"multiple of {multiple})")
     else:
         ranges = _measured("TORCH_DOC_MAJOR_ROWS")
-        rows = p.Nq * p.Lq
         doc_major = p.device.type == "cpu" and any(lo <= rows <= hi for lo, hi in ranges)
         reasons.append(f"orientation: {'document' if doc_major else 'query'}-major similarities "
                        f"({rows} query rows; document-major on a CPU for "
                        f"{', '.join(f'{lo}-{hi}' for lo, hi in ranges)})")
     return ForwardPlan("torch", blocks=blocks,
                        doc_major=bool(doc_major) and p.layout in (CROSS, RESIDUAL),
+                       bf16_product=bf16_product,
                        reasons=tuple(reasons))
 
 

@@ -119,6 +119,8 @@ def _fwd_block(q_blk, d_blk, q_valid, d_valid, q_scale, d_scale, save_argmax: bo
         # value-and-index pass (docs/design.md, PyTorch path). NaN propagates alike.
         best = sim.amax(dim=axis)
     del sim
+    if best.dtype == torch.bfloat16:  # a bf16 product (the plan's bf16_product): the rest in fp32
+        best = best.float()
     if axis == 1:  # [bc, bq, ls] viewed as [bq, ls, bc]
         best = best.permute(1, 2, 0)
         arg = None if arg is None else arg.permute(1, 2, 0)
@@ -154,15 +156,19 @@ def maxsim_fwd_blocked(
     blocks: tuple[int, int, int],
     tau: float = 0.0,
     doc_major: bool = False,
+    bf16_product: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Scores and argmax; with ``tau > 0`` the smooth max and, in place of the argmax, each row's
     log2-sum-exp2 of ``s · log2(e) / tau`` (``+inf`` where the row adds nothing), as on the
     Triton path. ``blocks``: queries, columns and query tokens a block (:func:`plan_blocks`);
-    ``doc_major``: the product's orientation (:func:`_fwd_block`); both from the plan."""
+    ``doc_major``: the product's orientation (:func:`_fwd_block`); ``bf16_product``: bf16
+    inputs multiplied as they are, each token's maximum similarity rounded to bf16 before the
+    fp32 sum (inference on a CPU); all from the plan."""
     per_query_docs = D.dim() == 4
     Nq, Lq, _ = Q.shape
     Ncols, Ld = D.shape[-3], D.shape[-2]
     ct = _compute_dtype(Q)
+    pt = torch.bfloat16 if bf16_product else ct  # the product's dtype
     saved_dtype = ct if tau else argmax_dtype(Ld)
     if Nq * Ncols * Lq * Ld == 0:
         saved_shape = (Nq, Ncols, Lq) if save_argmax else (0,)
@@ -178,7 +184,7 @@ def maxsim_fwd_blocked(
         d_valid = _doc_side(d_mask, every, every, per_query_docs)
         d_scale = _doc_side(d_inv, every, every, per_query_docs)
         q_scale = None if q_inv is None else q_inv.to(ct)
-        scores, arg = _fwd_block(Q if Q.dtype == ct else Q.to(ct), D if D.dtype == ct else D.to(ct),
+        scores, arg = _fwd_block(Q if Q.dtype == pt else Q.to(pt), D if D.dtype == pt else D.to(pt),
                                  q_mask, d_valid, q_scale, d_scale, save_argmax, tau, doc_major)
         if arg is None:
             return scores, _nothing_saved(Q.device, saved_dtype)
@@ -191,14 +197,14 @@ def maxsim_fwd_blocked(
         qs = slice(i0, min(Nq, i0 + bq))
         for j0 in range(0, Ncols, bc):
             cs = slice(j0, min(Ncols, j0 + bc))
-            d_blk = _doc_block(D, qs, cs, per_query_docs, ct)  # [bc, Ld, d] or [bq, bc, Ld, d]
+            d_blk = _doc_block(D, qs, cs, per_query_docs, pt)  # [bc, Ld, d] or [bq, bc, Ld, d]
             d_valid = _doc_side(d_mask, qs, cs, per_query_docs)
             d_scale = _doc_side(d_inv, qs, cs, per_query_docs)
             for s0 in range(0, Lq, ls):
                 ss = slice(s0, min(Lq, s0 + ls))
                 q_valid = None if q_mask is None else q_mask[qs, ss]
                 q_scale = None if q_inv is None else q_inv[qs, ss].to(ct)
-                part, arg = _fwd_block(Q[qs, ss].to(ct), d_blk, q_valid, d_valid, q_scale,
+                part, arg = _fwd_block(Q[qs, ss].to(pt), d_blk, q_valid, d_valid, q_scale,
                                        d_scale, save_argmax, tau, doc_major)
                 scores[qs, cs] += part
                 if arg is not None:
