@@ -224,3 +224,19 @@ def test_the_bf16_product_rule():
         maxsim_varlen(Q.bfloat16().flatten(0, 1), D.bfloat16().flatten(0, 1),
                       torch.tensor([0, 5, 10]), torch.tensor([0, 7, 14, 21]), 5, 7)
     assert not plans[0][1].bf16_product
+
+
+def test_the_bf16_orientation_rule():
+    """The bf16 product is document-major when the query rows are a multiple of 64 (oneDNN's AMX
+    product, design.md "PyTorch path"), query-major otherwise; forcing either still holds."""
+    def orientation(Nq, Lq):
+        with settings.use_backend("torch"), recording() as plans:
+            maxsim(torch.randn(Nq, Lq, 8).bfloat16(), torch.randn(3, 5, 8).bfloat16())
+        return plans[0][1].doc_major
+
+    assert orientation(1, 64) and orientation(2, 64) and orientation(4, 32)
+    assert not orientation(1, 32) and not orientation(3, 32) and not orientation(1, 96)
+    with forced_plan(TORCH_BF16_DOC_MAJOR_ROW_MULTIPLE=32):
+        assert orientation(1, 32) and not orientation(1, 48)
+    with forced_plan(doc_major=False):
+        assert not orientation(1, 64)
