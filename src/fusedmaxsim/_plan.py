@@ -396,6 +396,10 @@ class ForwardPlan:
     blocks: tuple[int, int, int] = (1, 1, 1)  # PyTorch path: queries, columns, query tokens a block
     doc_major: bool = False  # PyTorch path: the similarities [Nd, Ld, Nq, Lq] (design.md)
     bf16_product: bool = False  # PyTorch path: bf16 similarities, each max rounded (design.md)
+    # Hidden layouts: "fused" (each document tile projected on chip) or "unfused" (the documents
+    # projected once into memory, then the dense plan); the fused kernel's d_model step.
+    hidden_route: str = ""
+    hidden_block: int = 0
     reasons: tuple[str, ...] = ()
 
 

@@ -41,6 +41,9 @@ from . import settings
 CROSS, CANDIDATES, PACKED, PAIRS, RESIDUAL = "cross", "candidates", "packed", "pairs", "residual"
 RESIDUAL_CANDIDATES = "residual candidates"
 RESIDUAL_LAYOUTS = (RESIDUAL, RESIDUAL_CANDIDATES)
+# Documents given as hidden states, projected (F.linear) inside: every document, or per query.
+HIDDEN, HIDDEN_CANDIDATES = "hidden", "hidden candidates"
+HIDDEN_LAYOUTS = (HIDDEN, HIDDEN_CANDIDATES)
 
 
 class Problem(NamedTuple):
@@ -61,6 +64,8 @@ class Problem(NamedTuple):
     tau: float  # 0: the max; > 0: the smooth max's temperature
     save_argmax: bool  # a gradient will be needed
     tma_ready: bool  # D contiguous and 16-byte aligned (the Gluon forward's TMA)
+    d_model: int = 0  # hidden layouts: the hidden states' width (0 elsewhere)
+    has_bias: bool = False  # hidden layouts: the projection has a bias
 
     def describe(self) -> str:
         reduction = f"smoothmax(tau={self.tau})" if self.tau else "max"
