@@ -190,10 +190,12 @@ def test_check_on_cpu_says_it_tests_the_pytorch_path_only(capsys):
     assert ("checks:   the PyTorch path only; the Triton kernels run on CUDA devices, or here "
             "under the Triton interpreter: fusedmaxsim check --triton") in out
     assert "fp32:     fp32 rows run in exact fp32 (ieee)" in out
-    assert "54 passed, 0 failed (" in out
+    assert "58 passed, 0 failed (" in out
     plaid = [line.split() for line in out.splitlines() if line.split()[:1] in (["residual"],
                                                                                ["approx"])]
     assert len(plaid) == 6 and all(row[-1] == "PASS" for row in plaid)
+    head = [line.split() for line in out.splitlines() if line.split()[:1] == ["hidden"]]
+    assert len(head) == 4 and all(row[-1] == "PASS" for row in head)
 
 
 def test_check_triton_reruns_under_the_interpreter():
@@ -206,15 +208,15 @@ def test_check_triton_reruns_under_the_interpreter():
     done = _run("check", "--triton", "--device", "cpu", env=env, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
-    assert ("checks:   the Triton kernels under the Triton interpreter, 14 of 54 cases (the "
+    assert ("checks:   the Triton kernels under the Triton interpreter, 15 of 58 cases (the "
             "interpreter is slow; --all runs every case, a few minutes)") in out
     rows = [line.split() for line in out.splitlines() if line.endswith("PASS")]
-    assert len(rows) == 14 and all(row[5] == "triton" for row in rows)
-    assert [row[0] for row in rows[12:]] == ["residual", "approx"]
+    assert len(rows) == 15 and all(row[5] == "triton" for row in rows)
+    assert [row[0] for row in rows[12:]] == ["residual", "approx", "hidden"]
     rows = rows[:12]
     # Each layout with each backward strategy; each dtype with each strategy and normalization.
     assert {(row[0], row[3]) for row in rows} == {
         (layout, strategy) for layout in ("cross", "candidates", "pairs", "single")
         for strategy in ("unified", "lowmem", "smooth")}
     assert len({(row[1], row[3], row[4]) for row in rows}) == 12
-    assert "14 passed, 0 failed (" in out
+    assert "15 passed, 0 failed (" in out

@@ -20,6 +20,7 @@ from .api import (
     pack_padded,
     score_pairs_packed,
 )
+from .head import ProjectionHead, maxsim_from_hidden
 from .planning import explain, forced_plan
 from .retrieval import MaxSimScorer, retrieve
 
@@ -31,7 +32,9 @@ __all__ = [
     "forced_plan",
     "MaxSimScorer",
     "PackedBatch",
+    "ProjectionHead",
     "maxsim",
+    "maxsim_from_hidden",
     "maxsim_padded",
     "maxsim_pairs",
     "maxsim_ragged",

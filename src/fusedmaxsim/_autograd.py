@@ -31,14 +31,15 @@ from torch import Tensor
 from . import _torch_path
 from ._plan import argmax_dtype, plan_backward, plan_forward
 from ._problem import (
-    RESIDUAL_LAYOUTS, Options, Problem, RaggedLayout, ResidualDocs, dense_problem, options_for,
-    packed_problem, residual_problem,
+    RESIDUAL_LAYOUTS, Options, Problem, RaggedLayout, ResidualDocs, dense_problem, hidden_problem,
+    options_for, packed_problem, promote_pair, residual_problem,
 )
 
 NORM_EPS = 1e-12  # F.normalize's default
 
 __all__ = ["DOUBLE_BACKWARD_MESSAGE", "NORM_EPS", "NormalizeTokens", "inverse_norms",
-           "run_backward", "run_forward", "scores_dense", "scores_packed", "scores_residual"]
+           "run_backward", "run_forward", "scores_dense", "scores_hidden", "scores_packed",
+           "scores_residual"]
 
 
 _launchers: tuple | None = None
@@ -383,6 +384,107 @@ def _residual_backward(ctx, grad_scores: Tensor, _grad_saved):
 
 torch.library.register_autograd("fusedmaxsim::maxsim_residual_fwd", _residual_backward,
                                 setup_context=_residual_setup_context)
+
+
+# ------------------------------------------------------------------------------------------------
+# The fused projection head: documents as hidden states, projected inside
+# ------------------------------------------------------------------------------------------------
+
+
+def _hidden_forward(Q: Tensor, H: Tensor, W: Tensor, b: Tensor | None, q_mask, d_mask,
+                    normalize: bool, save_argmax: bool, o: Options) -> tuple[Tensor, Tensor]:
+    """Scores and the argmax of ``Q`` against ``normalize?(F.linear(H, W, b))``, as planned:
+    fused (each document tile projected on chip) or the projection written once, then the
+    dense plan."""
+    p = hidden_problem(Q, H, W, b, q_mask, d_mask, normalize=normalize, save_argmax=save_argmax)
+    plan = plan_forward(p, o)
+    if plan.hidden_route == "fused":
+        return _launch()[0].forward_hidden(plan, p, o.fp32_precision, Q, H, W, b, q_mask, d_mask)
+    Qc, P = promote_pair(Q, torch.nn.functional.linear(H, W, b))
+    q_inv = d_inv = None
+    if normalize:  # the documents' tokens only: Q comes as given
+        d_inv = inverse_norms(P, o.backend)
+        q_inv = torch.ones(Q.shape[:2], dtype=d_inv.dtype, device=Q.device)
+    pd = dense_problem(Qc, P, q_mask, d_mask, normalize=normalize, save_argmax=save_argmax)
+    return run_forward(pd, o, Qc, P, q_mask, d_mask, q_inv, d_inv)
+
+
+@torch.library.custom_op("fusedmaxsim::maxsim_hidden_fwd", mutates_args=())
+def maxsim_hidden_fwd(
+    Q: Tensor, H: Tensor, W: Tensor, b: Tensor | None, q_mask: Tensor | None,
+    d_mask: Tensor | None, normalize: bool, save_argmax: bool, backend: str, fp32_precision: str,
+) -> tuple[Tensor, Tensor]:
+    """Scores ``[Nq, Ncols]`` of ``Q`` against the projected hidden states and, when saved, the
+    argmax ``[Nq, Ncols, Lq]``."""
+    scores, saved = _hidden_forward(Q, H, W, b, q_mask, d_mask, normalize, save_argmax,
+                                    options_for(Q, backend, fp32_precision))
+    return scores, saved if save_argmax else saved.new_empty((0,))
+
+
+@maxsim_hidden_fwd.register_fake
+def _(Q, H, W, b, q_mask, d_mask, normalize, save_argmax, backend, fp32_precision):
+    Nq, Lq, Ncols = Q.shape[0], Q.shape[1], H.shape[-3]
+    dtype = torch.float64 if torch.float64 in (Q.dtype, H.dtype) else torch.float32
+    return (Q.new_empty((Nq, Ncols), dtype=dtype),
+            Q.new_empty((Nq, Ncols, Lq) if save_argmax else (0,), dtype=argmax_dtype(H.shape[-2])))
+
+
+@torch.library.custom_op("fusedmaxsim::maxsim_hidden_bwd", mutates_args=())
+def maxsim_hidden_bwd(
+    grad_scores: Tensor, Q: Tensor, H: Tensor, W: Tensor, b: Tensor | None, argmax: Tensor,
+    normalize: bool, need_q: bool, need_h: bool, need_w: bool, need_b: bool, block_bytes: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(grad_Q, grad_H, grad_W, grad_b)`` in the inputs' dtypes (grad_Q in Q's), from the
+    argmax (``_torch_path.hidden_bwd_torch``); an unneeded one is an empty tensor."""
+    grads = _torch_path.hidden_bwd_torch(grad_scores, Q, H, W, b, argmax, normalize, need_q,
+                                         need_h, need_w, need_b, block_bytes)
+    return tuple(Q.new_empty((0,)) if g is None else g.to(x.dtype)
+                 for g, x in zip(grads, (Q, H, W, W if b is None else b)))
+
+
+@maxsim_hidden_bwd.register_fake
+def _(grad_scores, Q, H, W, b, argmax, normalize, need_q, need_h, need_w, need_b, block_bytes):
+    return (torch.empty_like(Q) if need_q else Q.new_empty((0,)),
+            torch.empty_like(H) if need_h else Q.new_empty((0,)),
+            torch.empty_like(W) if need_w else Q.new_empty((0,)),
+            torch.empty_like(b) if need_b and b is not None else Q.new_empty((0,)))
+
+
+def _hidden_setup_context(ctx, inputs, output) -> None:
+    Q, H, W, b, q_mask, d_mask, normalize, save_argmax, backend, fp32_precision = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(Q, H, W, b, output[1])
+    ctx.normalize = normalize
+    ctx.block_bytes = options_for(Q, backend, fp32_precision).torch_block_bytes
+
+
+def _hidden_backward(ctx, grad_scores: Tensor, _grad_saved):
+    Q, H, W, b, argmax = ctx.saved_tensors
+    need_q, need_h, need_w, need_b = ctx.needs_input_grad[:4]
+    grads = maxsim_hidden_bwd(grad_scores, Q, H, W, b, argmax, ctx.normalize, need_q, need_h,
+                              need_w, need_b and b is not None, ctx.block_bytes)
+    grads = [g if need else None for g, need in zip(grads, (need_q, need_h, need_w, need_b))]
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():  # create_graph=True
+        grads = [None if g is None else _FirstOrderOnly.apply(g, Q, H, grad_scores)
+                 for g in grads]
+    return (*grads, *(None,) * 6)
+
+
+torch.library.register_autograd("fusedmaxsim::maxsim_hidden_fwd", _hidden_backward,
+                                setup_context=_hidden_setup_context)
+
+
+def scores_hidden(Q: Tensor, H: Tensor, W: Tensor, b: Tensor | None, q_mask, d_mask,
+                  normalize: bool) -> Tensor:
+    """Scores of checked inputs, with autograd to ``Q``, ``H``, ``W`` and ``b`` when any needs
+    it (the argmax saved only then)."""
+    o = options_for(Q)
+    save_argmax = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (Q, H, W, b))
+    if not save_argmax and not torch.compiler.is_compiling():
+        return _hidden_forward(Q, H, W, b, q_mask, d_mask, normalize, False, o)[0]
+    return maxsim_hidden_fwd(Q, H, W, b, q_mask, d_mask, normalize, save_argmax, o.backend,
+                             o.fp32_precision)[0]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -28,8 +28,8 @@ import torch
 
 from . import settings
 from ._problem import (
-    APPROX_CANDIDATES, CANDIDATES, CROSS, PAIRS, PACKED, RESIDUAL, RESIDUAL_CANDIDATES,
-    RESIDUAL_LAYOUTS, Options, Problem,
+    APPROX_CANDIDATES, CANDIDATES, CROSS, HIDDEN_CANDIDATES, HIDDEN_LAYOUTS, PAIRS, PACKED,
+    RESIDUAL, RESIDUAL_CANDIDATES, RESIDUAL_LAYOUTS, Options, Problem,
 )
 
 __all__ = [
@@ -95,6 +95,13 @@ MEASURED: dict[str, object] = dict(
     # of this, where oneDNN's AMX product ran 1.5-2.1× faster that way round (64-512 rows) and
     # 1.3-2.1× slower for the rest (8-56, 96). design.md "PyTorch path".
     TORCH_BF16_DOC_MAJOR_ROW_MULTIPLE=64,
+    # The fused projection head: fused (each document tile projected on chip) while every
+    # document tile is projected at most this many times (query blocks × query chunks); else
+    # the documents are projected once into memory. d_model a step of the fused kernel's
+    # split-K loop. design.md "Fused projection head".
+    HIDDEN_FUSED_MAX_PASSES=1,
+    HIDDEN_BLOCK=64,
+    HIDDEN_WARPS=8,
 )
 # Programs an SM of the Gluon tile sets whose grids are counted in waves (design.md "Hopper").
 _HOPPER_PROGRAMS_PER_SM = {MEASURED["HOPPER_SHORT_TILES"]: 3,
@@ -129,6 +136,7 @@ FORCIBLE = frozenset({
     "l2_bytes",           # the device's L2 bytes as the planner sees it
     "doc_major",          # PyTorch path: the cross product's similarities document-major
     "bf16_product",       # PyTorch path: bf16 inputs multiplied in bf16 (inference)
+    "hidden_route",       # fused projection head: "fused" or "unfused"
 })
 
 
@@ -616,7 +624,45 @@ def _plan_residual_forward(p: Problem, o: Options) -> ForwardPlan:
         f"tiles: the cross product's for Lq={p.Lq} ({cfg})"))
 
 
+def _plan_hidden_forward(p: Problem, o: Options) -> ForwardPlan:
+    """Hidden-state documents: "fused" (the Triton kernel projects each document tile on chip,
+    ``F.linear``'s product in a split-K loop over d_model, and never writes the projection) or
+    "unfused" (``F.linear`` once into memory, then the dense plan). The fused kernel projects
+    each document tile once per query block and query chunk; the projection is d_model / (rows
+    of a block) times the MaxSim product's work, so fused pays only while each tile is projected
+    at most ``HIDDEN_FUSED_MAX_PASSES`` times (design.md "Fused projection head")."""
+    candidates = p.layout == HIDDEN_CANDIDATES
+    cfg = _forced.get("fwd_tiles")
+    if cfg is None:
+        # The projection's fp32 accumulator [BLOCK_N, d] lives beside the running max: at 4
+        # warps the 128-row tiles spill 584 bytes for sm_90 (triton 3.9), at 8 none.
+        cfg = dataclasses.replace(fwd_heuristic(
+            max(p.Lq, 1), p.dim, max(p.Nq, 1), candidates, p.dtype.itemsize),
+            num_warps=_measured("HIDDEN_WARPS"))
+    passes = cdiv(max(p.Lq, 1), cfg.lq_tile) * (
+        1 if candidates else cdiv(max(p.Nq, 1), cfg.queries_per_block))
+    route = _forced.get("hidden_route")
+    if route is not None:
+        reasons = ["route: forced"]
+    elif o.backend == "torch":
+        route, reasons = "unfused", ["route: the PyTorch path projects the documents once"]
+    else:
+        cap = _measured("HIDDEN_FUSED_MAX_PASSES")
+        route = "fused" if passes <= cap else "unfused"
+        reasons = [f"route: {route} (each document tile projected {passes} times fused; fused "
+                   f"up to {cap})"]
+    if route not in ("fused", "unfused"):
+        raise ValueError(f"hidden_route must be 'fused' or 'unfused', got {route!r}")
+    if route == "fused" and o.backend == "torch":
+        raise ValueError("hidden_route='fused' needs the Triton backend")
+    return ForwardPlan("triton" if route == "fused" else "torch", cfg, hidden_route=route,
+                       hidden_block=_measured("HIDDEN_BLOCK"),
+                       reasons=tuple(reasons) + (f"tiles: {cfg}",))
+
+
 def _plan_forward(p: Problem, o: Options) -> ForwardPlan:
+    if p.layout in HIDDEN_LAYOUTS:
+        return _plan_hidden_forward(p, o)
     if o.backend == "torch":
         return _plan_torch_forward(p, o)
     if p.layout in RESIDUAL_LAYOUTS:

@@ -1035,3 +1035,86 @@ def check_approx(cs: object, codes: object, doc_lengths: object, cu_seqlens: obj
         lengths = torch.where((lengths < 0) | (lengths > Ld), -1, lengths)
     starts = torch.arange(B, device=device, dtype=torch.int64) * Ld
     return cs, ApproxDocs(codes.reshape(B * Ld), starts, lengths), squeeze_q
+
+
+# ------------------------------------------------------------------------------------------------
+# Hidden-state documents: maxsim_from_hidden
+# ------------------------------------------------------------------------------------------------
+
+
+class HiddenInputs(NamedTuple):
+    """``maxsim_from_hidden``'s checked arguments: ``Q [Nq, Lq, d]``; ``H [Nd, Ld, d_model]`` or
+    ``[Nq, K, Ld, d_model]``; ``W [d, d_model]``; ``b [d]`` or None; bool masks or None."""
+
+    Q: Tensor
+    H: Tensor
+    W: Tensor
+    b: Tensor | None
+    q_mask: Tensor | None
+    d_mask: Tensor | None
+    squeeze_q: bool
+
+
+def check_hidden(Q: object, H: object, W: object, b: object, q_mask: object,
+                 d_mask: object) -> HiddenInputs:
+    """Check ``maxsim_from_hidden``'s arguments (the shapes of ``maxsim(Q, F.linear(H, W, b))``)
+    and bring ``Q`` and its mask to the 3-D form."""
+    Q = _check_float("Q", Q)
+    H = _check_float("H_d", H)
+    W = _check_float("W", W)
+    if Q.dim() not in (2, 3):
+        raise ValueError(f"Q must be [Lq, d] or [Nq, Lq, d], got shape {_shape(Q)}")
+    if H.dim() not in (3, 4):
+        raise ValueError(
+            f"H_d must be [Nd, Ld, d_model] or [Nq, K, Ld, d_model], got shape {_shape(H)}")
+    if W.dim() != 2:
+        raise ValueError(f"W must be [d, d_model] (nn.Linear's weight), got shape {_shape(W)}")
+    if W.shape[1] != H.shape[-1]:
+        raise ValueError(
+            f"W [d, d_model] must have H_d's d_model = {H.shape[-1]} columns, got W {_shape(W)} "
+            f"and H_d {_shape(H)}")
+    if W.shape[0] != Q.shape[-1]:
+        raise ValueError(
+            f"W [d, d_model] must project to Q's embedding dim d = {Q.shape[-1]}, got W "
+            f"{_shape(W)} and Q {_shape(Q)}")
+    if b is not None:
+        b = _check_float("b", b)
+        if _shape(b) != (W.shape[0],):
+            raise ValueError(f"b must be [d] = ({W.shape[0]},), got shape {_shape(b)}")
+    for name, t in (("H_d", H), ("W", W), ("b", b)):
+        if t is not None and t.device != Q.device:
+            raise ValueError(
+                f"{name} is on {t.device} but Q is on {Q.device}: every tensor must be on the "
+                "same device")
+    for name, t in (("W", W), ("b", b)):
+        if t is not None and t.dtype != H.dtype:
+            raise TypeError(
+                f"{name} must have H_d's dtype {H.dtype} (as F.linear requires), got {t.dtype}")
+    if H.dim() == 4:
+        if Q.dim() != 3 or H.shape[0] != Q.shape[0]:
+            raise ValueError(
+                "the per-query candidate layout (H_d [Nq, K, Ld, d_model]) needs Q [Nq, Lq, d] "
+                f"with the same Nq, got H_d {_shape(H)} and Q {_shape(Q)}")
+    if q_mask is not None:
+        q_mask = _check_mask("q_mask", q_mask, _shape(Q)[:-1], "Q", Q.device, dims=Q_AXES[Q.dim()])
+    if d_mask is not None:
+        d_mask = _check_mask("d_mask", d_mask, _shape(H)[:-1], "H_d", H.device,
+                             dims=D_AXES[H.dim()])
+    squeeze_q = Q.dim() == 2
+    if squeeze_q:
+        Q = Q.unsqueeze(0)
+        q_mask = None if q_mask is None else q_mask.unsqueeze(0)
+    return HiddenInputs(Q, H, W, b, q_mask, d_mask, squeeze_q)
+
+
+def hidden_problem(Q: Tensor, H: Tensor, W: Tensor, b: Tensor | None, q_mask, d_mask, *,
+                   normalize: bool, save_argmax: bool) -> Problem:
+    """The :class:`Problem` of ``Q [Nq, Lq, d]`` against the projection of hidden states ``H``
+    (``[Nd, Ld, d_model]`` or ``[Nq, K, Ld, d_model]``); ``dtype``: the inputs' common dtype,
+    that of the similarities (F.linear's output in H's dtype, promoted with Q's)."""
+    Nq, Lq, dim = Q.shape
+    return Problem(
+        HIDDEN_CANDIDATES if H.dim() == 4 else HIDDEN, Nq, H.shape[-3], Lq, H.shape[-2], dim,
+        torch.promote_types(Q.dtype, H.dtype), Q.device, q_mask is not None, d_mask is not None,
+        normalize, normalize, 0.0, save_argmax, False, H.shape[-1], b is not None,
+    )

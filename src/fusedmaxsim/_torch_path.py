@@ -779,3 +779,116 @@ def approx_scores_torch(block_elems: int, cs: Tensor, codes: Tensor, starts: Ten
 
 
 __all__ += ["approx_scores_torch"]
+
+
+# ------------------------------------------------------------------------------------------------
+# The fused projection head's backward: closed form from the saved argmax
+# ------------------------------------------------------------------------------------------------
+
+
+def _hidden_mm(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
+    """``a @ b`` for ``a`` in the compute dtype and ``b`` in the inputs' dtype: a 16-bit product
+    (as ``F.linear``'s backward runs it: the gradient rounded to the inputs' dtype, fp32
+    accumulation inside the product), else in the compute dtype."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return a.to(dtype) @ b
+    return a @ b.to(a.dtype)
+
+
+def hidden_bwd_torch(grad_scores: Tensor, Q: Tensor, H: Tensor, W: Tensor, b: Tensor | None,
+                     argmax: Tensor, normalize: bool, need_q: bool, need_h: bool, need_w: bool,
+                     need_b: bool, block_bytes: int) -> tuple[Tensor | None, ...]:
+    """``(grad_Q, grad_H, grad_W, grad_b)`` of ``maxsim(Q, normalize?(F.linear(H, W, b)))`` from
+    the forward's argmax ``[Nq, Ncols, Lq]`` (-1: the token adds nothing); None where not needed.
+
+    With ``P = F.linear(H, W, b)`` (rounded to H's dtype as the forward's) and ``P̂`` its
+    normalized rows, only winning rows receive gradient::
+
+        grad_P̂[r]  = Σ_{(i, j, s): row(i, j, A[i, j, s]) = r} g[i, j] · Q[i, s]
+        grad_Q[i, s] = Σ_j g[i, j] · P̂[row(i, j, A[i, j, s])]
+        grad_P = J_normalize(P) · grad_P̂;  grad_W = grad_Pᵀ H;  grad_b = Σ_r grad_P;  grad_H = grad_P W
+
+    Columns (documents) are taken a chunk at a time within ``block_bytes``. A chunk with fewer
+    (query, query token) entries than document rows (a few queries against long documents, or
+    per-query candidates) recomputes the projection of its winners only, one row an entry
+    (``Nq·c·Lq`` rows of ``d_model``, fewer than the chunk's ``c·Ld``); otherwise every row of the
+    chunk (``F.linear`` once). Either way at most ``min(rows, entries)`` rows of ``d_model`` a
+    chunk, nothing of ``Nq·Nd·Lq`` rows at once. Deterministic: the sums over entries run through
+    ``index_put_(accumulate=True)`` (sorted on CUDA). A row that no entry wins receives exactly 0,
+    whatever its values (a masked token may hold NaN)."""
+    per_query = H.dim() == 4
+    Nq, Lq, dim = Q.shape
+    Ncols, Ld, d_model = H.shape[-3], H.shape[-2], H.shape[-1]
+    dtype = H.dtype
+    ct = torch.float64 if torch.float64 in (Q.dtype, H.dtype) else torch.float32
+    dev = Q.device
+    grad_q = torch.zeros((Nq, Lq, dim), dtype=ct, device=dev) if need_q else None
+    grad_h = torch.zeros_like(H) if need_h else None
+    grad_w = torch.zeros((dim, d_model), dtype=ct, device=dev) if need_w else None
+    grad_b = torch.zeros((dim,), dtype=ct, device=dev) if need_b and b is not None else None
+    if not (Nq * Ncols * Lq * Ld):
+        return grad_q, grad_h, grad_w, grad_b
+    g = grad_scores.to(ct)
+    q = Q.to(ct)
+    # A column's entries (query, query token) and rows (document tokens; Nq documents of
+    # per-query candidates).
+    entries_col, rows_col = Nq * Lq, (Nq if per_query else 1) * Ld
+    by_entry = entries_col < rows_col
+    per_row = d_model * (dtype.itemsize + 4) + 16 * dim
+    cols = max(1, min(Ncols, block_bytes // max(1, min(entries_col, rows_col) * per_row)))
+    for c0 in range(0, Ncols, cols):
+        cs = slice(c0, min(Ncols, c0 + cols))
+        c = cs.stop - c0
+        arg = argmax[:, cs].long()  # [Nq, c, Lq]
+        valid = arg >= 0
+        t = arg.clamp_min(0)
+        ge = torch.where(valid, g[:, cs, None], 0.0)  # [Nq, c, Lq]; an absent winner adds 0
+        jj = torch.arange(c, device=dev).view(1, c, 1).expand_as(t)
+        ii = torch.arange(Nq, device=dev).view(Nq, 1, 1).expand_as(t)
+        Hc = H[:, cs] if per_query else H[cs]
+        local = (((ii * c + jj) if per_query else jj) * Ld + t).flatten()  # [E] chunk rows
+        upstream = (ge.unsqueeze(-1) * q.unsqueeze(1)).reshape(-1, dim)  # grad_P̂ an entry
+        if by_entry:
+            He = Hc[ii, jj, t] if per_query else Hc[jj, t]  # [Nq, c, Lq, d_model]
+            He = He.masked_fill(~valid.unsqueeze(-1), 0.0).reshape(-1, d_model)
+            P = torch.nn.functional.linear(He, W, b).to(ct)  # [E, d]
+            grad_in = upstream
+        else:
+            He = Hc.reshape(-1, d_model)  # [R, d_model]; a copy only for strided candidates
+            P = torch.nn.functional.linear(He, W, b).to(ct)  # [R, d]
+            grad_in = torch.zeros_like(P).index_put_((local,), upstream, accumulate=True)
+            touched = (grad_in != 0).any(dim=-1, keepdim=True)
+            He = He.masked_fill(~touched, 0.0)  # rows no entry won: their values never matter
+        inv = 1.0 / torch.linalg.vector_norm(P, dim=-1).clamp_min(1e-12) if normalize else None
+        if need_q:
+            P_hat = P if inv is None else P * inv.unsqueeze(-1)
+            won = P_hat if by_entry else P_hat[local]
+            won = torch.where(valid.reshape(-1, 1), won, 0.0).view(Nq, c, Lq, dim)
+            grad_q += (ge.unsqueeze(-1) * won).sum(1)
+        if not (need_h or need_w or grad_b is not None):
+            continue
+        from ._autograd import normalize_backward
+        grad_p = grad_in if inv is None else normalize_backward(P, grad_in, inv)  # [E or R, d]
+        if need_w:
+            grad_w += _hidden_mm(grad_p.t(), He, dtype).to(ct)
+        if grad_b is not None:
+            grad_b += grad_p.sum(0)
+        if need_h:
+            if by_entry:
+                # Each winning row's total, its duplicate entries summed first (d wide), then
+                # written once per entry: duplicates write the same value.
+                total = torch.zeros((c * rows_col, dim), dtype=ct, device=dev)
+                total.index_put_((local,), grad_p, accumulate=True)
+                rows = _hidden_mm(total[local], W, dtype).to(dtype).view(Nq, c, Lq, d_model)
+                target = grad_h[:, cs] if per_query else grad_h[cs]
+                if per_query:
+                    target[ii, jj, t] = rows
+                else:
+                    target[jj, t] = rows
+            else:
+                rows = _hidden_mm(grad_p, W, dtype).to(dtype)
+                if per_query:
+                    grad_h[:, cs] = rows.view(Nq, c, Ld, d_model)
+                else:
+                    grad_h[cs] = rows.view(c, Ld, d_model)
+    return grad_q, grad_h, grad_w, grad_b

@@ -19,6 +19,9 @@ from .testing import TOLERANCES, relative_error
 LAYOUTS = ("cross", "candidates", "pairs", "single")
 # PLAID: maxsim_residual_varlen (packed compressed documents; grad_Q) and plaid_approx_score.
 PLAID_LAYOUTS = ("residual", "approx")
+# The fused projection head: maxsim_from_hidden (hidden-state documents; grad_D is the largest
+# error of grad_H, grad_W and grad_b).
+HEAD_LAYOUTS = ("hidden",)
 
 
 def _default_device() -> str:
@@ -88,7 +91,8 @@ def info_report(device: str) -> dict:
             chosen = f"error: {exc}"
         name = str(dtype).replace("torch.", "")
         # Every layout shares one kernel family, so the choice depends on device and dtype only.
-        report["layouts"][name] = {layout: chosen for layout in LAYOUTS + PLAID_LAYOUTS}
+        report["layouts"][name] = {layout: chosen
+                                   for layout in LAYOUTS + PLAID_LAYOUTS + HEAD_LAYOUTS}
     return report
 
 
@@ -103,7 +107,7 @@ def _print_info(report: dict) -> None:
     print("\nsettings in force (docs: README, Settings)")
     for key, value in report["settings"].items():
         print(f"  {key:<32}{value}")
-    every = LAYOUTS + PLAID_LAYOUTS
+    every = LAYOUTS + PLAID_LAYOUTS + HEAD_LAYOUTS
     print(f"\n{'dtype':<10}" + "".join(f"{layout:<12}" for layout in every))
     for dtype, row in report["layouts"].items():
         print(f"{dtype:<10}" + "".join(f"{row[layout]:<12}" for layout in every))
@@ -143,7 +147,36 @@ def _check_plaid(layout, dtype, normalize, device):
     return relative_error(out.cpu(), ref), relative_error(gq.cpu(), rq), None
 
 
+def _check_hidden(dtype, normalize, device):
+    """Hidden-state documents with a bias and masks, both routes as the plan picks them:
+    ``maxsim_from_hidden``'s scores, grad_Q, and the largest of grad_H, grad_W, grad_b."""
+    import torch.nn.functional as F
+
+    from .head import maxsim_from_hidden
+    from .reference import maxsim_ref
+
+    Nq, Lq, Nd, Ld, dim, d_model = 3, 37, 5, 53, 96, 200
+    inputs = [torch.randn(Nq, Lq, dim), torch.randn(Nd, Ld, d_model),
+              torch.randn(dim, d_model) / d_model**0.5, torch.randn(dim) * 0.1]
+    leaves = [t.to(device=device, dtype=dtype).requires_grad_() for t in inputs]
+    refs = [t.detach().cpu().double().requires_grad_() for t in leaves]
+    q_mask = torch.rand(Nq, Lq) > 0.2
+    d_mask = torch.rand(Nd, Ld) > 0.2
+    out = maxsim_from_hidden(*leaves, q_mask.to(device), d_mask.to(device), normalize=normalize)
+    P = F.linear(refs[1], refs[2], refs[3])
+    P = P + (P.to(dtype).double() - P).detach()  # rounded to the inputs' dtype, as F.linear's
+    ref = maxsim_ref(refs[0], F.normalize(P, dim=-1) if normalize else P, q_mask, d_mask)
+    grad = torch.randn_like(ref)
+    grads = torch.autograd.grad(out, leaves, grad.to(device=device, dtype=out.dtype))
+    ref_grads = torch.autograd.grad(ref, refs, grad)
+    errs = [relative_error(g.cpu(), r) for g, r in zip(grads, ref_grads)]
+    return relative_error(out.cpu(), ref), errs[0], max(errs[1:])
+
+
 def _check_case(layout, dtype, strategy, normalize, device, fp32_precision):
+    if layout in HEAD_LAYOUTS:
+        with settings.use_fp32_precision(fp32_precision):
+            return _check_hidden(dtype, normalize, device)
     if layout in PLAID_LAYOUTS:
         with settings.use_fp32_precision(fp32_precision):
             return _check_plaid(layout, dtype, normalize, device)
@@ -192,14 +225,15 @@ def _format_row(row: dict) -> str:
     )
 
 
-# The Triton interpreter takes seconds a case: on a CPU, ``check --triton`` runs fourteen cases
+# The Triton interpreter takes seconds a case: on a CPU, ``check --triton`` runs fifteen cases
 # (every --all): three per dense layout, so that each combination of dtype, backward strategy
-# and normalization appears once, and one per PLAID layout.
+# and normalization appears once, and one per PLAID layout and the projection head.
 def _triton_subset(dtypes: list[torch.dtype]) -> list[tuple]:
     strategies = ("unified", "lowmem", "smooth")
     return [(LAYOUTS[i // 3], dtypes[i % 2], strategies[i % 3], (i // 2) % 2 == 1)
             for i in range(12)] + [("residual", dtypes[1], "-", True), ("approx", dtypes[0], "-",
-                                                                         False)]
+                                                                         False),
+                                   ("hidden", dtypes[0], "-", True)]
 
 
 def _fp32_note(on_gpu: bool) -> str:
@@ -233,6 +267,8 @@ def run_check(device: str, as_json: bool = False, triton: bool = False,
     cases += [("residual", dtype, "-", normalize) for dtype in dtypes for normalize in (False,
                                                                                        True)]
     cases += [("approx", dtype, "-", False) for dtype in dtypes]
+    # The projection head: one backward (closed form from the argmax).
+    cases += [("hidden", dtype, "-", normalize) for dtype in dtypes for normalize in (False, True)]
     interpreted = triton and not on_gpu
     if interpreted and not every_case:
         cases, total = _triton_subset(dtypes), len(cases)
@@ -265,8 +301,8 @@ def run_check(device: str, as_json: bool = False, triton: bool = False,
     for layout, dtype, strategy, normalize in cases:
         # TF32 moves similarities by ~1e-3, enough to change the winner of a near-tie, so
         # gradients are checked in exact fp32; the forward is checked in TF32 too.
-        precisions = ["ieee", "tf32"] if (dtype == torch.float32 and on_gpu
-                                          and layout not in PLAID_LAYOUTS) else ["ieee"]
+        precisions = ["ieee", "tf32"] if (dtype == torch.float32 and on_gpu and layout not in
+                                          PLAID_LAYOUTS + HEAD_LAYOUTS) else ["ieee"]
         for precision in precisions:
             backend = "-"
             try:

@@ -2,9 +2,10 @@
 
 Inputs arrive checked (``_problem``): dense ``Q [Nq, Lq, d]`` and ``D [Nd, Ld, d]`` (cross
 product) or ``[Nq, K, Ld, d]`` (per-query candidates), or packed ``Q [ΣLq, d]`` / ``D [ΣLd, d]``
-with a ``RaggedLayout``; one dtype; any strides (no copies); masks bool with the token axes;
-inverse norms fp32. Empty problems return without a launch. The plan says which kernel runs with
-which tiles and splits; these functions compute strides and grids, allocate, and launch.
+with a ``RaggedLayout``, or hidden states ``H [.., Ld, d_model]`` with ``W`` and ``b`` in place of
+``D`` (the fused projection head); one dtype; any strides (no copies); masks bool with the token
+axes; inverse norms fp32. Empty problems return without a launch. The plan says which kernel runs
+with which tiles and splits; these functions compute strides and grids, allocate, and launch.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from .. import settings
 from .._plan import ForwardPlan, argmax_dtype, block_k_for, fwd_candidates
 from .._problem import Problem
 from ..kernels.forward import (
-    _inverse_norm_kernel, _maxsim_fwd_kernel, _maxsim_ragged_fwd_kernel,
+    _inverse_norm_kernel, _maxsim_fwd_kernel, _maxsim_hidden_fwd_kernel, _maxsim_ragged_fwd_kernel,
     _maxsim_residual_fwd_kernel,
 )
 from .runtime import (
@@ -34,10 +35,11 @@ from .runtime import (
     no_argmax,
     smooth_scales,
     take,
+    upcast,
 )
 
-__all__ = ["forward_dense", "forward_packed", "forward_residual", "gluon_constexprs",
-           "inverse_norms"]
+__all__ = ["forward_dense", "forward_hidden", "forward_packed", "forward_residual",
+           "gluon_constexprs", "inverse_norms"]
 
 
 def forward_dense(plan: ForwardPlan, p: Problem, fp32_precision: str, Q: Tensor, D: Tensor,
@@ -216,6 +218,66 @@ def forward_residual(plan: ForwardPlan, p: Problem, fp32_precision: str, Q: Tens
                 q.shape[0], Ncols, Lq, p.Ld, docs.codes.shape[0], centroids.shape[0],
                 p.dim, *q.stride(), docs.codes.stride(0), residuals.stride(0),
                 centroids.stride(0),
+            ),
+            consts,
+        )
+
+    _query_slices(launch_slice, scores, qpb, 1, plan.max_grid_y)
+    return scores, argmax
+
+
+def forward_hidden(plan: ForwardPlan, p: Problem, fp32_precision: str, Q: Tensor, H: Tensor,
+                   W: Tensor, b: Tensor | None, q_mask: Tensor | None,
+                   d_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Scores ``[Nq, Ncols]`` (fp32) and the argmax ``[Nq, Ncols, Lq]`` of ``Q`` against the
+    projection ``F.linear(H, W, b)`` of hidden states ``H`` (``[Nd, Ld, d_model]`` or
+    ``[Nq, K, Ld, d_model]``, any strides), each document tile projected inside the kernel
+    (``plan.hidden_block`` of ``d_model`` a step) and never written; with ``p.normalize`` the
+    projected tokens are normalized, their norms from the tiles (``Q`` is taken as it is).
+    ``Q`` is brought to the problem's dtype, ``W`` and ``b`` to H's (the projected tile is
+    rounded to H's dtype first, as ``F.linear``'s output is)."""
+    Nq, Ncols, Lq, Ld = p.Nq, p.Ncols, p.Lq, p.Ld
+    device = Q.device
+    scores = empty((Nq, Ncols), torch.float32, device)
+    save_argmax = p.save_argmax
+    argmax = empty((Nq, Ncols, Lq), argmax_dtype(Ld), device) if save_argmax else \
+        no_argmax(device, argmax_dtype(Ld))
+    if not (Nq and Ncols):
+        return scores, argmax
+    if Lq == 0 or Ld == 0:
+        scores.zero_()
+        argmax.fill_(-1)
+        return scores, argmax
+    if Q.dtype != p.dtype:
+        Q = Q.to(p.dtype)
+    if W.dtype != H.dtype:
+        W = W.to(H.dtype)
+    if b is not None:
+        b = b.to(H.dtype).contiguous()
+    hb = plan.hidden_block
+    if hb < 16 or hb & (hb - 1):  # 0 would read H as a projected D; tl.dot needs 16 and up
+        raise ValueError(f"hidden_block must be a power of two >= 16, got {hb}")
+    per_query_docs = H.dim() == 4
+    qm, dm = as_bytes(q_mask), as_bytes(d_mask)
+    cfg = plan.tiles
+    meta = fwd_meta(cfg, Q.dtype, p.dim, has_q_mask=qm is not None, has_d_mask=dm is not None,
+                    normalize=p.normalize, save_argmax=save_argmax, fp32_precision=fp32_precision)
+    meta["UPCAST"] = meta["UPCAST"] or upcast(H.dtype)  # the projection's products too
+    consts = constants(PER_QUERY_DOCS=per_query_docs, HIDDEN_BLOCK=hb,
+                       HIDDEN_BIAS=b is not None, **meta)
+    kernel = launcher(_maxsim_hidden_fwd_kernel)
+    qpb = cfg.queries_per_block
+
+    def launch_slice(rows, out, _stride_out_split):
+        doc_rows = rows if per_query_docs else None  # per-query candidates: their documents too
+        q, h, q_m, d_m = take(Q, rows), take(H, doc_rows), take(qm, rows), take(dm, doc_rows)
+        kernel(
+            (Ncols, cdiv(q.shape[0], qpb)),
+            (
+                q, h, W, W if b is None else b, q if q_m is None else q_m,
+                h if d_m is None else d_m, out, take(argmax, rows) if save_argmax else argmax,
+                q.shape[0], Ncols, Lq, Ld, p.d_model, p.dim, *q.stride(),
+                *doc_strides(h, per_query_docs), *W.stride(),
             ),
             consts,
         )

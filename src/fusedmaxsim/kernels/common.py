@@ -21,6 +21,15 @@ A masked doc token is ``-inf`` before every max, so it never wins; a query row w
 (with ``d_inv`` and ``q_inv`` folded in, these are the gradients with respect to the normalized
 tokens; the launcher's caller applies the normalization's Jacobian).
 
+Hidden-state documents (the fused projection head, ``HIDDEN_BLOCK > 0``): the documents arrive
+as ``H [.., Ld, d_model]`` with nn.Linear's ``W [d, d_model]`` and optional ``b [d]``, and each
+tile of ``D`` is projected on chip (:func:`_hidden_tile`), never written::
+
+    D[g, j, t] = rnd(Σ_c H[g, j, t, c] · W[:, c] + b)      (fp32 sum, rnd: to H's dtype)
+
+``F.linear(H, W, b)``'s values (up to the order of the sum: Caveats); masks, norms (from the
+tiles) and the max as above.
+
 The smooth max (``SMOOTH``) replaces ``max_t`` by ``tau · log Σ_{t valid} exp(S / tau)``, folded
 tile by tile as an online log-sum-exp in base 2 (``y = S · log2(e) / tau``); instead of ``A`` the
 forward saves ``L[i, j, s] = log2 Σ_t exp2(y)`` (``+inf`` where the token adds nothing), from
@@ -53,6 +62,10 @@ Caveats
 * NaN: the max propagates NaN (``PropagateNan.ALL``), so a NaN in a valid token makes the affected
   scores NaN. A NaN in a masked token is ignored, as in the reference.
 * ``UPCAST`` computes dots in fp32: the Triton interpreter's bf16 ``tl.dot`` is wrong on CPU.
+* Hidden-state documents: the projection's fp32 sum over ``d_model`` runs in ``HIDDEN_BLOCK``
+  steps, an order other than ``F.linear``'s, so a 16-bit projected element can round the other
+  way (one ulp); fp32 inputs take the products' ``DOT_PRECISION`` (TF32 unless told). A tile is
+  projected afresh for every query block and query chunk that streams it.
 * ``QUERY_IN_REGISTERS`` relies on a Triton rewrite (``MMAV3UseRegOperand``, triton 3.6-3.9):
   a Hopper product takes its first operand from registers only when that operand comes out of
   another tensor-core product, so the query tile is passed through one with a zero operand
@@ -150,6 +163,44 @@ def _residual_tile(p_codes, stride_code_tok, res, o_t, m_t, o_k, m_k, NBITS: tl.
 
 
 @triton.jit
+def _hidden_tile(p_h, stride_h_tok, hid, o_t, m_t, o_k, m_k, HIDDEN_BLOCK: tl.constexpr,
+                 HIDDEN_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """Tokens ``o_t`` of one document projected on chip from its hidden states: ``H[o_t] · Wᵀ
+    (+ b)`` accumulated in fp32 over ``d_model`` in ``HIDDEN_BLOCK`` steps, the bias added in
+    fp32, then rounded to H's dtype (``F.linear``'s output); zero outside ``m_t`` × ``m_k`` (so
+    the tile's norms hold).
+
+    ``p_h`` points at the document's first token; ``hid`` = ``(H's dim stride, W, W's row
+    stride, W's column stride, bias, d_model)`` (``W [d, d_model]``, nn.Linear's weight; the
+    bias ``[d]`` contiguous, read only with ``HIDDEN_BIAS``). The loop runs over ``d_model`` at
+    run time (one compiled kernel for every width): whole steps with no bound on the hidden
+    dim, the tail step masked.
+    """
+    stride_h_dim, W, stride_w_out, stride_w_in, Bias, d_model = hid
+    o_c = tl.arange(0, HIDDEN_BLOCK)
+    # int64 token offsets: H may be a strided view with a large token stride.
+    p_hc = p_h + o_t.to(tl.int64)[:, None] * stride_h_tok + o_c[None, :] * stride_h_dim
+    p_wc = W + o_c[:, None] * stride_w_in + o_k[None, :] * stride_w_out  # Wᵀ, [HIDDEN_BLOCK, d]
+    acc = tl.zeros([o_t.shape[0], o_k.shape[0]], tl.float32)
+    c_full = d_model // HIDDEN_BLOCK * HIDDEN_BLOCK
+    for _ in range(0, c_full, HIDDEN_BLOCK):
+        h = tl.load(p_hc, mask=m_t[:, None], other=0.0)
+        w = tl.load(p_wc, mask=m_k[None, :], other=0.0)
+        acc += _dot(h, w, DOT_PRECISION, UPCAST)
+        p_hc += HIDDEN_BLOCK * stride_h_dim
+        p_wc += HIDDEN_BLOCK * stride_w_in
+    if c_full < d_model:
+        m_c = c_full + o_c < d_model
+        h = tl.load(p_hc, mask=m_t[:, None] & m_c[None, :], other=0.0)
+        w = tl.load(p_wc, mask=m_c[:, None] & m_k[None, :], other=0.0)
+        acc += _dot(h, w, DOT_PRECISION, UPCAST)
+    if HIDDEN_BIAS:
+        acc += tl.load(Bias + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
+    tile = acc.to(p_h.dtype.element_ty)
+    return tl.where(m_t[:, None] & m_k[None, :], tile, 0.0)
+
+
+@triton.jit
 def _doc_tile(
     b_q,
     acc_max,
@@ -180,12 +231,16 @@ def _doc_tile(
     UPCAST: tl.constexpr,
     RESIDUAL_NBITS: tl.constexpr,
     RESIDUAL_BIG: tl.constexpr,
+    HIDDEN_BLOCK: tl.constexpr = 0,
+    HIDDEN_BIAS: tl.constexpr = False,
 ):
     """One document tile folded into the running reduction.
 
     The tile is loaded from ``p_doc``, or with ``RESIDUAL_NBITS`` decompressed on chip from a
     PLAID document (:func:`_residual_tile`; ``p_doc`` then points at its centroid ids and ``res``
-    holds the rest).
+    holds the rest), or with ``HIDDEN_BLOCK`` projected on chip from hidden states
+    (:func:`_hidden_tile`; ``p_doc`` then points at the document's hidden states and ``res``
+    holds the projection).
 
     Max: the element-wise running max ``acc_max [BLOCK_M, BLOCK_N]``; keeping the max per
     (row, slot) and reducing over slots once per document costs one max instruction per
@@ -199,6 +254,9 @@ def _doc_tile(
     if RESIDUAL_NBITS:
         b_d = _residual_tile(p_doc, stride_doc_tok, res, o_t, m_t, o_k, m_k, RESIDUAL_NBITS,
                              RESIDUAL_BIG).to(b_q.dtype)
+    elif HIDDEN_BLOCK:
+        b_d = _hidden_tile(p_doc, stride_doc_tok, res, o_t, m_t, o_k, m_k, HIDDEN_BLOCK,
+                           HIDDEN_BIAS, DOT_PRECISION, UPCAST).to(b_q.dtype)
     elif MASK_TAIL:
         b_d = tl.load(p, mask=m_t[:, None] & m_k[None, :], other=0.0)
     elif EVEN_K:
@@ -285,6 +343,8 @@ def _doc_max(
     QUERY_IN_REGISTERS: tl.constexpr,
     RESIDUAL_NBITS: tl.constexpr = 0,
     RESIDUAL_BIG: tl.constexpr = True,
+    HIDDEN_BLOCK: tl.constexpr = 0,
+    HIDDEN_BIAS: tl.constexpr = False,
 ):
     """The MaxSim inner loop: max (and lowest argmax) of ``b_q``'s rows over document tokens
     ``[t_lo, t_hi)``. Every layout calls this one loop.
@@ -299,7 +359,9 @@ def _doc_max(
     ``QUERY_IN_REGISTERS``: keep ``b_q`` in registers for the products (16-bit inputs, at least
     64 rows: Hopper's warp-group products), which leaves shared memory's bandwidth to the
     document tiles. ``RESIDUAL_NBITS``: the document is a PLAID one, decompressed tile by tile
-    (:func:`_residual_tile`, with ``res``); 0 (dense documents) leaves ``res`` unread.
+    (:func:`_residual_tile`, with ``res``); ``HIDDEN_BLOCK``: the document is hidden states,
+    projected tile by tile (:func:`_hidden_tile`, with ``res``, the bias with ``HIDDEN_BIAS``);
+    both 0 (dense documents) leave ``res`` unread.
     """
     if QUERY_IN_REGISTERS and not UPCAST:
         b_q = _in_product_layout(b_q)
@@ -308,14 +370,14 @@ def _doc_max(
             b_q, p_doc, stride_doc_tok, stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv,
             stride_dinv_tok, t_lo, t_hi, o_k, m_k, smooth_scale, res, EVEN_K, False, NORMALIZE,
             NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST,
-            RESIDUAL_NBITS, RESIDUAL_BIG,
+            RESIDUAL_NBITS, RESIDUAL_BIG, HIDDEN_BLOCK, HIDDEN_BIAS,
         )
     else:
         row_max, row_arg = _doc_loop(
             b_q, p_doc, stride_doc_tok, stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv,
             stride_dinv_tok, t_lo, t_hi, o_k, m_k, smooth_scale, res, EVEN_K, True, NORMALIZE,
             NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST,
-            RESIDUAL_NBITS, RESIDUAL_BIG,
+            RESIDUAL_NBITS, RESIDUAL_BIG, HIDDEN_BLOCK, HIDDEN_BIAS,
         )
     return row_max, row_arg
 
@@ -348,6 +410,8 @@ def _doc_loop(
     UPCAST: tl.constexpr,
     RESIDUAL_NBITS: tl.constexpr,
     RESIDUAL_BIG: tl.constexpr,
+    HIDDEN_BLOCK: tl.constexpr = 0,
+    HIDDEN_BIAS: tl.constexpr = False,
 ):
     """:func:`_doc_max`'s tile loop for one masking mode."""
     if SMOOTH:
@@ -362,14 +426,14 @@ def _doc_loop(
             b_q, acc_max, acc_arg, run_sum, smooth_scale, start, t_hi, p_doc, stride_doc_tok,
             stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv, stride_dinv_tok, o_k, m_k, res,
             False, EVEN_K, HAS_D_MASK, NORMALIZE, NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_N,
-            DOT_PRECISION, UPCAST, RESIDUAL_NBITS, RESIDUAL_BIG,
+            DOT_PRECISION, UPCAST, RESIDUAL_NBITS, RESIDUAL_BIG, HIDDEN_BLOCK, HIDDEN_BIAS,
         )
     if t_full < t_hi:
         acc_max, acc_arg, run_sum = _doc_tile(
             b_q, acc_max, acc_arg, run_sum, smooth_scale, t_full, t_hi, p_doc, stride_doc_tok,
             stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv, stride_dinv_tok, o_k, m_k, res,
             True, EVEN_K, HAS_D_MASK, NORMALIZE, NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_N,
-            DOT_PRECISION, UPCAST, RESIDUAL_NBITS, RESIDUAL_BIG,
+            DOT_PRECISION, UPCAST, RESIDUAL_NBITS, RESIDUAL_BIG, HIDDEN_BLOCK, HIDDEN_BIAS,
         )
     row_arg = tl.full([BLOCK_M], -1, tl.int32)
     if SMOOTH:

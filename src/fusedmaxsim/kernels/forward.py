@@ -39,16 +39,27 @@ Grid mapping
   (``NORMALIZE``: the documents' tokens, ``NORMALIZE_Q``: the queries'). A length
   outside ``[0, max_len]`` or rows outside ``[0, n_rows)`` make the column's scores NaN, with
   nothing read; an id outside the centroids makes its token NaN.
+* ``_maxsim_hidden_fwd_kernel``: the fused projection head, the dense cross product's mapping
+  (program = document column, block of query rows; no chunk splits) over documents given as
+  hidden states ``H [Nd, Ld, d_model]`` or, with ``PER_QUERY_DOCS``, ``[Nq, K, Ld, d_model]``
+  (one query a block: column ``c`` of query ``i`` is ``H[i, c]``). ``_doc_max`` projects each
+  document tile on chip (``common._hidden_tile``: ``F.linear(H, W, b)``, rounded to H's dtype)
+  and never writes the projection; with ``NORMALIZE`` the projected tokens are normalized, their
+  norms from the tiles (the queries are taken as they are). The document mask bounds the loop
+  as in ``_maxsim_fwd_kernel`` (``_valid_span``).
 * ``_inverse_norm_kernel``: program = a block of token rows; ``1 / max(‖x‖, eps)`` in fp32, each
   token read once (the norms are computed once per token, never per tile).
 
 Caveats
 -------
-* Q and D may have any strides; the forward's masks, inverse norms and outputs must be
+* Q, D (H and W) may have any strides; the forward's masks, inverse norms and outputs must be
   contiguous (the launcher makes them so), which lets the kernel derive their strides.
 * NaN propagates and ties go to the lowest token index, as in ``_doc_max``.
-* Those of the shared loop (NaN, ``UPCAST``, ``QUERY_IN_REGISTERS``) and of packed sequences
-  (``max_seqlen_q`` / ``max_seqlen_d``, malformed offsets) are in :mod:`fusedmaxsim.kernels.common`.
+* The fused projection head projects each document tile once per query block and query chunk:
+  it pays where those are few (the planner's ``hidden_route``). Its bias must be contiguous.
+* Those of the shared loop (NaN, ``UPCAST``, ``QUERY_IN_REGISTERS``, the projection's rounding)
+  and of packed sequences (``max_seqlen_q`` / ``max_seqlen_d``, malformed offsets) are in
+  :mod:`fusedmaxsim.kernels.common`.
 """
 
 from __future__ import annotations
@@ -260,6 +271,87 @@ def _maxsim_residual_fwd_kernel(
             tl.store(Argmax + (o_query * Ncols + i_col) * Lq + o_s, arg, mask=m_row)
     acc = tl.where(broken, float("nan"), acc)
     acc = tl.where(missing, float("-inf"), acc)
+    o_out = i_blk * QUERIES_PER_BLOCK + tl.arange(0, QUERIES_PER_BLOCK)
+    tl.store(Out + o_out * Ncols + i_col, acc, mask=o_out < Nq)
+
+
+@triton.jit(do_not_specialize=["Nq", "Ncols", "Lq", "Ld", "d_model"])
+def _maxsim_hidden_fwd_kernel(
+    Q,
+    H,
+    W,
+    Bias,
+    QMask,
+    DMask,
+    Out,
+    Argmax,
+    Nq,
+    Ncols,
+    Lq,
+    Ld,
+    d_model,
+    dim,
+    stride_q_seq,
+    stride_q_tok,
+    stride_q_dim,
+    stride_h_grp,
+    stride_h_col,
+    stride_h_tok,
+    stride_h_dim,
+    stride_w_out,
+    stride_w_in,
+    HAS_Q_MASK: tl.constexpr,
+    HAS_D_MASK: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    SAVE_ARGMAX: tl.constexpr,
+    PER_QUERY_DOCS: tl.constexpr,
+    LQ_TILE: tl.constexpr,
+    QUERIES_PER_BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    QUERY_IN_REGISTERS: tl.constexpr,
+    HIDDEN_BLOCK: tl.constexpr,
+    HIDDEN_BIAS: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = LQ_TILE * QUERIES_PER_BLOCK
+    i_col = tl.program_id(0).to(tl.int64)
+    i_blk = tl.program_id(1).to(tl.int64)
+    o_r = tl.arange(0, BLOCK_M)
+    o_query = i_blk * QUERIES_PER_BLOCK + o_r // LQ_TILE
+    o_row_in_tile = o_r % LQ_TILE
+    m_query = o_query < Nq
+    o_k = tl.arange(0, BLOCK_K)
+    m_k = o_k < dim
+
+    # The column's hidden states: document i_col, or (one query a block) the query's candidate.
+    i_grp = i_blk if PER_QUERY_DOCS else 0
+    p_doc = H + i_grp * stride_h_grp + i_col * stride_h_col
+    doc_row = (i_grp * Ncols + i_col) * Ld if PER_QUERY_DOCS else i_col * Ld
+    p_dmask = DMask + doc_row
+    t_lo, t_hi, all_valid = 0, Ld, True
+    if HAS_D_MASK:
+        t_lo, t_hi, all_valid = _valid_span(p_dmask, 0, Ld, MASK_SCAN)
+    hid = (stride_h_dim, W, stride_w_out, stride_w_in, Bias, d_model)
+    acc = tl.zeros([QUERIES_PER_BLOCK], tl.float32)
+    for chunk in range(0, Lq, LQ_TILE):
+        o_s = chunk + o_row_in_tile
+        m_row = m_query & (o_s < Lq)
+        b_q, m_valid = _query_chunk(
+            Q, QMask, o_query * stride_q_seq + o_s * stride_q_tok, o_query * Lq + o_s, m_row, o_k,
+            m_k, stride_q_dim, HAS_Q_MASK,
+        )
+        row_max, row_arg = _doc_max(
+            b_q, p_doc, stride_h_tok, 0, p_dmask, 1, p_dmask, 1, t_lo, t_hi, all_valid, o_k,
+            m_k, 1.0, hid, EVEN_K, NORMALIZE, NORMALIZE, SAVE_ARGMAX, False, BLOCK_M, BLOCK_N,
+            DOT_PRECISION, UPCAST, QUERY_IN_REGISTERS, 0, True, HIDDEN_BLOCK, HIDDEN_BIAS,
+        )
+        acc += _chunk_scores(row_max, m_valid, 1.0, 1.0, QUERIES_PER_BLOCK, LQ_TILE)
+        if SAVE_ARGMAX:
+            arg = tl.where(m_valid, row_arg, -1)
+            tl.store(Argmax + (o_query * Ncols + i_col) * Lq + o_s, arg, mask=m_row)
     o_out = i_blk * QUERIES_PER_BLOCK + tl.arange(0, QUERIES_PER_BLOCK)
     tl.store(Out + o_out * Ncols + i_col, acc, mask=o_out < Nq)
 

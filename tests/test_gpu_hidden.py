@@ -1,0 +1,99 @@
+"""GPU suite for the fused projection head (``pytest -m gpu``): maxsim_from_hidden on CUDA, both
+routes (the fused Triton kernel and the projection written once), bf16/fp16/fp32 scores and
+all four gradients against the float64 chain; opcheck of its ops and a compiled step."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import masks_with_holes
+
+from fusedmaxsim import forced_plan, maxsim_from_hidden
+from fusedmaxsim._autograd import maxsim_hidden_bwd, maxsim_hidden_fwd
+from fusedmaxsim.reference import maxsim_ref
+from fusedmaxsim.testing import relative_error, relative_error_fro
+
+pytestmark = pytest.mark.gpu
+
+BOUNDS = {torch.bfloat16: (2e-2, 2e-2), torch.float16: (5e-3, 1e-2), torch.float32: (1e-5, 1e-4)}
+
+
+def _chain(Q, H, W, b, q_mask, d_mask, normalize):
+    P = F.linear(H.double(), W.double(), None if b is None else b.double())
+    P = P + (P.to(H.dtype).double() - P).detach()
+    return maxsim_ref(Q.double(), F.normalize(P, dim=-1) if normalize else P, q_mask, d_mask)
+
+
+def _inputs(layout, dtype, Nq=3, Lq=37, K=4, Nd=9, Ld=300, d=128, d_model=384, bias=True):
+    Q = F.normalize(torch.randn(Nq, Lq, d, device="cuda"), dim=-1).to(dtype)
+    shape = (Nq, K) if layout == "candidates" else (Nd,)
+    H = torch.randn(*shape, Ld, d_model, device="cuda").to(dtype)
+    W = (torch.randn(d, d_model, device="cuda") / d_model**0.5).to(dtype)
+    b = (torch.randn(d, device="cuda") * 0.1).to(dtype) if bias else None
+    return Q, H, W, b
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("layout", ["cross", "candidates"])
+@pytest.mark.parametrize("route", ["fused", "unfused"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_hidden_parity_on_cuda(dtype, layout, route, masked):
+    Q, H, W, b = _inputs(layout, dtype)
+    q_mask = masks_with_holes(Q.shape[:-1], "cuda") if masked else None
+    d_mask = masks_with_holes(H.shape[:-1], "cuda") if masked else None
+    leaves = [t.detach().requires_grad_() for t in (Q, H, W, b)]
+    refs = [t.detach().double().requires_grad_() for t in (Q, H, W, b)]
+    with forced_plan(hidden_route=route):
+        out = maxsim_from_hidden(*leaves, q_mask, d_mask)
+    ref = _chain(*refs, q_mask, d_mask, True)
+    ts, tg = BOUNDS[dtype]
+    assert relative_error(out, ref) <= ts
+    grad = torch.randn_like(ref)
+    out.backward(grad.float())
+    ref.backward(grad)
+    for name, a, r in zip("QHWb", leaves, refs):
+        assert a.grad.dtype == a.dtype and torch.isfinite(a.grad).all(), name
+        assert relative_error_fro(a.grad, r.grad) <= tg, (name, relative_error_fro(a.grad, r.grad))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_inference_matches_unfused_and_long_inputs(dtype):
+    """A long query (several query chunks), d_model not a multiple of the kernel's step, no
+    bias, no normalize: the fused route equals the written projection's scores."""
+    Q, H, W, _ = _inputs("cross", dtype, Nq=2, Lq=130, Nd=5, Ld=77, d=96, d_model=200)
+    with torch.no_grad():
+        outs = {}
+        for route in ("fused", "unfused"):
+            with forced_plan(hidden_route=route):
+                outs[route] = maxsim_from_hidden(Q, H, W, None, normalize=False)
+    ref = _chain(Q, H, W, None, None, None, False)
+    assert relative_error(outs["fused"], ref) <= BOUNDS[dtype][0]
+    assert relative_error(outs["unfused"], ref) <= BOUNDS[dtype][0]
+
+
+def test_hidden_ops_pass_opcheck_and_compile_on_cuda():
+    Q, H, W, b = _inputs("cross", torch.bfloat16, Ld=64)
+    for route in ("fused", "unfused"):
+        with forced_plan(hidden_route=route):
+            for save in (False, True):
+                args = (Q, H, W, b, None, None, True, save, "triton", "ieee")
+                torch.library.opcheck(maxsim_hidden_fwd, args)
+    scores, argmax = maxsim_hidden_fwd(Q, H, W, b, None, None, True, True, "triton", "ieee")
+    torch.library.opcheck(maxsim_hidden_bwd, (torch.randn_like(scores), Q, H, W, b, argmax, True,
+                                              True, True, True, True, 1 << 28))
+
+    torch._dynamo.reset()
+    linear = torch.nn.Linear(384, 128, device="cuda", dtype=torch.bfloat16)
+
+    def step(Q, H):
+        scores = maxsim_from_hidden(Q, H, linear.weight, linear.bias)
+        return F.cross_entropy(scores.float() / 0.05, torch.arange(scores.shape[0], device="cuda"))
+
+    Qs, Hs = Q[:3].detach(), H[:3].detach()
+    eager = step(Qs, Hs)
+    eager.backward()
+    g_eager = linear.weight.grad.clone()
+    linear.weight.grad = None
+    compiled = torch.compile(step, fullgraph=True)(Qs, Hs)
+    compiled.backward()
+    torch.testing.assert_close(compiled, eager)
+    torch.testing.assert_close(linear.weight.grad, g_eager)

@@ -1,0 +1,235 @@
+"""maxsim_from_hidden and ProjectionHead: scores and the four gradients against an independent
+float64 chain (F.linear rounded to the inputs' dtype, F.normalize, the float64 MaxSim), through
+both routes of the plan, every error message."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import masks_with_holes
+
+from fusedmaxsim import ProjectionHead, forced_plan, maxsim_from_hidden, settings
+from fusedmaxsim.planning import recording
+from fusedmaxsim.reference import maxsim_ref
+from fusedmaxsim.testing import relative_error, relative_error_fro
+
+TOL = {torch.float64: (1e-10, 1e-10), torch.float32: (1e-5, 1e-4), torch.float16: (3e-3, 2e-2)}
+
+
+def chain_ref(Q, H, W, b, q_mask, d_mask, normalize):
+    """The float64 chain: the projection rounded to H's dtype (as F.linear's output; gradients
+    straight through the rounding), normalized, scored by the float64 reference."""
+    P = F.linear(H.double(), W.double(), None if b is None else b.double())
+    P = P + (P.to(H.dtype).double() - P).detach()
+    if normalize:
+        P = F.normalize(P, dim=-1)
+    return maxsim_ref(Q.double(), P, q_mask, d_mask)
+
+
+def leaves(*tensors):
+    return [None if t is None else t.detach().clone().requires_grad_() for t in tensors]
+
+
+def check(Q, H, W, b, q_mask=None, d_mask=None, normalize=True, sum_loss=False, route=None,
+          H_ref=None):
+    """Scores and every gradient against the chain, under a forced route (or the plan's).
+    ``H_ref``: the chain's hidden states where ``H`` holds NaN in masked tokens."""
+    dtype = H.dtype
+    ts, tg = TOL[dtype]
+    Qg, Hg, Wg, bg = leaves(Q, H, W, b)
+    Qr, Hr, Wr, br = leaves(Q, H if H_ref is None else H_ref, W, b)
+    decisions = {} if route is None else {"hidden_route": route}
+    with forced_plan(**decisions):
+        out = maxsim_from_hidden(Qg, Hg, Wg, bg, q_mask, d_mask, normalize=normalize)
+    ref = chain_ref(Qr, Hr, Wr, br, q_mask, d_mask, normalize)
+    assert out.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert relative_error(out, ref) <= ts, relative_error(out, ref)
+    if out.numel() == 0:
+        return
+    if sum_loss:
+        out.sum().backward()
+        ref.sum().backward()
+    else:
+        g = torch.randn_like(ref)
+        out.backward(g.to(out.dtype))
+        ref.backward(g)
+    for name, a, r in (("Q", Qg, Qr), ("H", Hg, Hr), ("W", Wg, Wr), ("b", bg, br)):
+        if a is None:
+            continue
+        assert a.grad is not None and a.grad.dtype == a.dtype, name
+        assert torch.isfinite(a.grad).all(), name
+        if name == "H" and d_mask is not None:  # masked tokens receive exactly 0
+            assert bool((a.grad[~d_mask] == 0).all())
+        err = relative_error_fro(a.grad, r.grad)
+        assert err <= tg, f"grad_{name}: {err:.2e}"
+
+
+def problem(layout, dtype, Nq=3, Lq=5, K=4, Nd=6, Ld=9, d=24, d_model=40, bias=True):
+    Q = torch.randn(Nq, Lq, d, dtype=dtype)
+    H = torch.randn(*((Nq, K) if layout == "candidates" else (Nd,)), Ld, d_model, dtype=dtype)
+    W = (torch.randn(d, d_model) / d_model**0.5).to(dtype)
+    b = torch.randn(d, dtype=dtype) if bias else None
+    return Q, H, W, b
+
+
+@pytest.mark.parametrize("layout", ["cross", "candidates"])
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+def test_float64_matches_the_chain_and_gradcheck(layout, normalize, bias):
+    Q, H, W, b = problem(layout, torch.float64, bias=bias)
+    check(Q, H, W, b, normalize=normalize)
+    inputs = [t for t in leaves(Q, H, W, b) if t is not None]
+
+    def fn(*args):
+        return maxsim_from_hidden(*args, normalize=normalize)
+
+    assert torch.autograd.gradcheck(fn, tuple(inputs))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("layout", ["cross", "candidates"])
+@pytest.mark.parametrize("case", ["plain", "masked", "sum", "odd", "strided", "one_token"])
+@pytest.mark.parametrize("route", ["fused", "unfused", "torch"])
+def test_every_route_matches_the_chain(dtype, layout, case, route):
+    """The fused Triton kernel (under the interpreter here) and the route that writes the
+    projection once, on the Triton kernels and on the PyTorch path."""
+    kw = {}
+    if case == "odd":
+        kw = dict(Nq=1, Lq=3, K=1, Nd=1, Ld=7, d=3, d_model=5)
+    if case == "one_token":
+        kw = dict(Lq=1, Ld=1)
+    Q, H, W, b = problem(layout, dtype, **kw)
+    q_mask = d_mask = H_ref = None
+    if case == "masked":
+        q_mask = masks_with_holes(Q.shape[:-1], "cpu")
+        d_mask = masks_with_holes(H.shape[:-1], "cpu")
+        H_ref = H
+        H = H.masked_fill(~d_mask.unsqueeze(-1), float("nan"))  # masked values never matter
+    if case == "strided":
+        H = H.transpose(-1, -2).contiguous().transpose(-1, -2)
+        W = W.t().contiguous().t()
+        Q = Q.transpose(0, 1).contiguous().transpose(0, 1)
+    with settings.use_backend("torch" if route == "torch" else "triton"):
+        check(Q, H, W, b, q_mask, d_mask, sum_loss=case == "sum",
+              route="unfused" if route == "torch" else route, H_ref=H_ref)
+
+
+@pytest.mark.parametrize("layout", ["cross", "candidates"])
+def test_backward_by_entry_and_by_row_agree(layout):
+    """The closed-form backward recomputes winners one row an entry where entries are fewer
+    than rows (long documents), every row of a chunk otherwise; chunks of any width agree."""
+    for Nq, Ld in ((1, 17), (4, 3)):  # entries < rows, then entries > rows
+        Q, H, W, b = problem(layout, torch.float64, Nq=Nq, Ld=Ld)
+        check(Q, H, W, b)
+        for block in (1, 2**30):
+            settings.set_torch_block_bytes(block)
+            try:
+                check(Q, H, W, b)
+            finally:
+                settings.set_torch_block_bytes(None)
+
+
+def test_empty_batches_and_lengths():
+    for shape_q, shape_h in (((0, 5, 8), (3, 4, 16)), ((2, 5, 8), (0, 4, 16)),
+                             ((2, 0, 8), (3, 4, 16)), ((2, 5, 8), (3, 0, 16))):
+        Q, H = torch.randn(shape_q), torch.randn(shape_h)
+        W, b = torch.randn(8, 16), torch.randn(8)
+        Qg, Hg, Wg, bg = leaves(Q, H, W, b)
+        out = maxsim_from_hidden(Qg, Hg, Wg, bg)
+        assert out.shape == (shape_q[0], shape_h[0]) and bool((out == 0).all())
+        out.sum().backward()
+        for t in (Qg, Hg, Wg, bg):
+            assert t.grad is not None and bool((t.grad == 0).all())
+
+
+def test_a_2d_query_and_no_grad():
+    Q, H, W, b = problem("cross", torch.float32)
+    out = maxsim_from_hidden(Q[0], H, W, b)
+    assert out.shape == (6,)
+    torch.testing.assert_close(out, maxsim_from_hidden(Q, H, W, b)[0])
+    with torch.no_grad(), recording() as plans:
+        maxsim_from_hidden(Q.requires_grad_(), H, W, b)
+    assert plans and not plans[0][0].save_argmax
+
+
+def test_the_route_rule():
+    """Fused while each document tile is projected once (all queries in one block, one query
+    chunk; per-query candidates with one chunk); the PyTorch path always writes the
+    projection once."""
+    def route(Q, H, backend):
+        with settings.use_backend(backend), recording() as plans:
+            maxsim_from_hidden(Q, H, torch.randn(8, 16))
+        return next(plan for _, plan in plans if plan.hidden_route).hidden_route
+
+    H = torch.randn(3, 5, 16)
+    assert route(torch.randn(1, 32, 8), H, "torch") == "unfused"
+    assert route(torch.randn(1, 32, 8), H, "triton") == "fused"
+    assert route(torch.randn(64, 32, 8), H, "triton") == "unfused"
+    assert route(torch.randn(64, 32, 8), torch.randn(64, 2, 5, 16), "triton") == "fused"
+    with forced_plan(HIDDEN_FUSED_MAX_PASSES=10**6):
+        assert route(torch.randn(64, 32, 8), H, "triton") == "fused"
+    with pytest.raises(ValueError, match="hidden_route must be 'fused' or 'unfused'"):
+        with forced_plan(hidden_route="both"):
+            route(torch.randn(1, 4, 8), H, "torch")
+    with pytest.raises(ValueError, match="hidden_route='fused' needs the Triton backend"):
+        with forced_plan(hidden_route="fused"):
+            route(torch.randn(1, 4, 8), H, "torch")
+
+
+def test_projection_head_module():
+    linear = torch.nn.Linear(16, 8)
+    head = ProjectionHead.from_linear(linear)
+    assert head.weight is linear.weight and head.bias is linear.bias
+    assert "d_model=16, d=8, bias=True, normalize=True" in repr(head)
+    Q, H = head.project(torch.randn(2, 5, 16)), torch.randn(3, 7, 16)
+    torch.testing.assert_close(head(Q, H), maxsim_from_hidden(Q, H, linear.weight, linear.bias))
+    head(Q.detach(), H).sum().backward()
+    assert linear.weight.grad is not None and linear.bias.grad is not None
+    plain = ProjectionHead(16, 8, bias=False, normalize=False)
+    assert plain.bias is None and not plain.normalize
+    torch.testing.assert_close(plain.project(H), F.linear(H, plain.weight))
+    with pytest.raises(TypeError, match="linear must be a torch.nn.Linear, got Conv1d"):
+        ProjectionHead.from_linear(torch.nn.Conv1d(2, 2, 1))
+    with pytest.raises(TypeError, match="normalize must be True or False"):
+        ProjectionHead(16, 8, normalize=1)
+
+
+def test_double_backward_raises_a_clear_error():
+    Q, H, W, b = leaves(*problem("cross", torch.float64))
+    out = maxsim_from_hidden(Q, H, W, b)
+    (gq,) = torch.autograd.grad(out.sum(), Q, create_graph=True)
+    with pytest.raises(RuntimeError, match="fusedmaxsim: double backward is not supported"):
+        gq.sum().backward()
+
+
+@pytest.mark.parametrize("args, error, message", [
+    (dict(Q=torch.randn(2, 3, 4, 5)), ValueError, r"Q must be \[Lq, d\] or \[Nq, Lq, d\]"),
+    (dict(H=torch.randn(4, 16)), ValueError, r"H_d must be \[Nd, Ld, d_model\] or \[Nq, K, Ld"),
+    (dict(W=torch.randn(8)), ValueError, r"W must be \[d, d_model\]"),
+    (dict(W=torch.randn(8, 15)), ValueError, r"must have H_d's d_model = 16 columns"),
+    (dict(W=torch.randn(9, 16)), ValueError, r"must project to Q's embedding dim d = 8"),
+    (dict(b=torch.randn(9)), ValueError, r"b must be \[d\] = \(8,\)"),
+    (dict(W=torch.randn(8, 16).double()), TypeError, r"W must have H_d's dtype torch.float32"),
+    (dict(b=torch.randn(8).half()), TypeError, r"b must have H_d's dtype"),
+    (dict(H=torch.randn(3, 2, 5, 16)), ValueError, r"per-query candidate layout .* same Nq"),
+    (dict(q_mask=torch.ones(2, 5, dtype=torch.bool)), ValueError, r"q_mask must be \[Nq, Lq\]"),
+    (dict(d_mask=torch.ones(3, 4, dtype=torch.bool)), ValueError, r"d_mask must be \[Nd, Ld\]"),
+    (dict(H=torch.randn(3, 5, 16).long()), TypeError, r"H_d must be float16, bfloat16"),
+    (dict(normalize="yes"), TypeError, r"normalize must be True or False"),
+    (dict(backward="fast"), ValueError, r"backward= must be one of"),
+])
+def test_errors(args, error, message):
+    kw = dict(Q=torch.randn(2, 4, 8), H=torch.randn(3, 5, 16), W=torch.randn(8, 16),
+              b=torch.randn(8))
+    kw.update(args)
+    rest = {k: kw.pop(k) for k in ("q_mask", "d_mask", "normalize", "backward") if k in kw}
+    with pytest.raises(error, match=message):
+        maxsim_from_hidden(kw["Q"], kw["H"], kw["W"], kw["b"], **rest)
+
+
+def test_mixed_query_dtype_is_promoted():
+    """An fp32 Q against bf16 hidden states: the projection (bf16, as F.linear's) promoted with Q."""
+    Q, H, W, b = problem("cross", torch.float32)
+    Hb, Wb, bb = H.bfloat16(), W.bfloat16(), b.bfloat16()
+    out = maxsim_from_hidden(Q, Hb, Wb, bb)
+    ref = chain_ref(Q, Hb, Wb, bb, None, None, True)
+    assert relative_error(out, ref) <= 1e-5
