@@ -15,8 +15,12 @@ LateOn-Code-edge 384 → 96, Lq 32) and ``infer`` (forward under ``no_grad``: on
 
 Every provider passes a parity gate first, against the float64 chain on the same inputs (the
 projection rounded to bf16 as F.linear's output, gradients straight through the rounding):
-scores at most 2e-2 relative (max norm), each gradient at most 2e-2 (Frobenius); one that
-fails is recorded with its error and not timed. Times: ``triton.testing.do_bench`` medians
+scores at most 2e-2 relative (max norm), each gradient at most 0.25 (Frobenius); one that fails
+is recorded with its error and not timed. The gradients' gate is loose because the chain and
+late-interaction-kernels round the normalized projection to bf16 (``F.normalize``'s output), which
+moves near-tie winners, each moving a whole gradient row: they land 0.01-0.2 off float64 where
+fusedmaxsim, whose similarities come from the unrounded normalized tokens, lands near 2e-3; a
+wrong gradient (a missing Jacobian, a wrong row) lands near 1. Every error is recorded. Times: ``triton.testing.do_bench`` medians
 (ms), the providers in interleaved rounds, each round in another order, the median of the rounds.
 Peak memory: ``torch.cuda.max_memory_allocated`` during one step, less what was allocated before
 it (the inputs), in MiB.
@@ -46,6 +50,7 @@ from fusedmaxsim import forced_plan, maxsim, maxsim_from_hidden  # noqa: E402
 from fusedmaxsim.reference import maxsim_ref  # noqa: E402
 
 TOL = 2e-2
+GRAD_TOL = 0.25
 # (label, Nq, Nd, Lq, Ld, d_model, d): late-interaction-kernels' bench_fused_head_train.py.
 TRAIN = [
     ("lateon-B4-Ld300", 4, 16, 32, 300, 768, 128),
@@ -177,9 +182,10 @@ def run_case(case, device, rounds, train, dtype):
                 errs.update({f"grad_{n}": _rel_fro(g, r) if g is not None else float("inf")
                              for n, g, r in zip("QHWb", grads, ref_grads)})
             entry["errors"] = errs
-            worst = max(errs.values())
-            if not worst <= TOL:
-                entry["failed"] = f"parity: {worst:.2e} > {TOL:.0e}"
+            worst_grad = max((e for k, e in errs.items() if k != "scores"), default=0.0)
+            if not (errs["scores"] <= TOL and worst_grad <= GRAD_TOL):
+                entry["failed"] = (f"parity: scores {errs['scores']:.2e} (at most {TOL:.0e}), "
+                                   f"gradients {worst_grad:.2e} (at most {GRAD_TOL})")
                 continue
             entry["peak_mib"] = _peak_mib(step, device)
             timed[name] = step
@@ -222,8 +228,8 @@ def _markdown(record) -> str:
               f"{env.get('late_interaction_kernels')}; git {env.get('git_sha')}"),
              "- bf16 inputs, normalize=True, bias; ms = median of interleaved do_bench rounds; "
              "MiB = peak allocated during one step beyond the inputs",
-             f"- parity against the float64 chain at {TOL:.0e} (scores max norm, gradients "
-             "Frobenius) before timing"]
+             f"- parity against the float64 chain before timing: scores at most {TOL:.0e} "
+             f"(max norm), gradients at most {GRAD_TOL} (Frobenius; bench_hidden.py says why)"]
     for section, title in (("train", "Training step (forward + backward)"),
                            ("infer", "Inference (forward)")):
         rows = record[section]

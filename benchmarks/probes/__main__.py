@@ -67,6 +67,8 @@ SECTIONS = {
     "mid_strategies": ("backward", "mid_strategies"),
     "host_floor": ("host", "host_floor"),
     "cpu_orientation": ("host", "cpu_orientation"),
+    "hidden_tiles": ("hidden", "hidden_tiles"),
+    "hidden_step": ("hidden", "hidden_step_profile"),
 }
 DEFAULT = ("normalize", "kd", "smooth")
 

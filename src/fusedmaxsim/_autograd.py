@@ -474,17 +474,47 @@ torch.library.register_autograd("fusedmaxsim::maxsim_hidden_fwd", _hidden_backwa
                                 setup_context=_hidden_setup_context)
 
 
+class HiddenFunction(torch.autograd.Function):
+    """The hidden ops' forward and backward without the dispatcher's per-call cost (eager calls;
+    under ``torch.compile`` the registered ops). ``b`` may be None; ``rest`` holds the masks,
+    ``normalize`` and the options."""
+
+    @staticmethod
+    def forward(ctx, Q, H, W, b, rest):
+        q_mask, d_mask, normalize, o = rest
+        scores, argmax = _hidden_forward(Q, H, W, b, q_mask, d_mask, normalize, True, o)
+        ctx.save_for_backward(Q, H, W, b, argmax)
+        ctx.normalize, ctx.block_bytes = normalize, o.torch_block_bytes
+        return scores
+
+    @staticmethod
+    def backward(ctx, grad_scores):
+        Q, H, W, b, argmax = ctx.saved_tensors
+        need_q, need_h, need_w, need_b = ctx.needs_input_grad[:4]
+        with torch.no_grad():
+            grads = _torch_path.hidden_bwd_torch(
+                grad_scores, Q, H, W, b, argmax, ctx.normalize, need_q, need_h, need_w,
+                need_b and b is not None, ctx.block_bytes)
+        grads = [None if g is None else g.to(x.dtype) for g, x in zip(grads, (Q, H, W, b))]
+        if torch.is_grad_enabled():  # create_graph=True: first order only, said clearly
+            grads = [None if g is None else _FirstOrderOnly.apply(g, Q, H, grad_scores)
+                     for g in grads]
+        return (*grads, None)
+
+
 def scores_hidden(Q: Tensor, H: Tensor, W: Tensor, b: Tensor | None, q_mask, d_mask,
                   normalize: bool) -> Tensor:
     """Scores of checked inputs, with autograd to ``Q``, ``H``, ``W`` and ``b`` when any needs
-    it (the argmax saved only then)."""
+    it (the argmax saved only then); through the registered op under ``torch.compile``."""
     o = options_for(Q)
     save_argmax = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (Q, H, W, b))
-    if not save_argmax and not torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
+        return maxsim_hidden_fwd(Q, H, W, b, q_mask, d_mask, normalize, save_argmax, o.backend,
+                                 o.fp32_precision)[0]
+    if not save_argmax:
         return _hidden_forward(Q, H, W, b, q_mask, d_mask, normalize, False, o)[0]
-    return maxsim_hidden_fwd(Q, H, W, b, q_mask, d_mask, normalize, save_argmax, o.backend,
-                             o.fp32_precision)[0]
+    return HiddenFunction.apply(Q, H, W, b, (q_mask, d_mask, normalize, o))
 
 
 # ------------------------------------------------------------------------------------------------

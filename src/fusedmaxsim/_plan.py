@@ -97,11 +97,12 @@ MEASURED: dict[str, object] = dict(
     TORCH_BF16_DOC_MAJOR_ROW_MULTIPLE=64,
     # The fused projection head: fused (each document tile projected on chip) while every
     # document tile is projected at most this many times (query blocks × query chunks); else
-    # the documents are projected once into memory. d_model a step of the fused kernel's
-    # split-K loop. design.md "Fused projection head".
-    HIDDEN_FUSED_MAX_PASSES=1,
-    HIDDEN_BLOCK=64,
-    HIDDEN_WARPS=8,
+    # the documents are projected once into memory. 0: never; the fused forward measured
+    # 1.4-1.5x the unfused route's time (NOTES §61). The fused kernel's tiles: the best of 16
+    # at two of three shapes (document tile, d_model a split-K step, warps, stages).
+    # design.md "Fused projection head".
+    HIDDEN_FUSED_MAX_PASSES=0,
+    HIDDEN_TILES=(128, 64, 8, 3),
 )
 # Programs an SM of the Gluon tile sets whose grids are counted in waves (design.md "Hopper").
 _HOPPER_PROGRAMS_PER_SM = {MEASURED["HOPPER_SHORT_TILES"]: 3,
@@ -633,12 +634,13 @@ def _plan_hidden_forward(p: Problem, o: Options) -> ForwardPlan:
     at most ``HIDDEN_FUSED_MAX_PASSES`` times (design.md "Fused projection head")."""
     candidates = p.layout == HIDDEN_CANDIDATES
     cfg = _forced.get("fwd_tiles")
+    block_n, hidden_block, warps, stages = _measured("HIDDEN_TILES")
     if cfg is None:
         # The projection's fp32 accumulator [BLOCK_N, d] lives beside the running max: at 4
-        # warps the 128-row tiles spill 584 bytes for sm_90 (triton 3.9), at 8 none.
+        # warps the tiles spill for sm_90 and ran 1.3-2.2x slower (NOTES §61).
         cfg = dataclasses.replace(fwd_heuristic(
             max(p.Lq, 1), p.dim, max(p.Nq, 1), candidates, p.dtype.itemsize),
-            num_warps=_measured("HIDDEN_WARPS"))
+            block_n=block_n, num_warps=warps, num_stages=stages)
     passes = cdiv(max(p.Lq, 1), cfg.lq_tile) * (
         1 if candidates else cdiv(max(p.Nq, 1), cfg.queries_per_block))
     route = _forced.get("hidden_route")
@@ -656,7 +658,7 @@ def _plan_hidden_forward(p: Problem, o: Options) -> ForwardPlan:
     if route == "fused" and o.backend == "torch":
         raise ValueError("hidden_route='fused' needs the Triton backend")
     return ForwardPlan("triton" if route == "fused" else "torch", cfg, hidden_route=route,
-                       hidden_block=_measured("HIDDEN_BLOCK"),
+                       hidden_block=hidden_block,
                        reasons=tuple(reasons) + (f"tiles: {cfg}",))
 
 

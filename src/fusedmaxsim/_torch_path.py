@@ -875,16 +875,30 @@ def hidden_bwd_torch(grad_scores: Tensor, Q: Tensor, H: Tensor, W: Tensor, b: Te
             grad_b += grad_p.sum(0)
         if need_h:
             if by_entry:
-                # Each winning row's total, its duplicate entries summed first (d wide), then
-                # written once per entry: duplicates write the same value.
-                total = torch.zeros((c * rows_col, dim), dtype=ct, device=dev)
-                total.index_put_((local,), grad_p, accumulate=True)
-                rows = _hidden_mm(total[local], W, dtype).to(dtype).view(Nq, c, Lq, d_model)
+                # Each winning row once: the entries sorted by row, a segment a row, the
+                # duplicates summed in fp32 (at most E segments, d wide, without a
+                # synchronization), one product a segment, added to its row (a segment past
+                # the last row is zero and adds nothing to row 0).
+                rows, order = torch.sort(local, stable=True)
+                first = torch.ones_like(rows, dtype=torch.bool)
+                first[1:] = rows[1:] != rows[:-1]
+                segment = first.cumsum(0) - 1
+                total = torch.zeros_like(grad_p).index_put_((segment,), grad_p[order],
+                                                            accumulate=True)
+                row_of = torch.zeros_like(rows).index_put_((segment,), rows, accumulate=False)
+                values = _hidden_mm(total, W, dtype).to(dtype)  # [E, d_model]
                 target = grad_h[:, cs] if per_query else grad_h[cs]
-                if per_query:
-                    target[ii, jj, t] = rows
-                else:
-                    target[jj, t] = rows
+                target = target.view(-1, d_model) if target.is_contiguous() else None
+                if target is not None:
+                    target.index_put_((row_of,), values, accumulate=True)
+                else:  # a strided grad_h (H's own layout): through a coordinate index
+                    t_of = row_of % Ld
+                    g_of = row_of // Ld
+                    view = grad_h[:, cs] if per_query else grad_h[cs]
+                    if per_query:
+                        view.index_put_((g_of // c, g_of % c, t_of), values, accumulate=True)
+                    else:
+                        view.index_put_((g_of, t_of), values, accumulate=True)
             else:
                 rows = _hidden_mm(grad_p, W, dtype).to(dtype)
                 if per_query:

@@ -1,0 +1,93 @@
+"""Probes of the fused projection head (``maxsim_from_hidden``; design.md "Fused projection
+head"): the fused forward's tiles, and where a training step's time goes."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from fusedmaxsim import forced_plan, maxsim_from_hidden
+from fusedmaxsim._plan import plan_forward
+from fusedmaxsim._problem import hidden_problem, options_for
+
+SHAPES = {  # name: (Nq, Nd, Lq, Ld, d_model, d)
+    "rerank-1x1000-Ld300": (1, 1000, 32, 300, 768, 128),
+    "lateon-code-Nd256-Ld1k": (2, 256, 32, 1024, 768, 128),
+    "lateon-code-Nd1024-Ld2k": (1, 1024, 32, 2048, 768, 128),
+}
+
+
+def _inputs(Nq, Nd, Lq, Ld, d_model, d, grad=False):
+    H = torch.randn(Nd, Ld, d_model, device="cuda", dtype=torch.bfloat16)
+    W = (torch.randn(d, d_model, device="cuda") / d_model**0.5).bfloat16()
+    b = (torch.randn(d, device="cuda") * 0.01).bfloat16()
+    Q = F.normalize(torch.randn(Nq, Lq, d, device="cuda"), dim=-1).bfloat16()
+    return [t.requires_grad_(grad) for t in (Q, H, W, b)]
+
+
+def hidden_tiles():
+    """Fused inference forward (ms) by document tile, split-K step, warps and stages, beside
+    ``F.linear`` alone and the unfused route."""
+    for name, shape in SHAPES.items():
+        Q, H, W, b = _inputs(*shape)
+        p = hidden_problem(Q, H, W, b, None, None, normalize=True, save_argmax=False)
+        base = plan_forward(p, options_for(Q)).tiles
+        with torch.no_grad():
+            linear = do_bench(lambda: F.linear(H, W, b))
+            with forced_plan(hidden_route="unfused"):
+                unfused = do_bench(lambda: maxsim_from_hidden(Q, H, W, b))
+        print(f"{name}: F.linear {linear:.3f}, unfused {unfused:.3f}; plan {base}", flush=True)
+        rows = []
+        for block_n, hb, warps, stages in itertools.product((64, 128), (64, 128), (4, 8),
+                                                            (2, 3)):
+            try:
+                with torch.no_grad(), forced_plan(hidden_route="fused",
+                                                  HIDDEN_TILES=(block_n, hb, warps, stages)):
+                    ms = do_bench(lambda: maxsim_from_hidden(Q, H, W, b))
+            except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: reported
+                print(f"  n{block_n} k{hb} w{warps} s{stages}: {type(exc).__name__}", flush=True)
+                continue
+            rows.append((ms, block_n, hb, warps, stages))
+        rows.sort()
+        for ms, block_n, hb, warps, stages in rows[:8] + rows[-2:]:
+            print(f"  n{block_n} k{hb} w{warps} s{stages}: {ms:.3f}", flush=True)
+        del Q, H, W, b
+        torch.cuda.empty_cache()
+
+
+def hidden_step_profile():
+    """A training step (forward, ``scores.sum().backward()``) of each route at a small and a
+    large shape: wall ms of the forward alone and of the whole step, and the step's kernels and
+    PyTorch calls by time (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, shape in (("lateon-B4-Ld300", (4, 16, 32, 300, 768, 128)),
+                        ("lateon-code-Nd1024-Ld2k", SHAPES["lateon-code-Nd1024-Ld2k"])):
+        leaves = _inputs(*shape, grad=True)
+        for route in ("fused", "unfused"):
+            def fwd():
+                with forced_plan(hidden_route=route):
+                    return maxsim_from_hidden(*leaves)
+
+            def step():
+                for t in leaves:
+                    t.grad = None
+                fwd().sum().backward()
+
+            print(f"{name} {route}: forward {do_bench(fwd):.3f} ms, step {do_bench(step):.3f} ms",
+                  flush=True)
+            step()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    step()
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14,
+                                            max_name_column_width=60), flush=True)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8,
+                                            max_name_column_width=60), flush=True)
+        del leaves
+        torch.cuda.empty_cache()
