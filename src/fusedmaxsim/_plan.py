@@ -96,12 +96,14 @@ MEASURED: dict[str, object] = dict(
     # 1.3-2.1× slower for the rest (8-56, 96). design.md "PyTorch path".
     TORCH_BF16_DOC_MAJOR_ROW_MULTIPLE=64,
     # The fused projection head: fused (each document tile projected on chip) while every
-    # document tile is projected at most this many times (query blocks × query chunks); else
-    # the documents are projected once into memory. 0: never; the fused forward measured
-    # 1.4-1.5x the unfused route's time (NOTES §61). The fused kernel's tiles: the best of 16
-    # at two of three shapes (document tile, d_model a split-K step, warps, stages).
-    # design.md "Fused projection head".
-    HIDDEN_FUSED_MAX_PASSES=0,
+    # document tile is projected at most this many times (query blocks × query chunks) and the
+    # hidden states hold at most this many bytes; else the documents are projected once into
+    # memory. Fused ran 1.8-3.3x faster up to 403 MB (fewer launches), 1.3-1.6x slower from 461
+    # MB (its in-loop product at about half F.linear's rate; NOTES §61). The fused kernel's
+    # tiles: the best of 16 at two of three shapes (document tile, d_model a split-K step,
+    # warps, stages). design.md "Fused projection head".
+    HIDDEN_FUSED_MAX_PASSES=2,
+    HIDDEN_FUSED_MAX_BYTES=400 << 20,
     HIDDEN_TILES=(128, 64, 8, 3),
 )
 # Programs an SM of the Gluon tile sets whose grids are counted in waves (design.md "Hopper").
@@ -649,10 +651,13 @@ def _plan_hidden_forward(p: Problem, o: Options) -> ForwardPlan:
     elif o.backend == "torch":
         route, reasons = "unfused", ["route: the PyTorch path projects the documents once"]
     else:
-        cap = _measured("HIDDEN_FUSED_MAX_PASSES")
-        route = "fused" if passes <= cap else "unfused"
-        reasons = [f"route: {route} (each document tile projected {passes} times fused; fused "
-                   f"up to {cap})"]
+        cap, most = _measured("HIDDEN_FUSED_MAX_PASSES"), _measured("HIDDEN_FUSED_MAX_BYTES")
+        hidden_bytes = p.Ncols * p.Ld * p.d_model * p.dtype.itemsize * (
+            p.Nq if candidates else 1)
+        route = "fused" if passes <= cap and hidden_bytes <= most else "unfused"
+        reasons = [f"route: {route} (each document tile projected {passes} times fused, "
+                   f"{hidden_bytes / 2**20:.0f} MiB of hidden states; fused up to {cap} times "
+                   f"and {most / 2**20:.0f} MiB)"]
     if route not in ("fused", "unfused"):
         raise ValueError(f"hidden_route must be 'fused' or 'unfused', got {route!r}")
     if route == "fused" and o.backend == "torch":
