@@ -237,3 +237,38 @@ def test_mixed_query_dtype_is_promoted():
     out = maxsim_from_hidden(Q, Hb, Wb, bb)
     ref = chain_ref(Q, Hb, Wb, bb, None, None, True)
     assert relative_error(out, ref) <= 1e-5
+
+
+def test_normalizing_front_doors_compile_on_the_triton_backend():
+    """Under torch.compile the inverse norms are the traced PyTorch expression (the Triton
+    launcher cannot be traced): maxsim(normalize=True), maxsim_residual_varlen and
+    maxsim_from_hidden compile with fullgraph=True on the Triton backend (the interpreter here)
+    and equal eager, scores and grad_Q."""
+    from fusedmaxsim import maxsim
+    from fusedmaxsim.plaid import maxsim_residual_varlen
+
+    torch._dynamo.reset()
+    d = 32
+    lengths = torch.tensor([5, 0, 9])
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    codes = torch.randint(0, 16, (int(cu[-1]),))
+    residuals = torch.randint(0, 256, (codes.shape[0], d * 2 // 8), dtype=torch.uint8)
+    centroids, weights = torch.randn(16, d), torch.randn(4) * 0.1
+    D, H, W, b = torch.randn(3, 9, d), torch.randn(3, 9, 20), torch.randn(d, 20), torch.randn(d)
+    steps = [
+        lambda q: maxsim(q, D, normalize=True),
+        lambda q: maxsim_residual_varlen(q, codes, residuals, cu, centroids, weights, 2,
+                                         max_seqlen_d=9),
+        lambda q: maxsim_from_hidden(q, H, W, b),
+    ]
+    Q = torch.randn(2, 7, d)
+    with settings.use_backend("triton"):
+        for step in steps:
+            results = []
+            for fn in (torch.compile(step, fullgraph=True), step):
+                q = Q.clone().requires_grad_()
+                out = fn(q)
+                out.sum().backward()
+                results.append((out.detach(), q.grad))
+            torch.testing.assert_close(*[r[0] for r in results])
+            torch.testing.assert_close(*[r[1] for r in results])

@@ -136,7 +136,8 @@ def inverse_norms(x: Tensor, backend: str) -> Tensor:
     On the Triton path a kernel reads each token once; ``vector_norm(dtype=float32)`` would first
     write an fp32 copy of a 16-bit input.
     """
-    if backend == "triton":
+    if backend == "triton" and not torch.compiler.is_compiling():
+        # (Under torch.compile the PyTorch expression below, which the compiler traces.)
         return _launch()[0].inverse_norms(x.detach(), NORM_EPS)
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     norm = torch.linalg.vector_norm(x.detach(), dim=-1, dtype=dtype)
