@@ -37,7 +37,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -45,9 +44,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness.records import environment  # noqa: E402
+from harness.timing import median_call_ms  # noqa: E402
 
 from fusedmaxsim import forced_plan, maxsim, maxsim_from_hidden  # noqa: E402
 from fusedmaxsim.reference import maxsim_ref  # noqa: E402
+from fusedmaxsim.testing import relative_error, relative_error_fro  # noqa: E402
 
 TOL = 2e-2
 GRAD_TOL = 0.25
@@ -116,26 +117,6 @@ def _reference(Q, H, W, b, train):
     return scores.detach(), [t.grad for t in leaves]
 
 
-def _rel(out, ref) -> float:
-    return ((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-
-
-def _rel_fro(out, ref) -> float:
-    return (torch.linalg.vector_norm(out.double() - ref)
-            / torch.linalg.vector_norm(ref).clamp_min(1e-30)).item()
-
-
-def _time_ms(fn, device, rounds=3):
-    if device.type == "cuda":
-        from triton.testing import do_bench
-
-        return do_bench(fn, warmup=10, rep=60)
-    start = time.perf_counter()
-    for _ in range(rounds):
-        fn()
-    return (time.perf_counter() - start) / rounds * 1e3
-
-
 def _peak_mib(step, device) -> float | None:
     if device.type != "cuda":
         return None
@@ -177,9 +158,9 @@ def run_case(case, device, rounds, train, dtype):
             else:
                 with torch.no_grad():
                     out = fn(*leaves)
-            errs = {"scores": _rel(out.detach(), ref)}
+            errs = {"scores": relative_error(out, ref)}
             if train:
-                errs.update({f"grad_{n}": _rel_fro(g, r) if g is not None else float("inf")
+                errs.update({f"grad_{n}": relative_error_fro(g, r) if g is not None else float("inf")
                              for n, g, r in zip("QHWb", grads, ref_grads)})
             entry["errors"] = errs
             worst_grad = max((e for k, e in errs.items() if k != "scores"), default=0.0)
@@ -195,7 +176,7 @@ def run_case(case, device, rounds, train, dtype):
     times = {name: [] for name in names}
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            times[name].append(_time_ms(timed[name], device))
+            times[name].append(median_call_ms(timed[name], device, warmup=10, rep=60))
     for name, ms in times.items():
         row["providers"][name]["ms"] = statistics.median(ms)
     ours = row["providers"]["fusedmaxsim"].get("ms")

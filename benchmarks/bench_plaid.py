@@ -43,7 +43,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -51,6 +50,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness.records import environment  # noqa: E402
+from harness.timing import median_call_ms  # noqa: E402
 
 from fusedmaxsim import forced_plan  # noqa: E402
 from fusedmaxsim.plaid import (  # noqa: E402
@@ -162,7 +162,7 @@ def _interleaved(row, timed, rounds, device):
     times = {name: [] for name in names}
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            times[name].append(_time_ms(timed[name], device))
+            times[name].append(median_call_ms(timed[name], device))
     for name, ms in times.items():
         row["providers"][name]["ms"] = statistics.median(ms)
     for ours, lik, key in (("fusedmaxsim", "lik", "speedup_vs_lik"),
@@ -170,17 +170,6 @@ def _interleaved(row, timed, rounds, device):
         ours_ms = row["providers"].get(ours, {}).get("ms")
         lik_ms = row["providers"].get(lik, {}).get("ms")
         row[key] = lik_ms / ours_ms if ours_ms and lik_ms else None
-
-
-def _time_ms(fn, device, rounds=3):
-    if device.type == "cuda":
-        from triton.testing import do_bench
-
-        return do_bench(fn, warmup=25, rep=100)
-    start = time.perf_counter()
-    for _ in range(rounds):
-        fn()
-    return (time.perf_counter() - start) / rounds * 1e3
 
 
 def run_case(case, device, rounds):

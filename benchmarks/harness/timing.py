@@ -188,3 +188,18 @@ def floor_ms(shape: Shape, mode: str, ceilings: dict | None) -> float | None:
     traffic = shape.input_bytes * (2 if mode == "training" else 1)
     memory_s = traffic / (ceilings["copy_gbps"] * 1e9)
     return max(compute_s, memory_s) * 1e3
+
+
+def median_call_ms(fn, device: torch.device, rounds: int = 3, warmup: int = 25,
+                   rep: int = 100) -> float:
+    """``fn``'s time in ms: ``triton.testing.do_bench``'s median on CUDA, the mean of ``rounds``
+    calls elsewhere (a smoke run's figure)."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=warmup, rep=rep)
+    start = time.perf_counter()
+    for _ in range(rounds):
+        fn()
+    return (time.perf_counter() - start) / rounds * 1e3
+
