@@ -98,8 +98,9 @@ MEASURED: dict[str, object] = dict(
     # The fused projection head: fused (each document tile projected on chip) while every
     # document tile is projected at most this many times (query blocks × query chunks) and the
     # hidden states hold at most this many bytes; else the documents are projected once into
-    # memory. Fused ran 1.8-3.3x faster up to 403 MB (fewer launches), 1.3-1.6x slower from 461
-    # MB (its in-loop product at about half F.linear's rate; NOTES §61). The fused kernel's
+    # memory. Up to 403 MB fused ran 1.79-3.35x faster in one run, 0.76-2.52x in another (one
+    # launch against several, whose host time varied); from 461 MB 1.3-1.6x slower (its in-loop
+    # product at about half F.linear's rate; NOTES §61). The fused kernel's
     # tiles: the best of 16 at two of three shapes (document tile, d_model a split-K step,
     # warps, stages). design.md "Fused projection head".
     HIDDEN_FUSED_MAX_PASSES=2,
