@@ -20,8 +20,10 @@ is recorded with its error and not timed. The gradients' gate is loose because t
 late-interaction-kernels round the normalized projection to bf16 (``F.normalize``'s output), which
 moves near-tie winners, each moving a whole gradient row: they land 0.01-0.2 off float64 where
 fusedmaxsim, whose similarities come from the unrounded normalized tokens, lands near 2e-3; a
-wrong gradient (a missing Jacobian, a wrong row) lands near 1. Every error is recorded. Times: ``triton.testing.do_bench`` medians
-(ms), the providers in interleaved rounds, each round in another order, the median of the rounds.
+wrong gradient (a missing Jacobian, a wrong row) would land far above the gate. Every error is
+recorded.
+Times: ``triton.testing.do_bench`` medians (ms), the providers in interleaved rounds, each round
+in another order, the median of the rounds.
 Peak memory: ``torch.cuda.max_memory_allocated`` during one step, less what was allocated before
 it (the inputs), in MiB.
 

@@ -116,15 +116,28 @@ def test_every_route_matches_the_chain(dtype, layout, case, route):
 @pytest.mark.parametrize("layout", ["cross", "candidates"])
 def test_backward_by_entry_and_by_row_agree(layout):
     """The closed-form backward recomputes winners one row an entry where entries are fewer
-    than rows (long documents), every row of a chunk otherwise; chunks of any width agree."""
+    than rows (long documents), every row of a chunk otherwise (the plan's choice, and each
+    forced on both shapes); chunks of any width agree."""
     for Nq, Ld in ((1, 17), (4, 3)):  # entries < rows, then entries > rows
         Q, H, W, b = problem(layout, torch.float64, Nq=Nq, Ld=Ld)
-        check(Q, H, W, b)
-        check(Q, H.transpose(-1, -3).contiguous().transpose(-1, -3), W, b)  # strided grad_H
+        with recording() as plans:
+            check(Q, H, W, b)
+        chosen = [plan for _, plan in plans if plan.__class__.__name__ == "BackwardPlan"]
+        assert chosen and chosen[0].hidden_by_entry == (Nq == 1)
+        for by_entry in (False, True):
+            with forced_plan(hidden_by_entry=by_entry), recording() as plans:
+                check(Q, H, W, b)
+                check(Q, H.transpose(-1, -3).contiguous().transpose(-1, -3), W, b)  # strided
+            assert all(plan.hidden_by_entry == by_entry for _, plan in plans
+                       if plan.__class__.__name__ == "BackwardPlan")
         for block in (1, 2**30):
             settings.set_torch_block_bytes(block)
             try:
-                check(Q, H, W, b)
+                with recording() as plans:
+                    check(Q, H, W, b)
+                cols = [plan.hidden_cols for _, plan in plans
+                        if plan.__class__.__name__ == "BackwardPlan"]
+                assert cols == [1 if block == 1 else H.shape[-3]]
             finally:
                 settings.set_torch_block_bytes(None)
 

@@ -29,13 +29,12 @@ import torch
 from torch import Tensor
 
 from . import _torch_path
-from ._plan import argmax_dtype, plan_backward, plan_forward
+from ._torch_path import NORM_EPS, normalize_backward
+from ._plan import argmax_dtype, plan_backward, plan_forward, plan_hidden_backward
 from ._problem import (
     RESIDUAL_LAYOUTS, Options, Problem, RaggedLayout, ResidualDocs, dense_problem, hidden_problem,
     options_for, packed_problem, promote_pair, residual_problem,
 )
-
-NORM_EPS = 1e-12  # F.normalize's default
 
 __all__ = ["DOUBLE_BACKWARD_MESSAGE", "NORM_EPS", "NormalizeTokens", "inverse_norms",
            "run_backward", "run_forward", "scores_dense", "scores_hidden", "scores_packed",
@@ -142,26 +141,6 @@ def inverse_norms(x: Tensor, backend: str) -> Tensor:
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     norm = torch.linalg.vector_norm(x.detach(), dim=-1, dtype=dtype)
     return 1.0 / norm.clamp_min(NORM_EPS)
-
-
-def normalize_backward(x: Tensor, grad_hat: Tensor, x_inv: Tensor | None = None) -> Tensor:
-    """Vector-Jacobian product of ``F.normalize(x, dim=-1)`` (eps 1e-12), exact, fp32 or fp64.
-
-    ``x_inv``: the forward's inverse norms (:func:`inverse_norms`), so they are not computed again.
-    """
-    xf = x.to(grad_hat.dtype)
-    if x_inv is None:
-        x_inv = 1.0 / torch.linalg.vector_norm(xf, dim=-1).clamp_min(NORM_EPS)
-    inv = x_inv.to(grad_hat.dtype).unsqueeze(-1)
-    x_hat = xf * inv
-    radial = (grad_hat * x_hat).sum(dim=-1, keepdim=True)
-    clamped = inv >= 1.0 / NORM_EPS  # norm <= eps: F.normalize divides by eps, no radial term
-    radial = torch.where(clamped, torch.zeros_like(radial), radial)
-    grad = (grad_hat - radial * x_hat) * inv
-    # Linear in grad_hat, so a token that receives none gets exactly 0, whatever its values
-    # (a masked token may hold NaN, which must not leak in through x_hat).
-    untouched = (grad_hat == 0).all(dim=-1, keepdim=True)
-    return grad.masked_fill(untouched, 0.0).to(x.dtype)
 
 
 class NormalizeTokens(torch.autograd.Function):
@@ -437,10 +416,39 @@ def maxsim_hidden_bwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(grad_Q, grad_H, grad_W, grad_b)`` in the inputs' dtypes (grad_Q in Q's), from the
     argmax (``_torch_path.hidden_bwd_torch``); an unneeded one is an empty tensor."""
-    grads = _torch_path.hidden_bwd_torch(grad_scores, Q, H, W, b, argmax, normalize, need_q,
-                                         need_h, need_w, need_b, block_bytes)
-    return tuple(Q.new_empty((0,)) if g is None else g.to(x.dtype)
-                 for g, x in zip(grads, (Q, H, W, W if b is None else b)))
+    grads = _hidden_grads(grad_scores, Q, H, W, b, argmax, normalize,
+                          (need_q, need_h, need_w, need_b), block_bytes)
+    return tuple(Q.new_empty((0,)) if g is None else g for g in grads)
+
+
+def _hidden_grads(grad_scores, Q, H, W, b, argmax, normalize: bool, needs, block_bytes: int):
+    """The projection head's gradients as planned (``plan_hidden_backward``), each in its
+    input's dtype; None where not needed."""
+    p = hidden_problem(Q, H, W, b, None, None, normalize=normalize, save_argmax=True)
+    plan = plan_hidden_backward(p, block_bytes)
+    grads = _torch_path.hidden_bwd_torch(grad_scores, Q, H, W, b, argmax, normalize, *needs,
+                                         plan.hidden_cols, plan.hidden_by_entry)
+    return [None if g is None else g.to(x.dtype) for g, x in zip(grads, (Q, H, W, b))]
+
+
+def _hidden_backward_of(ctx, grad_scores: Tensor, traced: bool) -> list:
+    """Both autograd nodes' backward (the registered op's, ``traced``, and ``HiddenFunction``'s):
+    the gradients, marked first order under ``create_graph=True``."""
+    Q, H, W, b, argmax = ctx.saved_tensors
+    needs = list(ctx.needs_input_grad[:4])
+    needs[3] = needs[3] and b is not None
+    if traced:
+        grads = maxsim_hidden_bwd(grad_scores, Q, H, W, b, argmax, ctx.normalize, *needs,
+                                  ctx.block_bytes)
+        grads = [g if need else None for g, need in zip(grads, needs)]
+    else:
+        with torch.no_grad():
+            grads = _hidden_grads(grad_scores, Q, H, W, b, argmax, ctx.normalize, needs,
+                                  ctx.block_bytes)
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():  # create_graph=True
+        grads = [None if g is None else _FirstOrderOnly.apply(g, Q, H, grad_scores)
+                 for g in grads]
+    return grads
 
 
 @maxsim_hidden_bwd.register_fake
@@ -460,15 +468,7 @@ def _hidden_setup_context(ctx, inputs, output) -> None:
 
 
 def _hidden_backward(ctx, grad_scores: Tensor, _grad_saved):
-    Q, H, W, b, argmax = ctx.saved_tensors
-    need_q, need_h, need_w, need_b = ctx.needs_input_grad[:4]
-    grads = maxsim_hidden_bwd(grad_scores, Q, H, W, b, argmax, ctx.normalize, need_q, need_h,
-                              need_w, need_b and b is not None, ctx.block_bytes)
-    grads = [g if need else None for g, need in zip(grads, (need_q, need_h, need_w, need_b))]
-    if torch.is_grad_enabled() and not torch.compiler.is_compiling():  # create_graph=True
-        grads = [None if g is None else _FirstOrderOnly.apply(g, Q, H, grad_scores)
-                 for g in grads]
-    return (*grads, *(None,) * 6)
+    return (*_hidden_backward_of(ctx, grad_scores, traced=True), *(None,) * 6)
 
 
 torch.library.register_autograd("fusedmaxsim::maxsim_hidden_fwd", _hidden_backward,
@@ -490,17 +490,7 @@ class HiddenFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_scores):
-        Q, H, W, b, argmax = ctx.saved_tensors
-        need_q, need_h, need_w, need_b = ctx.needs_input_grad[:4]
-        with torch.no_grad():
-            grads = _torch_path.hidden_bwd_torch(
-                grad_scores, Q, H, W, b, argmax, ctx.normalize, need_q, need_h, need_w,
-                need_b and b is not None, ctx.block_bytes)
-        grads = [None if g is None else g.to(x.dtype) for g, x in zip(grads, (Q, H, W, b))]
-        if torch.is_grad_enabled():  # create_graph=True: first order only, said clearly
-            grads = [None if g is None else _FirstOrderOnly.apply(g, Q, H, grad_scores)
-                     for g in grads]
-        return (*grads, None)
+        return (*_hidden_backward_of(ctx, grad_scores, traced=False), None)
 
 
 def scores_hidden(Q: Tensor, H: Tensor, W: Tensor, b: Tensor | None, q_mask, d_mask,

@@ -7,9 +7,9 @@ of the fused similarities): the median wall time of one synchronized call, after
 sides called in alternation. First, the fused scores (and gradients with ``--backward``) are
 compared with the naive formula in float32 on the same inputs; past
 ``fusedmaxsim.testing.TOLERANCES`` no speedup is reported and the command exits with 1. The
-summary counts, for each baseline, the shapes where the fused op is slower, level (the 95% interval of
-the rounds' speedups holds 1) and faster. The suite against
-the peer libraries is in the repository's benchmarks/.
+summary counts, for each baseline, the shapes where the fused op is slower, level (the 95%
+interval of the rounds' speedups holds 1) and faster. The suite against the peer libraries is in
+the repository's benchmarks/.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from ._problem import (
 __all__ = [
     "BackwardPlan", "BwdConfig", "ForwardPlan", "FwdConfig", "HopperTiles", "MEASURED",
     "argmax_dtype", "explain_plans", "forced_plan", "plan_backward", "plan_blocks", "plan_forward",
+    "plan_hidden_backward",
     "recording",
 ]
 
@@ -92,8 +93,8 @@ MEASURED: dict[str, object] = dict(
     # product ran faster that way round. design.md "PyTorch path".
     TORCH_DOC_MAJOR_ROWS=((32, 32), (192, 256)),
     # ... and for the bf16 product (bf16 inference on a CPU), for query rows that are a multiple
-    # of this, where oneDNN's AMX product ran 1.5-2.1× faster that way round (64-512 rows) and
-    # 1.3-2.1× slower for the rest (8-56, 96). design.md "PyTorch path".
+    # of this, where oneDNN's AMX product ran 1.14-1.95× faster that way round (64-512 rows) and
+    # 1.2-2.2× slower at 8-56 rows (96, 160, 224: 0.86-1.23). design.md "PyTorch path".
     TORCH_BF16_DOC_MAJOR_ROW_MULTIPLE=64,
     # The fused projection head: fused (each document tile projected on chip) while every
     # document tile is projected at most this many times (query blocks × query chunks) and the
@@ -141,6 +142,7 @@ FORCIBLE = frozenset({
     "doc_major",          # PyTorch path: the cross product's similarities document-major
     "bf16_product",       # PyTorch path: bf16 inputs multiplied in bf16 (inference)
     "hidden_route",       # fused projection head: "fused" or "unfused"
+    "hidden_by_entry",    # projection head backward: winners one row an entry, or every row
 })
 
 
@@ -581,9 +583,9 @@ def _plan_torch_forward(p: Problem, o: Options) -> ForwardPlan:
     if bf16_product is not None:
         reasons.append("product: forced")
     else:
-        # On a CPU the bf16 product runs on the bf16 matrix units (AMX, AVX-512 BF16) at 2-5×
-        # the fp32 one, and PyTorch's CPU product has no bf16-in, fp32-out form: inference
-        # takes it and rounds each token's maximum to bf16 (design.md "PyTorch path"). A
+        # On a CPU the bf16 product runs on the bf16 matrix units (AMX, AVX-512 BF16), far
+        # faster than the fp32 one, and PyTorch's CPU product has no bf16-in, fp32-out form:
+        # inference takes it and rounds each token's maximum to bf16 (design.md "PyTorch path"). A
         # gradient needs fp32 similarities: rounded ones would tie and move the argmax.
         bf16_product = (p.device.type == "cpu" and p.dtype == torch.bfloat16
                         and not p.save_argmax and not p.tau)
@@ -811,6 +813,10 @@ class BackwardPlan:
     dd_tiles_per_program: int = 1
     dd_scan_stages: int = 1
     block_r: int = 0  # the packed layouts' one-hot rows
+    # The projection head's closed-form backward (PyTorch): columns a chunk, and whether a
+    # chunk recomputes its winners one row an entry (else every row of the chunk).
+    hidden_cols: int = 0
+    hidden_by_entry: bool = False
     reasons: tuple[str, ...] = ()
 
 
@@ -1049,6 +1055,36 @@ def plan_backward(p: Problem, o: Options, need_q: bool, need_d: bool,
     deterministic = torch.are_deterministic_algorithms_enabled()
     return _cached(_backward_plans, (p, o, need_q, need_d, strategy, deterministic), p,
                    _plan_backward, p, o, need_q, need_d, strategy, deterministic)
+
+
+def _plan_hidden_backward(p: Problem, block_bytes: int) -> BackwardPlan:
+    per_query = p.layout == HIDDEN_CANDIDATES
+    # A column's entries (query, query token) and rows (document tokens; Nq documents of
+    # per-query candidates).
+    entries_col, rows_col = p.Nq * p.Lq, (p.Nq if per_query else 1) * p.Ld
+    by_entry = _forced.get("hidden_by_entry")
+    forced = by_entry is not None
+    if not forced:
+        by_entry = entries_col < rows_col
+    # Bytes a recomputed row holds: H's row in its dtype and in fp32, and a few fp32 rows of d.
+    per_row = p.d_model * (p.dtype.itemsize + 4) + 16 * p.dim
+    rows = entries_col if by_entry else rows_col
+    cols = max(1, min(max(p.Ncols, 1), block_bytes // max(1, rows * per_row)))
+    how = "forced" if forced else (
+        f"{entries_col} entries {'<' if by_entry else '>='} {rows_col} rows a column")
+    return BackwardPlan("torch", "lowmem", hidden_cols=cols, hidden_by_entry=bool(by_entry),
+                        reasons=(f"projection head: closed form from the argmax, "
+                                 f"{'winners one row an entry' if by_entry else 'every row'} "
+                                 f"({how}), {cols} columns a chunk within {block_bytes} bytes",))
+
+
+def plan_hidden_backward(p: Problem, block_bytes: int) -> BackwardPlan:
+    """The projection head's backward (``_torch_path.hidden_bwd_torch``): a chunk of documents
+    with fewer (query, token) entries than document rows recomputes the projection of each
+    entry's winner, otherwise of every row; chunks of columns within ``block_bytes`` (cached;
+    design.md "Fused projection head")."""
+    return _cached(_backward_plans, ("hidden", p, block_bytes), p, _plan_hidden_backward, p,
+                   block_bytes)
 
 
 def explain_plans(p: Problem, o: Options, strategy: str = "auto") -> str:

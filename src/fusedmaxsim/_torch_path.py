@@ -20,11 +20,35 @@ from torch import Tensor
 from ._plan import argmax_dtype, plan_blocks
 
 __all__ = [
-    "decompress_residuals", "maxsim_bwd_blocked", "maxsim_fwd_blocked", "packed_bwd_torch",
+    "decompress_residuals", "hidden_bwd_torch", "maxsim_bwd_blocked", "maxsim_fwd_blocked",
+    "NORM_EPS", "normalize_backward", "packed_bwd_torch",
     "packed_fwd_torch", "residual_bwd_torch", "residual_fwd_torch", "smooth_bwd_blocked",
 ]
 
 _LOG2E = math.log2(math.e)
+
+
+NORM_EPS = 1e-12  # F.normalize's default
+
+
+def normalize_backward(x: Tensor, grad_hat: Tensor, x_inv: Tensor | None = None) -> Tensor:
+    """Vector-Jacobian product of ``F.normalize(x, dim=-1)`` (eps 1e-12), exact, fp32 or fp64.
+
+    ``x_inv``: the forward's inverse norms (:func:`inverse_norms`), so they are not computed again.
+    """
+    xf = x.to(grad_hat.dtype)
+    if x_inv is None:
+        x_inv = 1.0 / torch.linalg.vector_norm(xf, dim=-1).clamp_min(NORM_EPS)
+    inv = x_inv.to(grad_hat.dtype).unsqueeze(-1)
+    x_hat = xf * inv
+    radial = (grad_hat * x_hat).sum(dim=-1, keepdim=True)
+    clamped = inv >= 1.0 / NORM_EPS  # norm <= eps: F.normalize divides by eps, no radial term
+    radial = torch.where(clamped, torch.zeros_like(radial), radial)
+    grad = (grad_hat - radial * x_hat) * inv
+    # Linear in grad_hat, so a token that receives none gets exactly 0, whatever its values
+    # (a masked token may hold NaN, which must not leak in through x_hat).
+    untouched = (grad_hat == 0).all(dim=-1, keepdim=True)
+    return grad.masked_fill(untouched, 0.0).to(x.dtype)
 
 
 def _compute_dtype(t: Tensor) -> torch.dtype:
@@ -621,7 +645,7 @@ def _residual_docs(docs, ids: Tensor, normalize: bool):
     d_inv = None
     if normalize:
         norm = torch.linalg.vector_norm(tokens, dim=-1, dtype=_compute_dtype(tokens))
-        d_inv = 1.0 / norm.clamp_min(1e-12)
+        d_inv = 1.0 / norm.clamp_min(NORM_EPS)
     return tokens, valid, d_inv, broken
 
 
@@ -797,7 +821,7 @@ def _hidden_mm(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
 
 def hidden_bwd_torch(grad_scores: Tensor, Q: Tensor, H: Tensor, W: Tensor, b: Tensor | None,
                      argmax: Tensor, normalize: bool, need_q: bool, need_h: bool, need_w: bool,
-                     need_b: bool, block_bytes: int) -> tuple[Tensor | None, ...]:
+                     need_b: bool, cols: int, by_entry: bool) -> tuple[Tensor | None, ...]:
     """``(grad_Q, grad_H, grad_W, grad_b)`` of ``maxsim(Q, normalize?(F.linear(H, W, b)))`` from
     the forward's argmax ``[Nq, Ncols, Lq]`` (-1: the token adds nothing); None where not needed.
 
@@ -806,16 +830,18 @@ def hidden_bwd_torch(grad_scores: Tensor, Q: Tensor, H: Tensor, W: Tensor, b: Te
 
         grad_P̂[r]  = Σ_{(i, j, s): row(i, j, A[i, j, s]) = r} g[i, j] · Q[i, s]
         grad_Q[i, s] = Σ_j g[i, j] · P̂[row(i, j, A[i, j, s])]
-        grad_P = J_normalize(P) · grad_P̂;  grad_W = grad_Pᵀ H;  grad_b = Σ_r grad_P;  grad_H = grad_P W
+        grad_P = J_normalize(P) · grad_P̂
+        grad_W = grad_Pᵀ H;  grad_b = Σ_r grad_P;  grad_H = grad_P W
 
-    Columns (documents) are taken a chunk at a time within ``block_bytes``. A chunk with fewer
-    (query, query token) entries than document rows (a few queries against long documents, or
-    per-query candidates) recomputes the projection of its winners only, one row an entry
-    (``Nq·c·Lq`` rows of ``d_model``, fewer than the chunk's ``c·Ld``); otherwise every row of the
-    chunk (``F.linear`` once). Either way at most ``min(rows, entries)`` rows of ``d_model`` a
-    chunk, nothing of ``Nq·Nd·Lq`` rows at once. Deterministic: the sums over entries run through
-    ``index_put_(accumulate=True)`` (sorted on CUDA). A row that no entry wins receives exactly 0,
-    whatever its values (a masked token may hold NaN)."""
+    Columns (documents) are taken ``cols`` a chunk. With ``by_entry`` (the plan's choice where a
+    chunk has fewer (query, query token) entries than document rows: a few queries against long
+    documents, or per-query candidates) a chunk recomputes the projection of its winners only,
+    one row an entry (``Nq·c·Lq`` rows of ``d_model``, fewer than the chunk's ``c·Ld``); otherwise
+    every row of the chunk (``F.linear`` once). Either way at most ``min(rows, entries)`` rows of
+    ``d_model`` a chunk, nothing of ``Nq·Nd·Lq`` rows at once (``_plan.plan_hidden_backward``).
+    Deterministic: the sums over entries run through ``index_put_(accumulate=True)`` (sorted on
+    CUDA). A row that no entry wins receives exactly 0, whatever its values (a masked token may
+    hold NaN)."""
     per_query = H.dim() == 4
     Nq, Lq, dim = Q.shape
     Ncols, Ld, d_model = H.shape[-3], H.shape[-2], H.shape[-1]
@@ -830,12 +856,7 @@ def hidden_bwd_torch(grad_scores: Tensor, Q: Tensor, H: Tensor, W: Tensor, b: Te
         return grad_q, grad_h, grad_w, grad_b
     g = grad_scores.to(ct)
     q = Q.to(ct)
-    # A column's entries (query, query token) and rows (document tokens; Nq documents of
-    # per-query candidates).
-    entries_col, rows_col = Nq * Lq, (Nq if per_query else 1) * Ld
-    by_entry = entries_col < rows_col
-    per_row = d_model * (dtype.itemsize + 4) + 16 * dim
-    cols = max(1, min(Ncols, block_bytes // max(1, min(entries_col, rows_col) * per_row)))
+    rows_col = (Nq if per_query else 1) * Ld  # a column's document rows
     for c0 in range(0, Ncols, cols):
         cs = slice(c0, min(Ncols, c0 + cols))
         c = cs.stop - c0
@@ -859,7 +880,7 @@ def hidden_bwd_torch(grad_scores: Tensor, Q: Tensor, H: Tensor, W: Tensor, b: Te
             grad_in = torch.zeros_like(P).index_put_((local,), upstream, accumulate=True)
             touched = (grad_in != 0).any(dim=-1, keepdim=True)
             He = He.masked_fill(~touched, 0.0)  # rows no entry won: their values never matter
-        inv = 1.0 / torch.linalg.vector_norm(P, dim=-1).clamp_min(1e-12) if normalize else None
+        inv = 1.0 / torch.linalg.vector_norm(P, dim=-1).clamp_min(NORM_EPS) if normalize else None
         if need_q:
             P_hat = P if inv is None else P * inv.unsqueeze(-1)
             won = P_hat if by_entry else P_hat[local]
@@ -867,7 +888,6 @@ def hidden_bwd_torch(grad_scores: Tensor, Q: Tensor, H: Tensor, W: Tensor, b: Te
             grad_q += (ge.unsqueeze(-1) * won).sum(1)
         if not (need_h or need_w or grad_b is not None):
             continue
-        from ._autograd import normalize_backward
         grad_p = grad_in if inv is None else normalize_backward(P, grad_in, inv)  # [E or R, d]
         if need_w:
             grad_w += _hidden_mm(grad_p.t(), He, dtype).to(ct)

@@ -234,7 +234,7 @@ def forward_hidden(plan: ForwardPlan, p: Problem, fp32_precision: str, Q: Tensor
     ``[Nq, K, Ld, d_model]``, any strides), each document tile projected inside the kernel
     (``plan.hidden_block`` of ``d_model`` a step) and never written; with ``p.normalize`` the
     projected tokens are normalized, their norms from the tiles (``Q`` is taken as it is).
-    ``Q`` is brought to the problem's dtype, ``W`` and ``b`` to H's (the projected tile is
+    ``Q`` is brought to the problem's dtype; ``W`` and ``b`` come in H's (the projected tile is
     rounded to H's dtype first, as ``F.linear``'s output is)."""
     Nq, Ncols, Lq, Ld = p.Nq, p.Ncols, p.Lq, p.Ld
     device = Q.device
@@ -250,10 +250,8 @@ def forward_hidden(plan: ForwardPlan, p: Problem, fp32_precision: str, Q: Tensor
         return scores, argmax
     if Q.dtype != p.dtype:
         Q = Q.to(p.dtype)
-    if W.dtype != H.dtype:
-        W = W.to(H.dtype)
-    if b is not None:
-        b = b.to(H.dtype).contiguous()
+    if b is not None:  # W and b have H's dtype (the front door's check)
+        b = b.contiguous()
     hb = plan.hidden_block
     if hb < 16 or hb & (hb - 1):  # 0 would read H as a projected D; tl.dot needs 16 and up
         raise ValueError(f"hidden_block must be a power of two >= 16, got {hb}")
