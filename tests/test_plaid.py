@@ -121,6 +121,21 @@ def test_scores_and_gradients(nbits, bit_order, backend):
     _check(Q, index, lengths, nbits, bit_order, q_mask=masks_with_holes((3, 6), "cpu"))
 
 
+@pytest.mark.parametrize("bit_order", ORDERS)
+@pytest.mark.parametrize("nbits", [1, 2, 4])
+def test_bucket_weights_by_loads(nbits, bit_order, backend):
+    """The kernel's other way to the bucket weights (a load a value, where the plan takes
+    selects for these widths), forced through the plan: the same scores; 33 dimensions (a last
+    byte partly padding, a tile partly past d) in 32-token steps of 40-token documents."""
+    index = _index(Nd=4, Ld=40, d=33, nbits=nbits, bit_order=bit_order)
+    lengths = torch.tensor([40, 33, 0, 1])
+    Q = torch.randn(2, 5, 33)
+    for min_nbits in (nbits, 8):
+        with forced_plan(RESIDUAL_GATHER_MIN_NBITS=min_nbits), recording() as plans:
+            _check(Q, index, lengths, nbits, bit_order)
+        assert plans[0][1].residual_gather == (backend == "triton" and min_nbits == nbits)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 @pytest.mark.parametrize("normalize", [False, True])
 def test_dtypes_and_normalize(dtype, normalize, backend):

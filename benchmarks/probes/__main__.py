@@ -69,6 +69,8 @@ SECTIONS = {
     "cpu_orientation": ("host", "cpu_orientation"),
     "hidden_tiles": ("hidden", "hidden_tiles"),
     "hidden_step": ("hidden", "hidden_step_profile"),
+    "residual_tiles": ("plaid", "residual_tiles"),
+    "residual_profile": ("plaid", "residual_profile"),
 }
 DEFAULT = ("normalize", "kd", "smooth")
 

@@ -107,6 +107,12 @@ MEASURED: dict[str, object] = dict(
     HIDDEN_FUSED_MAX_PASSES=2,
     HIDDEN_FUSED_MAX_BYTES=400 << 20,
     HIDDEN_TILES=(128, 64, 8, 3),
+    # PLAID residual documents (design.md "PLAID"): the kernel's tiles (document tile, warps,
+    # stages; d <= 128), the query rows a block on the cross product, and from how many bits a
+    # code the bucket weights are loaded rather than selected.
+    RESIDUAL_TILES=(64, 4, 3),
+    RESIDUAL_ROWS=128,
+    RESIDUAL_GATHER_MIN_NBITS=8,
 )
 # Programs an SM of the Gluon tile sets whose grids are counted in waves (design.md "Hopper").
 _HOPPER_PROGRAMS_PER_SM = {MEASURED["HOPPER_SHORT_TILES"]: 3,
@@ -414,6 +420,8 @@ class ForwardPlan:
     # projected once into memory, then the dense plan); the fused kernel's d_model step.
     hidden_route: str = ""
     hidden_block: int = 0
+    # Residual layouts: the bucket weights read by a load a value instead of a chain of selects.
+    residual_gather: bool = False
     reasons: tuple[str, ...] = ()
 
 
@@ -616,18 +624,31 @@ def _plan_torch_forward(p: Problem, o: Options) -> ForwardPlan:
 
 
 def _plan_residual_forward(p: Problem, o: Options) -> ForwardPlan:
-    """PLAID documents on the Triton path: the dense cross product's tiles, the documents
-    decompressed tile by tile in the kernel. The plan keeps the PyTorch path's blocks too, for
-    the backward (``grad_Q``), which decompresses a block of documents at a time."""
+    """PLAID documents on the Triton path: the dense cross product's mapping, the documents
+    decompressed tile by tile in the kernel, with tiles of their own (``RESIDUAL_TILES``,
+    ``RESIDUAL_ROWS``) and the bucket weights read by selects or by loads
+    (``RESIDUAL_GATHER_MIN_NBITS``; design.md "PLAID"). The plan keeps the PyTorch path's blocks
+    too, for the backward (``grad_Q``), which decompresses a block of documents at a time."""
     blocks = _plan_torch_forward(p, o).blocks
     if _forced.get("kernel") == "torch":
         return ForwardPlan("torch", blocks=blocks,
                            reasons=("kernel: forced", "residual layout: the PyTorch path"))
-    cfg = _forced.get("fwd_tiles") or fwd_heuristic(
-        max(p.Lq, 1), p.dim, max(p.Nq, 1), p.layout == RESIDUAL_CANDIDATES, p.dtype.itemsize)
-    return ForwardPlan("triton", cfg, blocks=blocks, reasons=(
+    cfg = _forced.get("fwd_tiles")
+    if cfg is None:
+        cfg = fwd_heuristic(max(p.Lq, 1), p.dim, max(p.Nq, 1), p.layout == RESIDUAL_CANDIDATES,
+                            p.dtype.itemsize)
+        if not INTERPRETER and cfg.block_k <= 128:
+            block_n, warps, stages = _measured("RESIDUAL_TILES")
+            qpb = cfg.queries_per_block
+            if p.layout == RESIDUAL:
+                qpb = max(1, min(_measured("RESIDUAL_ROWS") // cfg.lq_tile, pow2(max(p.Nq, 1))))
+            cfg = dataclasses.replace(cfg, queries_per_block=qpb, block_n=block_n,
+                                      num_warps=warps, num_stages=stages)
+    gather = p.nbits >= _measured("RESIDUAL_GATHER_MIN_NBITS")
+    return ForwardPlan("triton", cfg, blocks=blocks, residual_gather=gather, reasons=(
         "residual layout: the Triton forward, each document tile decompressed on chip",
-        f"tiles: the cross product's for Lq={p.Lq} ({cfg})"))
+        f"bucket weights by {'loads' if gather else 'selects'} ({p.nbits} bits)",
+        f"tiles: {cfg}"))
 
 
 def _plan_hidden_forward(p: Problem, o: Options) -> ForwardPlan:

@@ -66,6 +66,7 @@ class Problem(NamedTuple):
     tma_ready: bool  # D contiguous and 16-byte aligned (the Gluon forward's TMA)
     d_model: int = 0  # hidden layouts: the hidden states' width (0 elsewhere)
     has_bias: bool = False  # hidden layouts: the projection has a bias
+    nbits: int = 0  # residual layouts: bits a residual code (0 elsewhere)
 
     def describe(self) -> str:
         reduction = f"smoothmax(tau={self.tau})" if self.tau else "max"
@@ -147,6 +148,7 @@ def residual_problem(docs: ResidualDocs, Q: Tensor, q_mask, *, normalize: bool,
         RESIDUAL if docs.doc_ids is None else RESIDUAL_CANDIDATES, Nq, docs.n_cols, Lq,
         docs.codes.shape[0] if docs.max_len is None else docs.max_len, dim, torch.promote_types(Q.dtype, docs.centroids.dtype),
         Q.device, q_mask is not None, True, normalize, False, 0.0, save_argmax, False,
+        nbits=docs.nbits,
     )
 
 

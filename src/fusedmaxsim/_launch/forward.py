@@ -203,6 +203,7 @@ def forward_residual(plan: ForwardPlan, p: Problem, fp32_precision: str, Q: Tens
                     normalize=p.normalize, save_argmax=save_argmax, fp32_precision=fp32_precision)
     del meta["HAS_D_MASK"]  # the lengths bound each document
     consts = constants(NBITS=docs.nbits, BIG=docs.bit_order == "big",
+                       GATHER_WEIGHTS=plan.residual_gather,
                        PER_QUERY_DOCS=per_query_docs, NORMALIZE_Q=normalize_q, **meta)
     kernel = launcher(_maxsim_residual_fwd_kernel)
     qpb = cfg.queries_per_block

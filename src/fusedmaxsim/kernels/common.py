@@ -122,44 +122,53 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _residual_tile(p_codes, stride_code_tok, res, o_t, m_t, o_k, m_k, NBITS: tl.constexpr,
-                   BIG: tl.constexpr):
+def _residual_tile(p_codes, stride_code_tok, res, o_t, m_t, BLOCK_K: tl.constexpr,
+                   NBITS: tl.constexpr, BIG: tl.constexpr, GATHER_WEIGHTS: tl.constexpr):
     """Tokens ``o_t`` of one PLAID document, decompressed on chip: ``centroids[code] +
     bucket_weights[b]`` per dimension, summed in fp32 and rounded to the centroids' dtype; zero
-    outside ``m_t`` × ``m_k`` (so the tile's norms hold), NaN for a token whose centroid id is
-    outside ``[0, n_centroids)`` (read as centroid 0: never out of bounds).
+    outside ``m_t`` and past ``dim`` (so the tile's norms hold), NaN for a token whose centroid
+    id is outside ``[0, n_centroids)`` (read as centroid 0: never out of bounds).
 
     ``res`` = ``(residual row pointer, its token stride, centroids, their row stride,
-    bucket_weights, n_centroids)``. Dimension ``k``'s code is the stream bits
+    bucket_weights, n_centroids, dim)``. Dimension ``k``'s code is the stream bits
     ``[k · NBITS, (k + 1) · NBITS)``, least significant first; stream bit ``p`` is bit
     ``7 - p % 8`` (``BIG``) or ``p % 8`` of byte ``p // 8``.
+
+    The tile is decoded as ``[BLOCK_N, bytes, codes a byte]``: each token's residual bytes are
+    read once, as one contiguous row (``BIG`` reverses each byte's bits first, so both orders
+    read code ``j`` of a byte from bits ``[j · NBITS, (j + 1) · NBITS)``), and reshaped to
+    ``[BLOCK_N, BLOCK_K]`` once, decoded. The bucket weight: a chain of selects over the
+    ``2 ** NBITS`` weights, or with ``GATHER_WEIGHTS`` a load a value (from L1).
     """
-    p_res, stride_res_tok, Centroids, stride_cent, BucketWeights, n_centroids = res
+    p_res, stride_res_tok, Centroids, stride_cent, BucketWeights, n_centroids, dim = res
+    PER_BYTE: tl.constexpr = 8 // NBITS
+    BYTES: tl.constexpr = BLOCK_K // PER_BYTE
     code = tl.load(p_codes + o_t * stride_code_tok, mask=m_t, other=0).to(tl.int64)
     inside = (code >= 0) & (code < n_centroids)
     code = tl.where(inside, code, 0)
-    m = m_t[:, None] & m_k[None, :]
-    rows = tl.load(Centroids + code[:, None] * stride_cent + o_k[None, :], mask=m, other=0.0)
-    first = o_k * NBITS
-    byte = tl.load(p_res + o_t[:, None] * stride_res_tok + (first // 8)[None, :], mask=m,
-                   other=0).to(tl.int32)
-    bucket = tl.zeros_like(byte)
-    for bit in tl.static_range(NBITS):
-        pos = (first + bit) % 8
-        if BIG:
-            pos = 7 - pos
-        bucket = bucket | (((byte >> pos[None, :]) & 1) << bit)
-    if NBITS <= 4:
-        # A chain of selects over the 2 ** NBITS weights (scalars) instead of a gathered load
-        # a value.
+    o_b = tl.arange(0, BYTES)
+    byte = tl.load(p_res + o_t[:, None] * stride_res_tok + o_b[None, :],
+                   mask=m_t[:, None] & (o_b * 8 < dim * NBITS)[None, :], other=0).to(tl.int32)
+    if BIG:
+        byte = ((byte & 0xF0) >> 4) | ((byte & 0x0F) << 4)
+        byte = ((byte & 0xCC) >> 2) | ((byte & 0x33) << 2)
+        byte = ((byte & 0xAA) >> 1) | ((byte & 0x55) << 1)
+    o_j = tl.arange(0, PER_BYTE)
+    bucket = (byte[:, :, None] >> (o_j * NBITS)[None, None, :]) & ((1 << NBITS) - 1)
+    o_d = o_b[:, None] * PER_BYTE + o_j[None, :]  # [bytes, codes a byte]: the dimension
+    m = m_t[:, None, None] & (o_d < dim)[None, :, :]
+    rows = tl.load(Centroids + code[:, None, None] * stride_cent + o_d[None, :, :], mask=m,
+                   other=0.0)
+    if GATHER_WEIGHTS:
+        weight = tl.load(BucketWeights + bucket)  # in [0, 2 ** NBITS) by construction
+    else:
         weight = tl.zeros(bucket.shape, tl.float32) + tl.load(BucketWeights).to(tl.float32)
         for b in tl.static_range(1, 1 << NBITS):
             weight = tl.where(bucket == b, tl.load(BucketWeights + b).to(tl.float32), weight)
-    else:
-        weight = tl.load(BucketWeights + bucket)  # in [0, 2 ** NBITS) by construction
     tile = (rows.to(tl.float32) + weight.to(tl.float32)).to(rows.dtype)
     tile = tl.where(m, tile, 0.0)
-    return tl.where(inside[:, None], tile, float("nan"))
+    tile = tl.where(inside[:, None, None], tile, float("nan"))
+    return tl.reshape(tile, [o_t.shape[0], BLOCK_K])
 
 
 @triton.jit
@@ -231,6 +240,7 @@ def _doc_tile(
     UPCAST: tl.constexpr,
     RESIDUAL_NBITS: tl.constexpr,
     RESIDUAL_BIG: tl.constexpr,
+    RESIDUAL_GATHER: tl.constexpr = False,
     HIDDEN_BLOCK: tl.constexpr = 0,
     HIDDEN_BIAS: tl.constexpr = False,
 ):
@@ -252,8 +262,8 @@ def _doc_tile(
     m_t = o_t < t_hi
     p = p_doc + o_t[:, None] * stride_doc_tok + o_k[None, :] * stride_doc_dim
     if RESIDUAL_NBITS:
-        b_d = _residual_tile(p_doc, stride_doc_tok, res, o_t, m_t, o_k, m_k, RESIDUAL_NBITS,
-                             RESIDUAL_BIG).to(b_q.dtype)
+        b_d = _residual_tile(p_doc, stride_doc_tok, res, o_t, m_t, o_k.shape[0], RESIDUAL_NBITS,
+                             RESIDUAL_BIG, RESIDUAL_GATHER).to(b_q.dtype)
     elif HIDDEN_BLOCK:
         b_d = _hidden_tile(p_doc, stride_doc_tok, res, o_t, m_t, o_k, m_k, HIDDEN_BLOCK,
                            HIDDEN_BIAS, DOT_PRECISION, UPCAST).to(b_q.dtype)
@@ -343,6 +353,7 @@ def _doc_max(
     QUERY_IN_REGISTERS: tl.constexpr,
     RESIDUAL_NBITS: tl.constexpr = 0,
     RESIDUAL_BIG: tl.constexpr = True,
+    RESIDUAL_GATHER: tl.constexpr = False,
     HIDDEN_BLOCK: tl.constexpr = 0,
     HIDDEN_BIAS: tl.constexpr = False,
 ):
@@ -370,14 +381,14 @@ def _doc_max(
             b_q, p_doc, stride_doc_tok, stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv,
             stride_dinv_tok, t_lo, t_hi, o_k, m_k, smooth_scale, res, EVEN_K, False, NORMALIZE,
             NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST,
-            RESIDUAL_NBITS, RESIDUAL_BIG, HIDDEN_BLOCK, HIDDEN_BIAS,
+            RESIDUAL_NBITS, RESIDUAL_BIG, RESIDUAL_GATHER, HIDDEN_BLOCK, HIDDEN_BIAS,
         )
     else:
         row_max, row_arg = _doc_loop(
             b_q, p_doc, stride_doc_tok, stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv,
             stride_dinv_tok, t_lo, t_hi, o_k, m_k, smooth_scale, res, EVEN_K, True, NORMALIZE,
             NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST,
-            RESIDUAL_NBITS, RESIDUAL_BIG, HIDDEN_BLOCK, HIDDEN_BIAS,
+            RESIDUAL_NBITS, RESIDUAL_BIG, RESIDUAL_GATHER, HIDDEN_BLOCK, HIDDEN_BIAS,
         )
     return row_max, row_arg
 
@@ -410,6 +421,7 @@ def _doc_loop(
     UPCAST: tl.constexpr,
     RESIDUAL_NBITS: tl.constexpr,
     RESIDUAL_BIG: tl.constexpr,
+    RESIDUAL_GATHER: tl.constexpr = False,
     HIDDEN_BLOCK: tl.constexpr = 0,
     HIDDEN_BIAS: tl.constexpr = False,
 ):
@@ -426,14 +438,14 @@ def _doc_loop(
             b_q, acc_max, acc_arg, run_sum, smooth_scale, start, t_hi, p_doc, stride_doc_tok,
             stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv, stride_dinv_tok, o_k, m_k, res,
             False, EVEN_K, HAS_D_MASK, NORMALIZE, NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_N,
-            DOT_PRECISION, UPCAST, RESIDUAL_NBITS, RESIDUAL_BIG, HIDDEN_BLOCK, HIDDEN_BIAS,
+            DOT_PRECISION, UPCAST, RESIDUAL_NBITS, RESIDUAL_BIG, RESIDUAL_GATHER, HIDDEN_BLOCK, HIDDEN_BIAS,
         )
     if t_full < t_hi:
         acc_max, acc_arg, run_sum = _doc_tile(
             b_q, acc_max, acc_arg, run_sum, smooth_scale, t_full, t_hi, p_doc, stride_doc_tok,
             stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv, stride_dinv_tok, o_k, m_k, res,
             True, EVEN_K, HAS_D_MASK, NORMALIZE, NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_N,
-            DOT_PRECISION, UPCAST, RESIDUAL_NBITS, RESIDUAL_BIG, HIDDEN_BLOCK, HIDDEN_BIAS,
+            DOT_PRECISION, UPCAST, RESIDUAL_NBITS, RESIDUAL_BIG, RESIDUAL_GATHER, HIDDEN_BLOCK, HIDDEN_BIAS,
         )
     row_arg = tl.full([BLOCK_M], -1, tl.int32)
     if SMOOTH:

@@ -225,6 +225,7 @@ def _maxsim_residual_fwd_kernel(
     QUERY_IN_REGISTERS: tl.constexpr,
     NBITS: tl.constexpr,
     BIG: tl.constexpr,
+    GATHER_WEIGHTS: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = LQ_TILE * QUERIES_PER_BLOCK
     i_col = tl.program_id(0).to(tl.int64)
@@ -248,7 +249,7 @@ def _maxsim_residual_fwd_kernel(
     t_hi = tl.where(broken | missing, 0, length).to(tl.int32)  # token indices are int32
     p_codes = Codes + tl.maximum(start, 0) * stride_code_tok
     res = (Residuals + tl.maximum(start, 0) * stride_res_tok, stride_res_tok, Centroids,
-           stride_cent, BucketWeights, n_centroids)
+           stride_cent, BucketWeights, n_centroids, dim)
     acc = tl.zeros([QUERIES_PER_BLOCK], tl.float32)
     for chunk in range(0, Lq, LQ_TILE):
         o_s = chunk + o_row_in_tile
@@ -260,7 +261,7 @@ def _maxsim_residual_fwd_kernel(
         row_max, row_arg = _doc_max(
             b_q, p_codes, stride_code_tok, 0, p_codes, 1, p_codes, 1, 0, t_hi, True, o_k, m_k,
             1.0, res, EVEN_K, NORMALIZE, NORMALIZE, SAVE_ARGMAX, False, BLOCK_M, BLOCK_N,
-            DOT_PRECISION, UPCAST, QUERY_IN_REGISTERS, NBITS, BIG,
+            DOT_PRECISION, UPCAST, QUERY_IN_REGISTERS, NBITS, BIG, GATHER_WEIGHTS,
         )
         q_inv = 1.0
         if NORMALIZE_Q:
@@ -346,7 +347,8 @@ def _maxsim_hidden_fwd_kernel(
         row_max, row_arg = _doc_max(
             b_q, p_doc, stride_h_tok, 0, p_dmask, 1, p_dmask, 1, t_lo, t_hi, all_valid, o_k,
             m_k, 1.0, hid, EVEN_K, NORMALIZE, NORMALIZE, SAVE_ARGMAX, False, BLOCK_M, BLOCK_N,
-            DOT_PRECISION, UPCAST, QUERY_IN_REGISTERS, 0, True, HIDDEN_BLOCK, HIDDEN_BIAS,
+            DOT_PRECISION, UPCAST, QUERY_IN_REGISTERS, HIDDEN_BLOCK=HIDDEN_BLOCK,
+            HIDDEN_BIAS=HIDDEN_BIAS,
         )
         acc += _chunk_scores(row_max, m_valid, 1.0, 1.0, QUERIES_PER_BLOCK, LQ_TILE)
         if SAVE_ARGMAX:
