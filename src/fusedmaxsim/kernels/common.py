@@ -134,11 +134,11 @@ def _residual_tile(p_codes, stride_code_tok, res, o_t, m_t, BLOCK_K: tl.constexp
     ``[k · NBITS, (k + 1) · NBITS)``, least significant first; stream bit ``p`` is bit
     ``7 - p % 8`` (``BIG``) or ``p % 8`` of byte ``p // 8``.
 
-    The tile is decoded as ``[BLOCK_N, bytes, codes a byte]``: each token's residual bytes are
-    read once, as one contiguous row (``BIG`` reverses each byte's bits first, so both orders
-    read code ``j`` of a byte from bits ``[j · NBITS, (j + 1) · NBITS)``), and reshaped to
-    ``[BLOCK_N, BLOCK_K]`` once, decoded. The bucket weight: a chain of selects over the
-    ``2 ** NBITS`` weights, or with ``GATHER_WEIGHTS`` a load a value (from L1).
+    Each token's residual bytes are read once, as one contiguous row (``BIG`` reverses each
+    byte's bits first, so both orders read code ``j`` of a byte from bits ``[j · NBITS, (j + 1) ·
+    NBITS)``), the codes taken out as ``[BLOCK_N, bytes, codes a byte]`` and reshaped to
+    ``[BLOCK_N, BLOCK_K]``. The bucket weight: a chain of selects over the ``2 ** NBITS``
+    weights, or with ``GATHER_WEIGHTS`` a load a value (from L1).
     """
     p_res, stride_res_tok, Centroids, stride_cent, BucketWeights, n_centroids, dim = res
     PER_BYTE: tl.constexpr = 8 // NBITS
@@ -155,10 +155,12 @@ def _residual_tile(p_codes, stride_code_tok, res, o_t, m_t, BLOCK_K: tl.constexp
         byte = ((byte & 0xAA) >> 1) | ((byte & 0x55) << 1)
     o_j = tl.arange(0, PER_BYTE)
     bucket = (byte[:, :, None] >> (o_j * NBITS)[None, None, :]) & ((1 << NBITS) - 1)
-    o_d = o_b[:, None] * PER_BYTE + o_j[None, :]  # [bytes, codes a byte]: the dimension
-    m = m_t[:, None, None] & (o_d < dim)[None, :, :]
-    rows = tl.load(Centroids + code[:, None, None] * stride_cent + o_d[None, :, :], mask=m,
-                   other=0.0)
+    # Dimension b · PER_BYTE + j is code j of byte b. Reshaped here, before the tile's
+    # arithmetic: a reshape right before the product's operand fails Hopper's shared layouts.
+    bucket = tl.reshape(bucket, [o_t.shape[0], BLOCK_K])
+    o_k = tl.arange(0, BLOCK_K)
+    m = m_t[:, None] & (o_k < dim)[None, :]
+    rows = tl.load(Centroids + code[:, None] * stride_cent + o_k[None, :], mask=m, other=0.0)
     if GATHER_WEIGHTS:
         weight = tl.load(BucketWeights + bucket)  # in [0, 2 ** NBITS) by construction
     else:
@@ -167,8 +169,7 @@ def _residual_tile(p_codes, stride_code_tok, res, o_t, m_t, BLOCK_K: tl.constexp
             weight = tl.where(bucket == b, tl.load(BucketWeights + b).to(tl.float32), weight)
     tile = (rows.to(tl.float32) + weight.to(tl.float32)).to(rows.dtype)
     tile = tl.where(m, tile, 0.0)
-    tile = tl.where(inside[:, None, None], tile, float("nan"))
-    return tl.reshape(tile, [o_t.shape[0], BLOCK_K])
+    return tl.where(inside[:, None], tile, float("nan"))
 
 
 @triton.jit
