@@ -172,7 +172,7 @@ def _interleaved(row, timed, rounds, device):
         row[key] = lik_ms / ours_ms if ours_ms and lik_ms else None
 
 
-def run_case(case, device, rounds):
+def run_case(case, device, rounds, providers=None):
     Nd, Ld, Nq, nbits = case
     index = _index(Nd, Ld, nbits, device)
     gen = torch.Generator(device=device).manual_seed(1)
@@ -182,6 +182,8 @@ def run_case(case, device, rounds):
     timed = {}
     with torch.no_grad():
         for name, fn in _providers(index, nbits).items():
+            if providers is not None and name not in providers:
+                continue
             entry = row["providers"][name] = {}
             try:
                 out = fn(Q)
@@ -332,6 +334,9 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--providers", default="",
+                        help="comma-separated providers of the residual section to run "
+                             "(default: every one)")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"comma-separated, of {', '.join(SECTIONS)} (default: both)")
     args = parser.parse_args(argv)
@@ -339,6 +344,7 @@ def main(argv=None) -> int:
     unknown = set(sections) - set(SECTIONS)
     if unknown:
         parser.error(f"unknown sections {sorted(unknown)}; known: {', '.join(SECTIONS)}")
+    providers = [name for name in args.providers.split(",") if name] or None
     device = torch.device(args.device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -351,7 +357,7 @@ def main(argv=None) -> int:
 
     if "residual" in sections:
         for case in QUICK if args.quick else CASES:
-            record["rows"].append(run_case(case, device, args.rounds))
+            record["rows"].append(run_case(case, device, args.rounds, providers))
             write(case)
     if "approx" in sections:
         for case in APPROX_QUICK if args.quick else APPROX_CASES:

@@ -18,7 +18,9 @@ Timing, in interleaved rounds (the engines' order rotates per query and round; t
 rounds): latency at batch 1 (median over the queries) and throughput at batch 32 (one call).
 fusedmaxsim: CUDA events, the median of ``--reps`` back-to-back calls after warmup (its wall
 time per synchronous call beside it); fast-plaid (host-synchronous): wall clock around each
-call after ``torch.cuda.synchronize()``. Targets: ≥ 10× latency, ≥ 20× throughput. Memory: the
+call after ``torch.cuda.synchronize()``. Targets: ≥ 10× latency, ≥ 20× throughput. On CUDA
+the search runs twice more, as a CUDA graph (``cuda_graph=True``; its results must equal the
+eager search's first): events and wall clock, its latency speedup by the wall clock. Memory: the
 allocator peak of one batch-32 search of ours above what was allocated before it, against the
 compressed candidates (``n_candidates`` documents' codes and residuals per query, times the
 batch) plus the outputs; target ≤ 1.2×.
@@ -78,8 +80,9 @@ def ours_from_tensors(centroids, weights, nbits, codes, residuals, lengths):
                                    bit_order="big")
 
 
-def ours_search(index, Q, a):  # -> (scores [Nq, k] fp32, ids [Nq, k] int64) on the device
-    return index.search(Q, top_k=a.top_k, n_probe=a.n_probe, n_candidates=a.n_candidates)
+def ours_search(index, Q, a, graph=False):  # -> (scores [Nq, k] fp32, ids [Nq, k] int64)
+    return index.search(Q, top_k=a.top_k, n_probe=a.n_probe, n_candidates=a.n_candidates,
+                        cuda_graph=graph)
 
 
 def ours_describe(index):
@@ -342,6 +345,12 @@ def run_corpus(n_docs, a, device, topics, Q, workdir):
         row["recall_ours"] = recall(ids.tolist(), exact, a.top_k)
         engines = {"ours": (lambda q: ours_search(ours, q, a), event_ms),
                    "ours_wall": (lambda q: ours_search(ours, q, a), wall_ms)}
+        if device.type == "cuda":
+            g_scores, g_ids = ours_search(ours, Q, a, graph=True)
+            row["graph_equal"] = bool(torch.equal(g_ids, ids) and torch.equal(g_scores, scores))
+            if row["graph_equal"]:
+                engines["ours_graph"] = (lambda q: ours_search(ours, q, a, True), event_ms)
+                engines["ours_graph_wall"] = (lambda q: ours_search(ours, q, a, True), wall_ms)
         if fp is not None:
             res = fp_search(fp, Q, a)
             row["recall_fast_plaid"] = recall([[d for d, _ in r] for r in res], exact, a.top_k)
@@ -364,6 +373,11 @@ def run_corpus(n_docs, a, device, topics, Q, workdir):
     gate = fp is not None and row["parity"]["failed"] is None
     row["latency_x"] = s["fast_plaid"]["latency_ms"] / s["ours"]["latency_ms"] if gate else None
     row["throughput_x"] = s["ours"]["qps"] / s["fast_plaid"]["qps"] if gate else None
+    graph = gate and "ours_graph" in s
+    # The graph's speedups: latency by the wall clock around a synchronous call (as fast-plaid's).
+    row["graph_latency_x"] = (s["fast_plaid"]["latency_ms"] / s["ours_graph_wall"]["latency_ms"]
+                              if graph else None)
+    row["graph_throughput_x"] = s["ours_graph"]["qps"] / s["fast_plaid"]["qps"] if graph else None
     log(f"latency ms {({n: round(v['latency_ms'], 3) for n, v in s.items()})}, qps "
         f"{({n: round(v['qps']) for n, v in s.items()})}, memory {row.get('memory')}")
     if fp is not None:
@@ -394,8 +408,11 @@ def run_scale(n_docs, a, device, length=300):
         found = ids >= 0
         row["smoke_ok"] = bool(((ids >= -1) & (ids < n_docs)).all()
                                and torch.isfinite(scores[found]).all() and found.any())
-        row["speed"] = speed({"ours": (lambda x: ours_search(ours, x, a), event_ms)}, Q, a, device)
-    log(f"scale: {row['speed']['ours']}, smoke {row['smoke_ok']}")
+        engines = {"ours": (lambda x: ours_search(ours, x, a), event_ms)}
+        if device.type == "cuda":
+            engines["ours_graph"] = (lambda x: ours_search(ours, x, a, True), event_ms)
+        row["speed"] = speed(engines, Q, a, device)
+    log(f"scale: {row['speed']}, smoke {row['smoke_ok']}")
     return row
 
 
@@ -457,22 +474,38 @@ def markdown(rec):
             *(_f(m[k] / 2**20 if k in m else None, ".1f")
               for k in ("peak_bytes", "candidate_bytes")),
             _f(m.get("ratio"), ".2f", MEMORY_X, above=False)))
+    graphs = [r for r in rows if "ours_graph" in r.get("speed", {})]
+    if graphs:
+        lines += ["", "The same searches as CUDA graphs (`cuda_graph=True`; results equal to the "
+                      "eager search's, checked first):"]
+        lines += _table("docs", "latency ms fast-plaid", "graph", "graph wall",
+                        f"× wall (≥ {LATENCY_X:g})", "qps fast-plaid", "graph",
+                        f"× (≥ {THROUGHPUT_X:g})")
+        for r in graphs:
+            s, fps = r["speed"], r["speed"].get("fast_plaid", {})
+            lines.append(_row(
+                r["docs"], _f(fps.get("latency_ms"), ".2f"),
+                f"{s['ours_graph']['latency_ms']:.3f}", f"{s['ours_graph_wall']['latency_ms']:.3f}",
+                _f(r.get("graph_latency_x"), ".1f", LATENCY_X), _f(fps.get("qps"), ".0f"),
+                f"{s['ours_graph']['qps']:.0f}", _f(r.get("graph_throughput_x"), ".1f",
+                                                    THROUGHPUT_X)))
     failed = [f"- {r['docs']} documents: {r['parity']['failed']}" for r in rows
               if (r.get("parity") or {}).get("failed")]
     lines += ["", "Parity failures (no speedup reported):", "", *failed] if failed else []
     r = rec.get("scale")
     if r:
         lines += ["", "Scale, fusedmaxsim alone (random index):"]
-        lines += _table("docs", "tokens", "K", "nbytes GiB", "build s", "latency ms",
+        lines += _table("docs", "tokens", "K", "nbytes GiB", "build s", "search", "latency ms",
                         f"ms at batch {st['queries']}", "qps", "smoke")
         if "error" in r:
             lines.append(_row(r["docs"], f"✗ {r['error']}"))
         else:
-            s = r["speed"]["ours"]
-            lines.append(_row(r["docs"], r["tokens"], r["n_centroids"],
-                              f"{r['index']['nbytes'] / 2**30:.2f}", f"{r['build_s']:.1f}",
-                              f"{s['latency_ms']:.3f}", f"{s['batch_ms']:.3f}",
-                              f"{s['qps']:.0f}", "✓" if r["smoke_ok"] else "✗"))
+            for name, s in r["speed"].items():
+                lines.append(_row(r["docs"], r["tokens"], r["n_centroids"],
+                                  f"{r['index']['nbytes'] / 2**30:.2f}", f"{r['build_s']:.1f}",
+                                  "graph" if name == "ours_graph" else "eager",
+                                  f"{s['latency_ms']:.3f}", f"{s['batch_ms']:.3f}",
+                                  f"{s['qps']:.0f}", "✓" if r["smoke_ok"] else "✗"))
     for r in (r for r in rows if "profile" in r):
         lines += ["", f"Where our search's time goes, {r['docs']} documents (torch.profiler, per "
                       "call):"]

@@ -33,8 +33,9 @@ def _index(Nd, Ld, d, nbits, n_centroids=4096):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("nbits", [2, 4])
+@pytest.mark.parametrize("nbits", [1, 2, 4, 8])
 def test_residual_parity_on_cuda(dtype, nbits):
+    """Every width: the bucket weights selected (1, 2 bits) and loaded (4, 8), as planned."""
     codes, residuals, lengths, centroids, weights = _index(37, 130, 128, nbits)
     Q = torch.randn(5, 32, 128, device="cuda", dtype=dtype, requires_grad=True)
     q_mask = masks_with_holes((5, 32), "cuda")
@@ -196,6 +197,29 @@ def test_search_from_tensors_on_cuda_is_exact_when_exhaustive():
     assert torch.equal(ids, top.indices)
     assert_close_to_reference(scores, top.values, 1e-5, "scores")
     assert index.score(Q).shape == (8, 300)
+
+
+def test_search_never_synchronizes_and_its_graph_equals_it():
+    """The eager search reads nothing back; its CUDA graph (captured on the first call, replayed
+    for a new query of the same shape, with and without a query mask) gives the eager results,
+    and a query finding fewer documents than top_k ends in ids -1."""
+    codes, residuals, cu, centroids, weights, lengths = _packed(400, 90, 128, 2, n_centroids=256)
+    index = PlaidIndex.from_tensors(centroids, weights, 2, codes, residuals, lengths)
+    Q1, Q2 = torch.randn(2, 5, 32, 128, device="cuda").half().unbind(0)
+    mask = masks_with_holes((5, 32), "cuda")
+    kw = dict(n_probe=4, n_candidates=256)
+    assert_no_host_synchronization(lambda: index.search(Q1, 10, q_mask=mask, **kw))
+    for q_mask in (None, mask):
+        for Q in (Q1, Q2):
+            eager = index.search(Q, 10, q_mask=q_mask, **kw)
+            graph = index.search(Q, 10, q_mask=q_mask, cuda_graph=True, **kw)
+            assert torch.equal(graph[1], eager[1]) and torch.equal(graph[0], eager[0])
+    assert len(index._graphs) == 2
+    few = index.search(Q1[:1], 500, n_probe=1, n_candidates=8, cuda_graph=True)
+    assert torch.equal(few[1], index.search(Q1[:1], 500, n_probe=1, n_candidates=8)[1])
+    assert (few[1][0, 2:] == -1).all() and (few[0][0, 2:] == float("-inf")).all()
+    index.release_graphs()
+    assert not index._graphs
 
 
 def test_plaid_ops_pass_opcheck_and_compile_on_cuda():

@@ -123,10 +123,10 @@ def test_scores_and_gradients(nbits, bit_order, backend):
 
 @pytest.mark.parametrize("bit_order", ORDERS)
 @pytest.mark.parametrize("nbits", [1, 2, 4])
-def test_bucket_weights_by_loads(nbits, bit_order, backend):
-    """The kernel's other way to the bucket weights (a load a value, where the plan takes
-    selects for these widths), forced through the plan: the same scores; 33 dimensions (a last
-    byte partly padding, a tile partly past d) in 32-token steps of 40-token documents."""
+def test_bucket_weights_by_loads_and_by_selects(nbits, bit_order, backend):
+    """The kernel's two ways to the bucket weights (a load a value, a chain of selects), each
+    forced through the plan: the oracle's scores; 33 dimensions (a last byte partly padding, a
+    tile partly past d) in 32-token steps of 40-token documents."""
     index = _index(Nd=4, Ld=40, d=33, nbits=nbits, bit_order=bit_order)
     lengths = torch.tensor([40, 33, 0, 1])
     Q = torch.randn(2, 5, 33)

@@ -117,6 +117,29 @@ def test_candidates(backend):
     assert torch.equal(none, torch.full((3, 2), float("-inf")))
 
 
+@pytest.mark.parametrize("slot_programs", [None, 1, 2])
+def test_counted_candidates(backend, slot_programs):
+    """Counted candidates (the search's table): only each query's first counts[q] columns are
+    read, the rest score -inf whatever they hold; counts of 0, within, equal to and past the
+    width; one program a query walking every column, two, or the plan's."""
+    cs = _cs(4, 9)
+    codes, lengths = _padded()
+    ref = plaid_approx_score_ref(cs, codes, lengths)
+    starts = torch.arange(7) * codes.shape[1]
+    doc_ids = torch.tensor([[0, 5, 2, 6, 1], [3, 3, 1, 6, 0], [4, 0, 1, 2, 6], [6, 5, 4, 3, 2]])
+    counts = torch.tensor([0, 3, 5, 9])
+    col = torch.arange(5)
+    expected = torch.where(col < counts[:, None], ref.gather(1, doc_ids), float("-inf"))
+    garbage = doc_ids.masked_fill(col >= counts[:, None], 99)  # never read
+    with forced_plan(**({} if slot_programs is None else {"approx_slot_programs": slot_programs})):
+        out = approx_scores(cs, codes.flatten(), starts, lengths, garbage, counts)
+    _assert_matches(out, expected)
+    with pytest.raises(ValueError, match=r"counts must be \[Nq\] integers"):
+        approx_scores(cs, codes.flatten(), starts, lengths, doc_ids, counts[:3])
+    with pytest.raises(ValueError, match=r"counts must be \[Nq\] integers"):
+        approx_scores(cs, codes.flatten(), starts, lengths, None, counts)
+
+
 def test_empty_batches(backend):
     cs = _cs(2, 7)
     codes, lengths = _padded()

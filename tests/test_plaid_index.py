@@ -253,6 +253,12 @@ def test_search_errors():
         plaid_search(Q, index, n_candidates=2.5)
     with pytest.raises(TypeError, match=r"index must be a fusedmaxsim.plaid.PlaidIndex"):
         plaid_search(Q, "index")
+    with pytest.raises(TypeError, match=r"cuda_graph must be a bool, got int"):
+        plaid_search(Q, index, cuda_graph=1)
+    with pytest.raises(ValueError, match=r"cuda_graph=True needs the index on a CUDA device"):
+        plaid_search(Q, index, cuda_graph=True)
+    with pytest.raises(ValueError, match=r"cuda_graph=True searches without a subset"):
+        plaid_search(Q, index, subset=[0, 1], cuda_graph=True)
     with pytest.raises(ValueError, match=r"codes must be centroid ids in \[0, 6\)"):
         PlaidIndex.from_tensors(centroids, weights, 2, codes + 6, residuals, lengths)
 

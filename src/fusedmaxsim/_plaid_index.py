@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from ._autograd import run_forward
-from ._plan import plan_probe_queries
+from ._plan import forced_key, plan_probe_queries
 from ._torch_path import decompress_residuals as _decompress
 from ._problem import (
     NBITS, ResidualDocs, _check_residual_query, check_int, check_residual_varlen, options_for,
@@ -246,6 +246,7 @@ class PlaidIndex:
             self.ivf = ivf.to(device)
             self.ivf_offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]).to(device)
             self.max_list_len = int(counts.max()) if counts.numel() else 0
+        self._graphs: dict = {}
 
     @classmethod
     def from_tensors(cls, centroids: Tensor, bucket_weights: Tensor, nbits: int, codes: Tensor,
@@ -321,10 +322,27 @@ class PlaidIndex:
                                       max_seqlen_d=self.max_doc_len, validate=False)
 
     def search(self, Q: Tensor, top_k: int = 10, *, n_probe: int = 8, n_candidates: int = 4096,
-               q_mask: Tensor | None = None, subset=None) -> tuple[Tensor, Tensor]:
+               q_mask: Tensor | None = None, subset=None,
+               cuda_graph: bool = False) -> tuple[Tensor, Tensor]:
         """:func:`plaid_search` of this index."""
         return plaid_search(Q, self, top_k, n_probe=n_probe, n_candidates=n_candidates,
-                            q_mask=q_mask, subset=subset)
+                            q_mask=q_mask, subset=subset, cuda_graph=cuda_graph)
+
+    def _graph(self, Q: Tensor, q_mask: Tensor | None, top_k: int, n_probe: int,
+               n_candidates: int) -> _SearchGraph:
+        """The CUDA graph of searches like this one, captured on first use."""
+        mask = None if q_mask is None else (q_mask.dtype, tuple(q_mask.shape))
+        key = (tuple(Q.shape), Q.dtype, Q.device, mask, top_k, n_probe, n_candidates,
+               options_for(Q), forced_key())
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = _SearchGraph(self, Q, q_mask, top_k, n_probe,
+                                                     n_candidates)
+        return graph
+
+    def release_graphs(self) -> None:
+        """Forget the CUDA graphs of ``search(..., cuda_graph=True)`` and free their buffers."""
+        self._graphs.clear()
 
 
 def load(path: str | os.PathLike, device: str | torch.device | None = None, *,
@@ -390,19 +408,17 @@ def _probed_documents(index: PlaidIndex, cells: Tensor) -> Tensor:
     return hit[:, :-1]
 
 
-def _candidate_table(hit: Tensor) -> Tensor:
-    """``[Nq, W]`` int64: each query's documents in ascending order, -1 past its count (``W`` the
-    largest count: the search's synchronizations, for the table's width)."""
-    Nq = hit.shape[0]
-    where = hit.nonzero()
-    counts = torch.bincount(where[:, 0], minlength=Nq)
-    width = int(counts.max()) if Nq and where.shape[0] else 0
-    table = torch.full((Nq, width), -1, dtype=torch.int64, device=hit.device)
-    if width:
-        first = torch.cumsum(counts, 0) - counts
-        col = torch.arange(where.shape[0], device=hit.device) - first[where[:, 0]]
-        table[where[:, 0], col] = where[:, 1]
-    return table
+def _candidate_table(hit: Tensor) -> tuple[Tensor, Tensor]:
+    """``(table [Nq, Nd] int64, counts [Nq] int64)``: each query's documents in ascending order,
+    then -1, and how many it has. The table is as wide as the corpus, so its shape is known
+    without reading a count back: nothing synchronizes."""
+    Nq, Nd = hit.shape
+    pos = torch.cumsum(hit, 1, dtype=torch.int32)
+    counts = pos[:, -1].long() if Nd else hit.new_zeros(Nq, dtype=torch.int64)
+    table = torch.full((Nq, Nd + 1), -1, dtype=torch.int64, device=hit.device)
+    slot = torch.where(hit, pos - 1, Nd).long()  # column Nd: a slot for the documents not hit
+    table.scatter_(1, slot, torch.arange(Nd, device=hit.device).expand(Nq, Nd))
+    return table[:, :Nd], counts
 
 
 def _subset_ids(index: PlaidIndex, ids, what: str) -> Tensor:
@@ -449,8 +465,8 @@ def _subset_masks(index: PlaidIndex, subset, Nq: int) -> tuple[Tensor, Tensor]:
 
 
 def plaid_search(Q: Tensor, index: PlaidIndex, top_k: int = 10, *, n_probe: int = 8,
-                 n_candidates: int = 4096, q_mask: Tensor | None = None,
-                 subset=None) -> tuple[Tensor, Tensor]:
+                 n_candidates: int = 4096, q_mask: Tensor | None = None, subset=None,
+                 cuda_graph: bool = False) -> tuple[Tensor, Tensor]:
     """The PLAID search of ``Q`` in ``index``, on its device: ``(scores [Nq, top_k] fp32, ids
     [Nq, top_k] int64)``, best first (``[top_k]`` each for a single query ``[Lq, d]``).
 
@@ -472,16 +488,20 @@ def plaid_search(Q: Tensor, index: PlaidIndex, top_k: int = 10, *, n_probe: int 
     ``subset`` (fast-plaid's filter): document ids, one sequence for every query or one a query;
     a query then probes only the centroids of its subset's tokens and returns only its subset's
     documents (ids checked on the host; a subset on the GPU is read back first).
-    Memory holds the centroid scores, a ``[Nq, Nd]`` bitmap of candidates and the candidates'
-    ids and approximate scores, never a decompressed document. Two synchronizations (the
-    candidates' count, for the width of their table); no gradient; eager only (not under
+
+    Every shape in the pipeline is known from the inputs' shapes and the index, so on a GPU
+    nothing synchronizes before the result (a subset's ids aside). ``cuda_graph=True`` (CUDA,
+    no ``subset``) runs it as a CUDA graph: captured on the first call of each query shape,
+    mask shape, dtype, ``top_k``, ``n_probe``, ``n_candidates`` and settings, then replayed,
+    which removes the host's cost of launching its two dozen operations (each graph keeps its
+    buffers until :meth:`PlaidIndex.release_graphs`). Memory holds the centroid scores and,
+    for each query, a candidate bitmap, table and approximate score as wide as the corpus
+    (about 25 bytes a document at the peak), never a decompressed document. No gradient; eager only (not under
     ``torch.compile``).
     """
-    from ._autograd import approx_scores
     if torch.compiler.is_compiling():
         raise NotImplementedError(
-            "fusedmaxsim.plaid.plaid_search runs eagerly (it reads the number of candidates back "
-            "to size their table); call it outside the compiled function")
+            "fusedmaxsim.plaid.plaid_search runs eagerly; call it outside the compiled function")
     Q, q_mask, squeeze = _check_residual_query(Q, q_mask)
     if not isinstance(index, PlaidIndex):
         raise TypeError(f"index must be a fusedmaxsim.plaid.PlaidIndex, got "
@@ -496,6 +516,25 @@ def plaid_search(Q: Tensor, index: PlaidIndex, top_k: int = 10, *, n_probe: int 
     if index.ivf is None:
         raise ValueError("the index has no inverted lists (fast-plaid's compress_only): it can "
                          "be scored (PlaidIndex.score), not searched")
+    if not isinstance(cuda_graph, bool):
+        raise TypeError(f"cuda_graph must be a bool, got {type(cuda_graph).__name__}")
+    if cuda_graph:
+        if subset is not None:
+            raise ValueError("cuda_graph=True searches without a subset (a subset's ids are "
+                             "read on the host); give subset=None or cuda_graph=False")
+        if Q.device.type != "cuda":
+            raise ValueError(f"cuda_graph=True needs the index on a CUDA device, not {Q.device}")
+        scores, ids = index._graph(Q, q_mask, top_k, n_probe, n_candidates)(Q, q_mask)
+    else:
+        scores, ids = _search(index, Q, q_mask, top_k, n_probe, n_candidates, subset)
+    return (scores[0], ids[0]) if squeeze else (scores, ids)
+
+
+def _search(index: PlaidIndex, Q: Tensor, q_mask: Tensor | None, top_k: int, n_probe: int,
+            n_candidates: int, subset) -> tuple[Tensor, Tensor]:
+    """:func:`plaid_search` of checked arguments, ``Q [Nq, Lq, d]``: every shape from the
+    arguments' shapes and the index, nothing read back (a subset aside)."""
+    from ._autograd import approx_scores
     with torch.no_grad():
         Nq, Lq, _ = Q.shape
         Qc = Q.to(index.centroids.dtype)
@@ -519,11 +558,12 @@ def plaid_search(Q: Tensor, index: PlaidIndex, top_k: int = 10, *, n_probe: int 
         hit = _probed_documents(index, cells.flatten(1))
         if allowed is not None:
             hit &= allowed
-        candidates = _candidate_table(hit)
-        approx = approx_scores(cs, index.codes, index.doc_starts, index.doc_lengths, candidates)
-        n_exact = min(max(1, n_candidates // 4), candidates.shape[1])
+        table, counts = _candidate_table(hit)
+        approx = approx_scores(cs, index.codes, index.doc_starts, index.doc_lengths, table,
+                               counts)
+        n_exact = min(max(1, n_candidates // 4), index.n_docs)
         best = approx.topk(n_exact, dim=1).indices
-        ids = candidates.gather(1, best)
+        ids = table.gather(1, best)  # -1 where a query has fewer candidates
         docs = index._docs(ids)
         p = residual_problem(docs, Qc, q_mask, normalize=True, save_argmax=False)
         exact = run_forward(p, options_for(Qc), Qc, None, q_mask, None, None, None, docs)[0]
@@ -533,4 +573,33 @@ def plaid_search(Q: Tensor, index: PlaidIndex, top_k: int = 10, *, n_probe: int 
         if k < top_k:
             scores = torch.cat([scores, scores.new_full((Nq, top_k - k), float("-inf"))], 1)
             ids = torch.cat([ids, ids.new_full((Nq, top_k - k), -1)], 1)
-    return (scores[0], ids[0]) if squeeze else (scores, ids)
+    return scores, ids
+
+
+class _SearchGraph:
+    """One shape's search as a CUDA graph: the query (and mask) copied into the graph's own
+    buffers, the graph replayed, its results copied out."""
+
+    def __init__(self, index: PlaidIndex, Q: Tensor, q_mask: Tensor | None, top_k: int,
+                 n_probe: int, n_candidates: int):
+        self.Q = Q.clone()
+        self.q_mask = None if q_mask is None else q_mask.clone()
+
+        def run():
+            return _search(index, self.Q, self.q_mask, top_k, n_probe, n_candidates, None)
+
+        side = torch.cuda.Stream(Q.device)
+        side.wait_stream(torch.cuda.current_stream(Q.device))
+        with torch.cuda.stream(side):
+            run()  # compiles the kernels and fills the plans' caches outside the capture
+        torch.cuda.current_stream(Q.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.scores, self.ids = run()
+
+    def __call__(self, Q: Tensor, q_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+        self.Q.copy_(Q)
+        if q_mask is not None:
+            self.q_mask.copy_(q_mask)
+        self.graph.replay()
+        return self.scores.clone(), self.ids.clone()

@@ -28,7 +28,7 @@ import torch
 
 from . import settings
 from ._problem import (
-    APPROX_CANDIDATES, CANDIDATES, CROSS, HIDDEN_CANDIDATES, HIDDEN_LAYOUTS, PAIRS, PACKED,
+    APPROX_CANDIDATES, APPROX_COUNTED, CANDIDATES, CROSS, HIDDEN_CANDIDATES, HIDDEN_LAYOUTS, PAIRS, PACKED,
     RESIDUAL, RESIDUAL_CANDIDATES, RESIDUAL_LAYOUTS, Options, Problem,
 )
 
@@ -107,12 +107,16 @@ MEASURED: dict[str, object] = dict(
     HIDDEN_FUSED_MAX_PASSES=2,
     HIDDEN_FUSED_MAX_BYTES=400 << 20,
     HIDDEN_TILES=(128, 64, 8, 3),
-    # PLAID residual documents (design.md "PLAID"): the kernel's tiles (document tile, warps,
-    # stages; d <= 128), the query rows a block on the cross product, and from how many bits a
-    # code the bucket weights are loaded rather than selected.
-    RESIDUAL_TILES=(64, 4, 3),
-    RESIDUAL_ROWS=128,
-    RESIDUAL_GATHER_MIN_NBITS=8,
+    # PLAID residual documents (design.md "PLAID"; NOTES §63): the kernel's tiles (d <= 128:
+    # document tile, warps, stages with the bucket weights selected, stages with them loaded),
+    # the query rows a block on the cross product (16-bit; half for fp32), and from how many
+    # bits a code the bucket weights are loaded rather than selected. 32-token tiles ran 1.2-1.7x faster than 64;
+    # 256 rows 1.4-1.7x faster than 128; loads 1.4-1.5x faster than the 15 selects of 4 bits,
+    # but only unpipelined (3-4x slower at 2 or 3 stages); 3 stages 5% slower than 2 on the
+    # cross product, 14% faster on the search's candidates.
+    RESIDUAL_TILES=(32, 4, 3, 1),
+    RESIDUAL_ROWS=256,
+    RESIDUAL_GATHER_MIN_NBITS=4,
 )
 # Programs an SM of the Gluon tile sets whose grids are counted in waves (design.md "Hopper").
 _HOPPER_PROGRAMS_PER_SM = {MEASURED["HOPPER_SHORT_TILES"]: 3,
@@ -633,18 +637,20 @@ def _plan_residual_forward(p: Problem, o: Options) -> ForwardPlan:
     if _forced.get("kernel") == "torch":
         return ForwardPlan("torch", blocks=blocks,
                            reasons=("kernel: forced", "residual layout: the PyTorch path"))
+    gather = p.nbits >= _measured("RESIDUAL_GATHER_MIN_NBITS")
     cfg = _forced.get("fwd_tiles")
     if cfg is None:
         cfg = fwd_heuristic(max(p.Lq, 1), p.dim, max(p.Nq, 1), p.layout == RESIDUAL_CANDIDATES,
                             p.dtype.itemsize)
         if not INTERPRETER and cfg.block_k <= 128:
-            block_n, warps, stages = _measured("RESIDUAL_TILES")
+            block_n, warps, select_stages, gather_stages = _measured("RESIDUAL_TILES")
             qpb = cfg.queries_per_block
             if p.layout == RESIDUAL:
-                qpb = max(1, min(_measured("RESIDUAL_ROWS") // cfg.lq_tile, pow2(max(p.Nq, 1))))
-            cfg = dataclasses.replace(cfg, queries_per_block=qpb, block_n=block_n,
-                                      num_warps=warps, num_stages=stages)
-    gather = p.nbits >= _measured("RESIDUAL_GATHER_MIN_NBITS")
+                rows = _measured("RESIDUAL_ROWS") * 2 // p.dtype.itemsize  # 16-bit rows
+                qpb = max(1, min(rows // cfg.lq_tile, pow2(max(p.Nq, 1))))
+            cfg = dataclasses.replace(
+                cfg, queries_per_block=qpb, block_n=block_n, num_warps=warps,
+                num_stages=gather_stages if gather else select_stages)
     return ForwardPlan("triton", cfg, blocks=blocks, residual_gather=gather, reasons=(
         "residual layout: the Triton forward, each document tile decompressed on chip",
         f"bucket weights by {'loads' if gather else 'selects'} ({p.nbits} bits)",
@@ -777,6 +783,12 @@ def _plan_hopper(p: Problem, o: Options, cfg: FwdConfig, sms: int):
 
 
 _forward_plans: dict = {}
+
+
+def forced_key() -> str:
+    """The decisions forced now, as a key for what caches work planned under them (a CUDA
+    graph captures the plans of its calls)."""
+    return repr(sorted(_forced.items()))
 
 
 def _cached(cache: dict, key, p: Problem, make, *args):
@@ -1141,9 +1153,12 @@ MEASURED.update({
     "APPROX_MAX_COLUMNS": 32 if INTERPRETER else 256,
     "APPROX_MAX_LQ_TILE": 16 if INTERPRETER else 128,
     "APPROX_BLOCK_T": (8, 128) if INTERPRETER else (16, 128),
+    # Counted candidates (the search's table): programs an SM in all (not measured).
+    "APPROX_COUNTED_WAVES": 8,
 })
-# approx_tiles: an ApproxTiles; approx_launch_queries: queries a launch of the approx kernel.
-FORCIBLE = FORCIBLE | {"approx_tiles", "approx_launch_queries"}
+# approx_tiles: an ApproxTiles; approx_launch_queries: queries a launch of the approx kernel;
+# approx_slot_programs: programs a query of counted candidates.
+FORCIBLE = FORCIBLE | {"approx_tiles", "approx_launch_queries", "approx_slot_programs"}
 
 MAX_PROGRAMS = 2**31 - 1  # CUDA's limit on a grid's first axis
 
@@ -1166,12 +1181,15 @@ class ApproxPlan:
     """How ``plaid_approx_score`` runs. ``kernel``: ``"triton"`` (``kernels.approx``) or
     ``"torch"`` (``_torch_path.approx_scores_torch``); ``tiles``: the kernel's;
     ``launch_queries``: queries a launch (its 1-D grid stays within CUDA's limit);
-    ``torch_block_elems``: the PyTorch path's bound on the centroid scores gathered at a time."""
+    ``torch_block_elems``: the PyTorch path's bound on the centroid scores gathered at a time;
+    ``slot_programs``: programs a query of counted candidates (each walks every
+    ``slot_programs``-th candidate up to the query's count)."""
 
     kernel: str
     tiles: ApproxTiles | None = None
     launch_queries: int = 1
     torch_block_elems: int = 0
+    slot_programs: int = 0
     reasons: tuple[str, ...] = ()
 
 
@@ -1197,7 +1215,7 @@ def _plan_approx(p: Problem, o: Options) -> ApproxPlan:
         why = "kernel: forced" if o.backend != "torch" else "backend: the PyTorch path"
         return ApproxPlan("torch", torch_block_elems=budget, reasons=(
             why, f"blocks of documents of at most {budget} gathered centroid scores"))
-    candidates = p.layout == APPROX_CANDIDATES
+    candidates = p.layout in (APPROX_CANDIDATES, APPROX_COUNTED)
     tiles = _forced.get("approx_tiles")
     reasons = ["kernel: the Triton gather kernel (kernels.approx)"]
     if tiles is None:
@@ -1207,15 +1225,25 @@ def _plan_approx(p: Problem, o: Options) -> ApproxPlan:
                        f"{'per-query candidates' if candidates else f'Nq={p.Nq}'}")
     else:
         reasons.append("tiles: forced")
+    slots = 0
+    if p.layout == APPROX_COUNTED:
+        # About APPROX_COUNTED_WAVES programs an SM in all, however wide the table: a program
+        # of an empty slot is not free (NOTES §59: 1.8 ns each).
+        slots = _forced.get("approx_slot_programs") or max(1, min(
+            max(p.Ncols, 1),
+            _measured("APPROX_COUNTED_WAVES") * sm_count(p.device) // max(p.Nq, 1)))
+        reasons.append(f"{slots} programs a query, each every {slots}-th candidate up to the "
+                       "query's count")
     launch = _forced.get("approx_launch_queries")
     if launch is None:
-        # Programs: the queries' candidates, or the documents for each block of queries.
-        launch = MAX_PROGRAMS // max(1, p.Ncols)
+        # Programs: the queries' candidates (or slot programs), or the documents for each block
+        # of queries.
+        launch = MAX_PROGRAMS // max(1, slots or p.Ncols)
         if not candidates:
             launch *= tiles.queries_per_block
     launch = max(1, launch)
     reasons.append(f"{launch} queries a launch (1-D grid of at most {MAX_PROGRAMS} programs)")
-    return ApproxPlan("triton", tiles, launch, budget, tuple(reasons))
+    return ApproxPlan("triton", tiles, launch, budget, slots, tuple(reasons))
 
 
 _approx_plans: dict = {}

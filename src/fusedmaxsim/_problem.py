@@ -895,13 +895,17 @@ def check_residual_varlen(Q: object, codes: object, residuals: object, cu_seqlen
 #   (an id < 0: no candidate, scored -inf): ``Ncols = C``.
 
 APPROX, APPROX_CANDIDATES = "approx", "approx candidates"
+# Per-query candidates of which each query's first counts[q] hold documents (the search's table).
+APPROX_COUNTED = "approx counted candidates"
 
 
-def approx_problem(cs: Tensor, n_cols: int, candidates: bool) -> Problem:
+def approx_problem(cs: Tensor, n_cols: int, candidates: bool, counted: bool = False) -> Problem:
     """The :class:`Problem` of the centroid scores ``cs [Nq, n_centroids, Lq]`` against ``n_cols``
-    documents (or each query's ``n_cols`` candidates)."""
+    documents (or each query's ``n_cols`` candidates; ``counted``: the first of them, as many
+    as the query's count)."""
     Nq, _, Lq = cs.shape
-    return Problem(APPROX_CANDIDATES if candidates else APPROX, Nq, n_cols, Lq, 0, 0, cs.dtype,
+    layout = APPROX_COUNTED if counted else APPROX_CANDIDATES if candidates else APPROX
+    return Problem(layout, Nq, n_cols, Lq, 0, 0, cs.dtype,
                    cs.device, False, False, False, False, 0.0, False, False)
 
 

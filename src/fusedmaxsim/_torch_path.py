@@ -739,9 +739,12 @@ def _approx_sum(vals: Tensor) -> Tensor:
 
 
 def approx_scores_torch(block_elems: int, cs: Tensor, codes: Tensor, starts: Tensor,
-                        lengths: Tensor, doc_ids: Tensor | None) -> Tensor:
+                        lengths: Tensor, doc_ids: Tensor | None,
+                        counts: Tensor | None = None) -> Tensor:
     """PLAID's approximate scores (``kernels.approx``' contract) on the PyTorch path: ``[Nq,
     Nd]``, or ``[Nq, C]`` with ``doc_ids`` (an id < 0: -inf), fp32 (float64 for float64 ``cs``).
+    With ``counts`` only query ``q``'s first ``counts[q]`` candidates are read, the rest score
+    -inf (the largest count read back: one synchronization on a GPU).
 
     The centroid scores are copied once into the compute dtype with two rows more, -inf (a
     padding token) and NaN (an id out of range), so that one ``index_select`` gathers a block's
@@ -749,6 +752,14 @@ def approx_scores_torch(block_elems: int, cs: Tensor, codes: Tensor, starts: Ten
     each block padded to its own longest document and holding at most ``block_elems`` values (a
     single document larger than that is still gathered whole). A document whose range leaves
     ``codes``, or a candidate id ``>= Nd``, scores NaN."""
+    if counts is not None:
+        width = int(counts.max()) if counts.numel() else 0
+        width = max(0, min(width, doc_ids.shape[1]))
+        col = torch.arange(width, device=doc_ids.device)
+        ids = doc_ids[:, :width].masked_fill(col >= counts[:, None], -1)
+        out = approx_scores_torch(block_elems, cs, codes, starts, lengths, ids)
+        rest = out.new_full((out.shape[0], doc_ids.shape[1] - width), float("-inf"))
+        return torch.cat([out, rest], 1)
     Nq, n_centroids, Lq = cs.shape
     ct = _compute_dtype(cs)
     n_docs, n_tokens = starts.shape[0], codes.shape[0]

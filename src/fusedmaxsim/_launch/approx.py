@@ -4,7 +4,7 @@ with ``kernels.approx._plaid_approx_kernel``.
 Inputs arrive as ``_autograd.approx_scores`` takes them (shapes, dtypes and devices checked):
 ``cs [Nq, n_centroids, Lq]`` (any float dtype but float64, which the planner sends to the
 PyTorch path; any strides), ``codes [T]``, ``starts [Nd]``, ``lengths [Nd]``, optional
-``doc_ids [Nq, C]``. Empty problems return without a launch. The plan says the tiles and how
+``doc_ids [Nq, C]`` and with them optional ``counts [Nq]``. Empty problems return without a launch. The plan says the tiles and how
 many queries a launch takes; this module computes strides and grids, allocates and launches.
 """
 
@@ -23,28 +23,35 @@ __all__ = ["approx_scores"]
 
 
 @functools.lru_cache(maxsize=256)
-def _constants(tiles, candidates: bool):
-    return constants(CANDIDATES=candidates, LQ_TILE=tiles.lq_tile,
+def _constants(tiles, candidates: bool, counted: bool):
+    return constants(CANDIDATES=candidates, COUNTED=counted, LQ_TILE=tiles.lq_tile,
                      QUERIES_PER_BLOCK=tiles.queries_per_block, BLOCK_T=tiles.block_t,
                      num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
 def approx_scores(plan: ApproxPlan, cs: Tensor, codes: Tensor, starts: Tensor, lengths: Tensor,
-                  doc_ids: Tensor | None) -> Tensor:
+                  doc_ids: Tensor | None, counts: Tensor | None = None) -> Tensor:
     """Scores ``[Nq, Nd]`` (or ``[Nq, C]`` with ``doc_ids``), fp32; nothing synchronizes with
-    the host. ``cs`` is copied only where its query tokens are not adjacent (stride along ``Lq``
-    other than 1), so that each centroid's row is one coalesced read."""
+    the host. With ``counts [Nq]`` only query ``q``'s first ``counts[q]`` candidates are scored
+    and its other columns are -inf. ``cs`` is copied only where its query tokens are not
+    adjacent (stride along ``Lq`` other than 1), so that each centroid's row is one coalesced
+    read."""
     Nq, n_centroids, Lq = cs.shape
     candidates = doc_ids is not None
+    counted = counts is not None
     n_cols = doc_ids.shape[1] if candidates else starts.shape[0]
-    out = empty((Nq, n_cols), torch.float32, cs.device)
+    if counted:
+        out = torch.full((Nq, n_cols), float("-inf"), dtype=torch.float32, device=cs.device)
+    else:
+        out = empty((Nq, n_cols), torch.float32, cs.device)
     if not (Nq and n_cols):
         return out
     if cs.stride(2) != 1 and Lq > 1:
         cs = cs.contiguous()
     tiles = plan.tiles
     qpb = tiles.queries_per_block
-    consts = _constants(tiles, candidates)
+    consts = _constants(tiles, candidates, counted)
+    slots = plan.slot_programs if counted else n_cols
     kernel = launcher(_plaid_approx_kernel)
     ids = doc_ids if candidates else starts  # a placeholder the kernel never reads
     id_strides = (doc_ids.stride(0), doc_ids.stride(1)) if candidates else (0, 0)
@@ -53,13 +60,14 @@ def approx_scores(plan: ApproxPlan, cs: Tensor, codes: Tensor, starts: Tensor, l
         q1 = min(Nq, q0 + step)
         c, o = cs[q0:q1], out[q0:q1]
         i = ids[q0:q1] if candidates else ids
+        n = counts[q0:q1] if counted else ids
         n_q = q1 - q0
         n_qblocks = 1 if candidates else cdiv(n_q, qpb)
-        programs = n_q * n_cols if candidates else n_cols * n_qblocks
+        programs = n_q * slots if candidates else n_cols * n_qblocks
         kernel(
             (programs,),
-            (c, codes, starts, lengths, i, o, n_q, n_cols, Lq, n_centroids, codes.shape[0],
-             starts.shape[0], n_qblocks, *c.stride(), codes.stride(0), *id_strides),
+            (c, codes, starts, lengths, i, n, o, n_q, n_cols, Lq, n_centroids, codes.shape[0],
+             starts.shape[0], n_qblocks, slots, *c.stride(), codes.stride(0), *id_strides),
             consts,
         )
     return out

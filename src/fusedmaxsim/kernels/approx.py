@@ -22,8 +22,11 @@ Grid mapping
   ``[b · QUERIES_PER_BLOCK, (b + 1) · QUERIES_PER_BLOCK)``; the query blocks of one document are
   neighbours, so the programs reading its ids run together. A document's ids are read once a
   query chunk for every query of the block.
-* Per-query candidates: program ``q · Ncols + c`` owns query ``q``'s candidate ``c``
-  (``QUERIES_PER_BLOCK`` is 1).
+* Per-query candidates: program ``q · P + p`` owns query ``q``'s candidates ``p, p + P, …``
+  (``P = n_slot_programs``; ``QUERIES_PER_BLOCK`` is 1): ``P = Ncols`` gives each candidate its
+  program; with ``COUNTED`` only the query's first ``Counts[q]`` candidates are scored (the
+  count read on the device: a candidate table as wide as the corpus costs what it holds, with
+  no synchronization to size it) and the other columns are left as they are.
 
 A program walks its queries' tokens in chunks of ``LQ_TILE`` (a run-time loop over ``Lq``, so
 one compiled kernel serves every query length of a bucket) and, within a chunk, the document's
@@ -58,42 +61,14 @@ import triton.language as tl
 from .common import _max_propagate_nan
 
 
-@triton.jit(do_not_specialize=["Nq", "Ncols", "n_centroids", "n_tokens", "n_docs", "n_qblocks"])
-def _plaid_approx_kernel(
-    CS,
-    Codes,
-    Starts,
-    Lengths,
-    DocIds,
-    Out,
-    Nq,
-    Ncols,
-    Lq,
-    n_centroids,
-    n_tokens,
-    n_docs,
-    n_qblocks,
-    stride_cs_q,
-    stride_cs_c,
-    stride_cs_s,
-    stride_code,
-    stride_ids_q,
-    stride_ids_c,
-    CANDIDATES: tl.constexpr,
-    LQ_TILE: tl.constexpr,
-    QUERIES_PER_BLOCK: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-):
+@triton.jit
+def _approx_column(CS, Codes, Starts, Lengths, Out, doc, q0, i_col, Nq, Ncols, Lq, n_centroids,
+                   n_tokens, n_docs, stride_cs_q, stride_cs_c, stride_cs_s, stride_code,
+                   CANDIDATES: tl.constexpr, LQ_TILE: tl.constexpr,
+                   QUERIES_PER_BLOCK: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Column ``i_col`` (document ``doc``) of the queries ``[q0, q0 + QUERIES_PER_BLOCK)``:
+    scored and stored."""
     COLS: tl.constexpr = LQ_TILE * QUERIES_PER_BLOCK
-    pid = tl.program_id(0).to(tl.int64)
-    if CANDIDATES:
-        q0 = pid // Ncols
-        i_col = pid % Ncols
-        doc = tl.load(DocIds + q0 * stride_ids_q + i_col * stride_ids_c).to(tl.int64)
-    else:
-        i_col = pid // n_qblocks
-        q0 = (pid % n_qblocks) * QUERIES_PER_BLOCK
-        doc = i_col
     no_candidate = doc < 0
     known = (doc >= 0) & (doc < n_docs)
     doc = tl.where(known, doc, 0)
@@ -136,3 +111,53 @@ def _plaid_approx_kernel(
         acc = tl.where(no_candidate, float("-inf"), acc)
     o_out = q0 + tl.arange(0, QUERIES_PER_BLOCK)
     tl.store(Out + o_out * Ncols + i_col, acc, mask=o_out < Nq)
+
+
+@triton.jit(do_not_specialize=["Nq", "Ncols", "n_centroids", "n_tokens", "n_docs", "n_qblocks",
+                               "n_slot_programs"])
+def _plaid_approx_kernel(
+    CS,
+    Codes,
+    Starts,
+    Lengths,
+    DocIds,
+    Counts,
+    Out,
+    Nq,
+    Ncols,
+    Lq,
+    n_centroids,
+    n_tokens,
+    n_docs,
+    n_qblocks,
+    n_slot_programs,
+    stride_cs_q,
+    stride_cs_c,
+    stride_cs_s,
+    stride_code,
+    stride_ids_q,
+    stride_ids_c,
+    CANDIDATES: tl.constexpr,
+    COUNTED: tl.constexpr,
+    LQ_TILE: tl.constexpr,
+    QUERIES_PER_BLOCK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    if CANDIDATES:
+        q0 = pid // n_slot_programs
+        first = pid % n_slot_programs
+        n_cols = Ncols
+        if COUNTED:  # the query's first Counts[q0] columns; the rest are the caller's
+            n_cols = tl.minimum(tl.load(Counts + q0).to(tl.int64), Ncols)
+        for i_col in range(first, n_cols, n_slot_programs):
+            doc = tl.load(DocIds + q0 * stride_ids_q + i_col * stride_ids_c).to(tl.int64)
+            _approx_column(CS, Codes, Starts, Lengths, Out, doc, q0, i_col, Nq, Ncols, Lq,
+                           n_centroids, n_tokens, n_docs, stride_cs_q, stride_cs_c, stride_cs_s,
+                           stride_code, CANDIDATES, LQ_TILE, QUERIES_PER_BLOCK, BLOCK_T)
+    else:
+        i_col = pid // n_qblocks
+        q0 = (pid % n_qblocks) * QUERIES_PER_BLOCK
+        _approx_column(CS, Codes, Starts, Lengths, Out, i_col, q0, i_col, Nq, Ncols, Lq,
+                       n_centroids, n_tokens, n_docs, stride_cs_q, stride_cs_c, stride_cs_s,
+                       stride_code, CANDIDATES, LQ_TILE, QUERIES_PER_BLOCK, BLOCK_T)
