@@ -391,7 +391,8 @@ def _probed_documents(index: PlaidIndex, cells: Tensor) -> Tensor:
     M = index.max_list_len
     if M == 0 or P == 0:
         return hit[:, :-1]
-    cells, _ = cells.sort(dim=1)  # a cell probed by several query tokens is read once
+    # A cell probed by several query tokens is read once (int32: half the sort's passes).
+    cells = cells.int().sort(dim=1).values
     repeat = torch.zeros_like(cells, dtype=torch.bool)
     repeat[:, 1:] = cells[:, 1:] == cells[:, :-1]
     cells = cells.masked_fill(repeat, -1)
@@ -562,7 +563,7 @@ def _search(index: PlaidIndex, Q: Tensor, q_mask: Tensor | None, top_k: int, n_p
         approx = approx_scores(cs, index.codes, index.doc_starts, index.doc_lengths, table,
                                counts)
         n_exact = min(max(1, n_candidates // 4), index.n_docs)
-        best = approx.topk(n_exact, dim=1).indices
+        best = approx.topk(n_exact, dim=1, sorted=False).indices  # order: the rescoring's
         ids = table.gather(1, best)  # -1 where a query has fewer candidates
         docs = index._docs(ids)
         p = residual_problem(docs, Qc, q_mask, normalize=True, save_argmax=False)

@@ -1153,8 +1153,10 @@ MEASURED.update({
     "APPROX_MAX_COLUMNS": 32 if INTERPRETER else 256,
     "APPROX_MAX_LQ_TILE": 16 if INTERPRETER else 128,
     "APPROX_BLOCK_T": (8, 128) if INTERPRETER else (16, 128),
-    # Counted candidates (the search's table): programs an SM in all (not measured).
-    "APPROX_COUNTED_WAVES": 8,
+    # Counted candidates (the search's table): programs an SM in all. 8 left the approximate
+    # score of 32 queries × 1M candidates latency-bound (1M-document search 170 ms at batch 32,
+    # 125 ms compacted; NOTES §64); an empty program costs about 1.8 ns.
+    "APPROX_COUNTED_WAVES": 32,
 })
 # approx_tiles: an ApproxTiles; approx_launch_queries: queries a launch of the approx kernel;
 # approx_slot_programs: programs a query of counted candidates.
