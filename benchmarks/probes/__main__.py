@@ -71,6 +71,7 @@ SECTIONS = {
     "hidden_step": ("hidden", "hidden_step_profile"),
     "residual_tiles": ("plaid", "residual_tiles"),
     "residual_profile": ("plaid", "residual_profile"),
+    "approx_tiles": ("plaid", "approx_tiles"),
 }
 DEFAULT = ("normalize", "kd", "smooth")
 

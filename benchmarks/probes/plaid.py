@@ -115,3 +115,51 @@ def residual_profile():
             qpb = plans[-1][1].tiles.queries_per_block
             tokens = -(-Nq // qpb) * float(index.doc_lengths.sum())
         print(f"{name}: {ms:.3f} ms, {tokens / ms / 1e6:.2f} tokens/ns", flush=True)
+
+
+APPROX_SHAPES = {  # name: (documents, tokens a document, queries)
+    "5000x200 Nq1": (5000, 200, 1),
+    "5000x512 Nq1": (5000, 512, 1),
+    "25000x512 Nq1": (25000, 512, 1),
+    "5000x512 Nq32": (5000, 512, 32),
+}
+
+
+def approx_tiles():
+    """``plaid_approx_score`` (ms, ``do_bench``) on padded documents: the front door with the
+    plan's tiles, the same kernel through ``approx_scores`` (packed offsets made beforehand: the
+    front door's own host and tensor cost is the difference), then the kernel's tiles (tokens a
+    step, warps, stages) through the front door, the best eight and the worst two."""
+    from fusedmaxsim._autograd import approx_scores
+    from fusedmaxsim._plan import ApproxTiles
+    from fusedmaxsim.plaid import plaid_approx_score
+
+    for name, (Nd, Ld, Nq) in APPROX_SHAPES.items():
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        lengths = torch.randint(Ld // 2, Ld + 1, (Nd,), device="cuda", generator=gen)
+        codes = torch.randint(0, 4096, (Nd, Ld), device="cuda", generator=gen)
+        centroids = F.normalize(torch.randn(4096, 128, device="cuda"), dim=-1)
+        Q = F.normalize(torch.randn(Nq, 32, 128, device="cuda"), dim=-1)
+        cs = torch.einsum("kd,qsd->qks", centroids, Q).half()
+        starts = torch.arange(Nd, device="cuda") * Ld
+        with recording() as plans:
+            ref = plaid_approx_score(cs, codes, lengths)
+        front = do_bench(lambda: plaid_approx_score(cs, codes, lengths))
+        inner = do_bench(lambda: approx_scores(cs, codes.flatten(), starts, lengths))
+        print(f"{name}: front door {front:.4f} ms, approx_scores {inner:.4f} ms; plan "
+              f"{plans[-1][1].tiles}", flush=True)
+        rows = []
+        for block_t, warps, stages in itertools.product((64, 128, 256), (2, 4, 8), (1, 2, 3)):
+            lq_tile, qpb = plans[-1][1].tiles.lq_tile, plans[-1][1].tiles.queries_per_block
+            tiles = ApproxTiles(lq_tile, qpb, block_t, warps, stages)
+            try:
+                with forced_plan(approx_tiles=tiles):
+                    ok = torch.equal(plaid_approx_score(cs, codes, lengths), ref)
+                    rows.append((do_bench(lambda: plaid_approx_score(cs, codes, lengths)),
+                                 block_t, warps, stages, ok))
+            except Exception as exc:  # noqa: BLE001 - reported
+                print(f"  t{block_t} w{warps} s{stages}: {type(exc).__name__}", flush=True)
+        rows.sort()
+        for ms, block_t, warps, stages, ok in rows[:8] + rows[-2:]:
+            print(f"  t{block_t} w{warps} s{stages}: {ms:.4f}{'' if ok else '  (differs!)'}",
+                  flush=True)

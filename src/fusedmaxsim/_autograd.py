@@ -729,7 +729,7 @@ def scores_residual(p: Problem, o: Options, Q: Tensor, docs: ResidualDocs, q_mas
 # ------------------------------------------------------------------------------------------------
 
 from ._plan import plan_approx
-from ._problem import approx_problem, check_approx_internal
+from ._problem import approx_problem, check_approx_internal, padded_starts
 
 _approx_launcher = None
 
@@ -766,24 +766,31 @@ def approx_scores(cs: Tensor, codes: Tensor, starts: Tensor, lengths: Tensor,
     return approx_checked(cs, codes, starts, lengths, doc_ids)
 
 
-def approx_checked(cs, codes, starts, lengths, doc_ids=None) -> Tensor:
-    """:func:`approx_scores` of arguments a front door has checked already."""
+def approx_checked(cs, codes, starts, lengths, doc_ids=None, *,
+                   padded_len: int | None = None) -> Tensor:
+    """:func:`approx_scores` of arguments a front door has checked already; with
+    ``padded_len``, ``starts`` None: document ``j`` starts at ``j · padded_len``."""
     o = options_for(cs)
     if torch.compiler.is_compiling():
+        if padded_len is not None:
+            starts, lengths = padded_starts(lengths, padded_len)
         return plaid_approx(cs, codes, starts, lengths, doc_ids, o.backend)
-    return _approx(cs, codes, starts, lengths, doc_ids, o)
+    return _approx(cs, codes, starts, lengths, doc_ids, o, padded_len=padded_len)
 
 
-def _approx(cs, codes, starts, lengths, doc_ids, o: Options, counts=None) -> Tensor:
+def _approx(cs, codes, starts, lengths, doc_ids, o: Options, counts=None,
+            padded_len: int | None = None) -> Tensor:
     global _approx_launcher
-    n_cols = starts.shape[0] if doc_ids is None else doc_ids.shape[1]
+    n_cols = lengths.shape[0] if doc_ids is None else doc_ids.shape[1]
     plan = plan_approx(approx_problem(cs, n_cols, doc_ids is not None, counts is not None), o)
     if plan.kernel == "torch":
+        if padded_len is not None:
+            starts, lengths = padded_starts(lengths, padded_len)
         return _torch_path.approx_scores_torch(plan.torch_block_elems, cs, codes, starts, lengths,
                                                doc_ids, counts)
     if _approx_launcher is None:  # imported on first use: the PyTorch path never imports Triton
         from ._launch.approx import approx_scores as _approx_launcher
-    return _approx_launcher(plan, cs, codes, starts, lengths, doc_ids, counts)
+    return _approx_launcher(plan, cs, codes, starts, lengths, doc_ids, counts, padded_len)
 
 
 @torch.library.custom_op("fusedmaxsim::plaid_approx", mutates_args=())

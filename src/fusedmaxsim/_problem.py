@@ -952,11 +952,14 @@ def check_approx_internal(cs: object, codes: object, starts: object, lengths: ob
 
 class ApproxDocs(NamedTuple):
     """``plaid_approx_score``'s documents as ``approx_scores`` takes them: document ``j`` is the
-    ids ``codes[starts[j] : starts[j] + lengths[j]]``."""
+    ids ``codes[starts[j] : starts[j] + lengths[j]]``, or with ``padded_len`` (padded documents,
+    ``starts`` None) ``codes[j · padded_len : j · padded_len + lengths[j]]``, a length outside
+    ``[0, padded_len]`` scoring NaN."""
 
     codes: Tensor  # [T] integers
-    starts: Tensor  # [Nd] int64
+    starts: Tensor | None  # [Nd] int64, or None (padded)
     lengths: Tensor  # [Nd] integers
+    padded_len: int | None = None
 
 
 _NO_ID = (torch.iinfo(torch.int64).max, torch.iinfo(torch.int64).min)
@@ -989,7 +992,8 @@ def check_approx(cs: object, codes: object, doc_lengths: object, cu_seqlens: obj
     values (lengths in ``[0, max_Ld]``, offsets from 0, non-decreasing and within ``T``, every
     document token's id in ``[0, n_centroids)``) where the index tensors are on the CPU (unless
     ``validate=False``) or with ``validate=True`` (one synchronization). Unchecked, a padded
-    length outside ``[0, max_Ld]`` is passed on as -1, so that its document scores NaN."""
+    length outside ``[0, max_Ld]`` makes its document score NaN (``ApproxDocs.padded_len``: the
+    padded layout costs no tensor of offsets)."""
     cs = _approx_scores_arg(cs, (2, 3))
     device = cs.device
     squeeze_q = cs.dim() == 2
@@ -1036,11 +1040,15 @@ def check_approx(cs: object, codes: object, doc_lengths: object, cu_seqlens: obj
                            _approx_id_range(codes, inside)]).tolist()
         _check_length_range("doc_lengths", facts[0], facts[1], Ld)
         _approx_id_errors(facts[2], facts[3], n_centroids)
-    elif not checked:
-        # A length out of [0, Ld] would read its neighbour's ids: -1 makes its score NaN.
-        lengths = torch.where((lengths < 0) | (lengths > Ld), -1, lengths)
-    starts = torch.arange(B, device=device, dtype=torch.int64) * Ld
-    return cs, ApproxDocs(codes.reshape(B * Ld), starts, lengths), squeeze_q
+    return cs, ApproxDocs(codes.reshape(B * Ld), None, lengths, Ld), squeeze_q
+
+
+def padded_starts(lengths: Tensor, padded_len: int) -> tuple[Tensor, Tensor]:
+    """Padded documents as packed ones: ``(starts = j · padded_len, lengths)``, a length outside
+    ``[0, padded_len]`` passed on as -1 (its document then scores NaN, never reading its
+    neighbour's ids)."""
+    starts = torch.arange(lengths.shape[0], device=lengths.device, dtype=torch.int64) * padded_len
+    return starts, torch.where((lengths < 0) | (lengths > padded_len), -1, lengths)
 
 
 # ------------------------------------------------------------------------------------------------

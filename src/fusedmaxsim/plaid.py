@@ -212,6 +212,7 @@ def plaid_approx_score(
     """
     cs, docs, squeeze_q = check_approx(query_centroid_scores, codes, doc_lengths, cu_seqlens,
                                        validate)
-    scores = approx_checked(cs, docs.codes, docs.starts, docs.lengths)
+    scores = approx_checked(cs, docs.codes, docs.starts, docs.lengths,
+                            padded_len=docs.padded_len)
     return scores.squeeze(0) if squeeze_q else scores
 

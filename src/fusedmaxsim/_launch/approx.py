@@ -23,23 +23,25 @@ __all__ = ["approx_scores"]
 
 
 @functools.lru_cache(maxsize=256)
-def _constants(tiles, candidates: bool, counted: bool):
-    return constants(CANDIDATES=candidates, COUNTED=counted, LQ_TILE=tiles.lq_tile,
+def _constants(tiles, candidates: bool, counted: bool, padded: bool):
+    return constants(CANDIDATES=candidates, COUNTED=counted, PADDED=padded,
+                     LQ_TILE=tiles.lq_tile,
                      QUERIES_PER_BLOCK=tiles.queries_per_block, BLOCK_T=tiles.block_t,
                      num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
-def approx_scores(plan: ApproxPlan, cs: Tensor, codes: Tensor, starts: Tensor, lengths: Tensor,
-                  doc_ids: Tensor | None, counts: Tensor | None = None) -> Tensor:
+def approx_scores(plan: ApproxPlan, cs: Tensor, codes: Tensor, starts: Tensor | None,
+                  lengths: Tensor, doc_ids: Tensor | None, counts: Tensor | None = None,
+                  padded_len: int | None = None) -> Tensor:
     """Scores ``[Nq, Nd]`` (or ``[Nq, C]`` with ``doc_ids``), fp32; nothing synchronizes with
     the host. With ``counts [Nq]`` only query ``q``'s first ``counts[q]`` candidates are scored
-    and its other columns are -inf. ``cs`` is copied only where its query tokens are not
-    adjacent (stride along ``Lq`` other than 1), so that each centroid's row is one coalesced
-    read."""
+    and its other columns are -inf. With ``padded_len`` (``starts`` None) document ``j`` starts
+    at ``j · padded_len``. ``cs`` is copied only where its query tokens are not adjacent (stride
+    along ``Lq`` other than 1), so that each centroid's row is one coalesced read."""
     Nq, n_centroids, Lq = cs.shape
     candidates = doc_ids is not None
     counted = counts is not None
-    n_cols = doc_ids.shape[1] if candidates else starts.shape[0]
+    n_cols = doc_ids.shape[1] if candidates else lengths.shape[0]
     if counted:
         out = torch.full((Nq, n_cols), float("-inf"), dtype=torch.float32, device=cs.device)
     else:
@@ -50,7 +52,10 @@ def approx_scores(plan: ApproxPlan, cs: Tensor, codes: Tensor, starts: Tensor, l
         cs = cs.contiguous()
     tiles = plan.tiles
     qpb = tiles.queries_per_block
-    consts = _constants(tiles, candidates, counted)
+    consts = _constants(tiles, candidates, counted, padded_len is not None)
+    padded_len = padded_len or 0
+    if starts is None:
+        starts = lengths  # a placeholder the kernel never reads
     slots = plan.slot_programs if counted else n_cols
     kernel = launcher(_plaid_approx_kernel)
     ids = doc_ids if candidates else starts  # a placeholder the kernel never reads
@@ -67,7 +72,8 @@ def approx_scores(plan: ApproxPlan, cs: Tensor, codes: Tensor, starts: Tensor, l
         kernel(
             (programs,),
             (c, codes, starts, lengths, i, n, o, n_q, n_cols, Lq, n_centroids, codes.shape[0],
-             starts.shape[0], n_qblocks, slots, *c.stride(), codes.stride(0), *id_strides),
+             lengths.shape[0], n_qblocks, slots, padded_len, *c.stride(), codes.stride(0),
+             *id_strides),
             consts,
         )
     return out

@@ -38,6 +38,8 @@ over tokens once a chunk.
 
 Caveats
 -------
+* Padded documents (``PADDED``): document ``j`` starts at ``j · padded_len`` (no ``Starts``
+  read), and a length above ``padded_len`` scores NaN, like a range outside the ids.
 * Bounds: a document whose range leaves ``[0, n_tokens)`` (a negative start or length, or
   ``start + length > n_tokens``) or a candidate id ``>= n_docs`` reads nothing and scores NaN;
   a token whose id lies outside ``[0, n_centroids)`` reads nothing and makes its document's
@@ -63,19 +65,25 @@ from .common import _max_propagate_nan
 
 @triton.jit
 def _approx_column(CS, Codes, Starts, Lengths, Out, doc, q0, i_col, Nq, Ncols, Lq, n_centroids,
-                   n_tokens, n_docs, stride_cs_q, stride_cs_c, stride_cs_s, stride_code,
-                   CANDIDATES: tl.constexpr, LQ_TILE: tl.constexpr,
-                   QUERIES_PER_BLOCK: tl.constexpr, BLOCK_T: tl.constexpr):
+                   n_tokens, n_docs, padded_len, stride_cs_q, stride_cs_c, stride_cs_s,
+                   stride_code, CANDIDATES: tl.constexpr, PADDED: tl.constexpr,
+                   LQ_TILE: tl.constexpr, QUERIES_PER_BLOCK: tl.constexpr,
+                   BLOCK_T: tl.constexpr):
     """Column ``i_col`` (document ``doc``) of the queries ``[q0, q0 + QUERIES_PER_BLOCK)``:
     scored and stored."""
     COLS: tl.constexpr = LQ_TILE * QUERIES_PER_BLOCK
     no_candidate = doc < 0
     known = (doc >= 0) & (doc < n_docs)
     doc = tl.where(known, doc, 0)
-    start = tl.load(Starts + doc, mask=known, other=0).to(tl.int64)
     length = tl.load(Lengths + doc, mask=known, other=0).to(tl.int64)
+    if PADDED:
+        start = doc * padded_len
+        long = length > padded_len  # would read the next document's ids
+    else:
+        start = tl.load(Starts + doc, mask=known, other=0).to(tl.int64)
+        long = False
     # A range outside the ids (checked without overflow) scores NaN and reads nothing.
-    broken = (~known) | (start < 0) | (length < 0) | (start > n_tokens) | \
+    broken = (~known) | long | (start < 0) | (length < 0) | (start > n_tokens) | \
         (length > n_tokens - start)
     n_tok = tl.where(broken, 0, length).to(tl.int32)
     start = tl.where(broken, 0, start)
@@ -114,7 +122,7 @@ def _approx_column(CS, Codes, Starts, Lengths, Out, doc, q0, i_col, Nq, Ncols, L
 
 
 @triton.jit(do_not_specialize=["Nq", "Ncols", "n_centroids", "n_tokens", "n_docs", "n_qblocks",
-                               "n_slot_programs"])
+                               "n_slot_programs", "padded_len"])
 def _plaid_approx_kernel(
     CS,
     Codes,
@@ -131,6 +139,7 @@ def _plaid_approx_kernel(
     n_docs,
     n_qblocks,
     n_slot_programs,
+    padded_len,
     stride_cs_q,
     stride_cs_c,
     stride_cs_s,
@@ -139,6 +148,7 @@ def _plaid_approx_kernel(
     stride_ids_c,
     CANDIDATES: tl.constexpr,
     COUNTED: tl.constexpr,
+    PADDED: tl.constexpr,
     LQ_TILE: tl.constexpr,
     QUERIES_PER_BLOCK: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -153,11 +163,13 @@ def _plaid_approx_kernel(
         for i_col in range(first, n_cols, n_slot_programs):
             doc = tl.load(DocIds + q0 * stride_ids_q + i_col * stride_ids_c).to(tl.int64)
             _approx_column(CS, Codes, Starts, Lengths, Out, doc, q0, i_col, Nq, Ncols, Lq,
-                           n_centroids, n_tokens, n_docs, stride_cs_q, stride_cs_c, stride_cs_s,
-                           stride_code, CANDIDATES, LQ_TILE, QUERIES_PER_BLOCK, BLOCK_T)
+                           n_centroids, n_tokens, n_docs, padded_len, stride_cs_q, stride_cs_c,
+                           stride_cs_s, stride_code, CANDIDATES, PADDED, LQ_TILE,
+                           QUERIES_PER_BLOCK, BLOCK_T)
     else:
         i_col = pid // n_qblocks
         q0 = (pid % n_qblocks) * QUERIES_PER_BLOCK
         _approx_column(CS, Codes, Starts, Lengths, Out, i_col, q0, i_col, Nq, Ncols, Lq,
-                       n_centroids, n_tokens, n_docs, stride_cs_q, stride_cs_c, stride_cs_s,
-                       stride_code, CANDIDATES, LQ_TILE, QUERIES_PER_BLOCK, BLOCK_T)
+                       n_centroids, n_tokens, n_docs, padded_len, stride_cs_q, stride_cs_c,
+                       stride_cs_s, stride_code, CANDIDATES, PADDED, LQ_TILE,
+                       QUERIES_PER_BLOCK, BLOCK_T)
