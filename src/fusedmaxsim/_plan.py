@@ -1143,13 +1143,17 @@ def explain_plans(p: Problem, o: Options, strategy: str = "auto") -> str:
 # PLAID approximate scores (plaid_approx_score): tiles of the gather kernel, or the PyTorch path
 # ------------------------------------------------------------------------------------------------
 
-# Not measured yet (no GPU run of the approx kernel so far; the interpreter's are small so that
-# tests cross tiles and query chunks). A program's [tokens, queries · query tokens] tile of
-# gathered centroid scores holds about APPROX_TILE_ELEMS values; its columns are at most
+# Measured only in part (APPROX_TILE_ELEMS, by `python3 benchmarks/probes approx_tiles`; the
+# interpreter's are small so that tests cross tiles and query chunks; warps and stages were
+# within noise of the best at two of three one-query shapes). A program's [tokens, queries ·
+# query tokens] tile of gathered centroid scores holds about APPROX_TILE_ELEMS values; its
+# columns are at most
 # APPROX_MAX_COLUMNS (queries sharing a program, each padded to its chunk of at most
 # APPROX_MAX_LQ_TILE query tokens); its tokens between APPROX_BLOCK_T's bounds.
 MEASURED.update({
-    "APPROX_TILE_ELEMS": 256 if INTERPRETER else 4096,
+    # 2048: 64 tokens a step at one query, 1.19-1.23x faster than 128 at two of three shapes
+    # (NOTES §65); 32 queries keep the lower bound's 16 tokens (64 ran 1.5x slower there).
+    "APPROX_TILE_ELEMS": 256 if INTERPRETER else 2048,
     "APPROX_MAX_COLUMNS": 32 if INTERPRETER else 256,
     "APPROX_MAX_LQ_TILE": 16 if INTERPRETER else 128,
     "APPROX_BLOCK_T": (8, 128) if INTERPRETER else (16, 128),
@@ -1196,7 +1200,7 @@ class ApproxPlan:
 
 
 def approx_tiles(Lq: int, Nq: int, candidates: bool, interp: bool = INTERPRETER) -> ApproxTiles:
-    """The approx kernel's tiles for a query-length bucket (not measured; see MEASURED): the
+    """The approx kernel's tiles for a query-length bucket (measured in part; see MEASURED): the
     whole query a chunk up to ``APPROX_MAX_LQ_TILE`` tokens, as many queries a program as
     ``APPROX_MAX_COLUMNS`` allows (the cross product: a document's ids are then read once for
     them all), tokens filling ``APPROX_TILE_ELEMS``."""
