@@ -215,6 +215,8 @@ def test_search_never_synchronizes_and_its_graph_equals_it():
             graph = index.search(Q, 10, q_mask=q_mask, cuda_graph=True, **kw)
             assert torch.equal(graph[1], eager[1]) and torch.equal(graph[0], eager[0])
     assert len(index._graphs) == 2
+    grad = index.search(Q2.clone().requires_grad_(), 10, cuda_graph=True, **kw)  # no autograd
+    assert torch.equal(grad[1], index.search(Q2, 10, **kw)[1]) and len(index._graphs) == 2
     few = index.search(Q1[:1], 500, n_probe=1, n_candidates=8, cuda_graph=True)
     assert torch.equal(few[1], index.search(Q1[:1], 500, n_probe=1, n_candidates=8)[1])
     assert (few[1][0, 2:] == -1).all() and (few[0][0, 2:] == float("-inf")).all()

@@ -495,9 +495,10 @@ def plaid_search(Q: Tensor, index: PlaidIndex, top_k: int = 10, *, n_probe: int 
     no ``subset``) runs it as a CUDA graph: captured on the first call of each query shape,
     mask shape, dtype, ``top_k``, ``n_probe``, ``n_candidates`` and settings, then replayed,
     which removes the host's cost of launching its two dozen operations (each graph keeps its
-    buffers until :meth:`PlaidIndex.release_graphs`). Memory holds the centroid scores and,
-    for each query, a candidate bitmap, table and approximate score as wide as the corpus
-    (about 25 bytes a document at the peak), never a decompressed document. No gradient; eager only (not under
+    buffers until :meth:`PlaidIndex.release_graphs`, and serves one call at a time: not from
+    several threads at once). Memory holds the centroid scores and, for each query, a
+    candidate bitmap, table and approximate score as wide as the corpus (about 25 bytes a
+    document at the peak), never a decompressed document. No gradient; eager only (not under
     ``torch.compile``).
     """
     if torch.compiler.is_compiling():
@@ -583,24 +584,27 @@ class _SearchGraph:
 
     def __init__(self, index: PlaidIndex, Q: Tensor, q_mask: Tensor | None, top_k: int,
                  n_probe: int, n_candidates: int):
-        self.Q = Q.clone()
-        self.q_mask = None if q_mask is None else q_mask.clone()
+        self.device = Q.device
+        self.Q = Q.detach().clone()
+        self.q_mask = None if q_mask is None else q_mask.detach().clone()
 
         def run():
             return _search(index, self.Q, self.q_mask, top_k, n_probe, n_candidates, None)
 
-        side = torch.cuda.Stream(Q.device)
-        side.wait_stream(torch.cuda.current_stream(Q.device))
-        with torch.cuda.stream(side):
-            run()  # compiles the kernels and fills the plans' caches outside the capture
-        torch.cuda.current_stream(Q.device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.scores, self.ids = run()
+        with torch.cuda.device(self.device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                run()  # compiles the kernels and fills the plans' caches outside the capture
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.scores, self.ids = run()
 
     def __call__(self, Q: Tensor, q_mask: Tensor | None) -> tuple[Tensor, Tensor]:
-        self.Q.copy_(Q)
-        if q_mask is not None:
-            self.q_mask.copy_(q_mask)
-        self.graph.replay()
-        return self.scores.clone(), self.ids.clone()
+        with torch.no_grad(), torch.cuda.device(self.device):
+            self.Q.copy_(Q)
+            if q_mask is not None:
+                self.q_mask.copy_(q_mask)
+            self.graph.replay()
+            return self.scores.clone(), self.ids.clone()
