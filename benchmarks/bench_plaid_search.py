@@ -374,10 +374,12 @@ def run_corpus(n_docs, a, device, topics, Q, workdir):
     row["latency_x"] = s["fast_plaid"]["latency_ms"] / s["ours"]["latency_ms"] if gate else None
     row["throughput_x"] = s["ours"]["qps"] / s["fast_plaid"]["qps"] if gate else None
     graph = gate and "ours_graph" in s
-    # The graph's speedups: latency by the wall clock around a synchronous call (as fast-plaid's).
+    # The graph's speedups: latency by the wall clock around a synchronous call, as
+    # fast-plaid's.
     row["graph_latency_x"] = (s["fast_plaid"]["latency_ms"] / s["ours_graph_wall"]["latency_ms"]
                               if graph else None)
-    row["graph_throughput_x"] = s["ours_graph"]["qps"] / s["fast_plaid"]["qps"] if graph else None
+    row["graph_throughput_x"] = (s["ours_graph"]["qps"] / s["fast_plaid"]["qps"] if graph
+                                 else None)
     log(f"latency ms {({n: round(v['latency_ms'], 3) for n, v in s.items()})}, qps "
         f"{({n: round(v['qps']) for n, v in s.items()})}, memory {row.get('memory')}")
     if fp is not None:
@@ -476,8 +478,8 @@ def markdown(rec):
             _f(m.get("ratio"), ".2f", MEMORY_X, above=False)))
     graphs = [r for r in rows if "ours_graph" in r.get("speed", {})]
     if graphs:
-        lines += ["", "The same searches as CUDA graphs (`cuda_graph=True`; results equal to the "
-                      "eager search's, checked first):"]
+        lines += ["", "The same searches as CUDA graphs (`cuda_graph=True`; results equal to "
+                      "the eager search's, checked first):"]
         lines += _table("docs", "latency ms fast-plaid", "graph", "graph wall",
                         f"× wall (≥ {LATENCY_X:g})", "qps fast-plaid", "graph",
                         f"× (≥ {THROUGHPUT_X:g})")
@@ -485,7 +487,8 @@ def markdown(rec):
             s, fps = r["speed"], r["speed"].get("fast_plaid", {})
             lines.append(_row(
                 r["docs"], _f(fps.get("latency_ms"), ".2f"),
-                f"{s['ours_graph']['latency_ms']:.3f}", f"{s['ours_graph_wall']['latency_ms']:.3f}",
+                f"{s['ours_graph']['latency_ms']:.3f}",
+                f"{s['ours_graph_wall']['latency_ms']:.3f}",
                 _f(r.get("graph_latency_x"), ".1f", LATENCY_X), _f(fps.get("qps"), ".0f"),
                 f"{s['ours_graph']['qps']:.0f}", _f(r.get("graph_throughput_x"), ".1f",
                                                     THROUGHPUT_X)))

@@ -131,7 +131,8 @@ def test_counted_candidates(backend, slot_programs):
     col = torch.arange(5)
     expected = torch.where(col < counts[:, None], ref.gather(1, doc_ids), float("-inf"))
     garbage = doc_ids.masked_fill(col >= counts[:, None], 99)  # never read
-    with forced_plan(**({} if slot_programs is None else {"approx_slot_programs": slot_programs})):
+    forced = {} if slot_programs is None else {"approx_slot_programs": slot_programs}
+    with forced_plan(**forced):
         out = approx_scores(cs, codes.flatten(), starts, lengths, garbage, counts)
     _assert_matches(out, expected)
     with pytest.raises(ValueError, match=r"counts must be \[Nq\] integers"):

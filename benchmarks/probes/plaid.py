@@ -79,7 +79,8 @@ def residual_tiles():
                     err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-9)).item()
                     results[key] = (do_bench(call), err)
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: reported
-                print(f"  n{block_n} w{warps} s{stages} q{qpb}: {type(exc).__name__}", flush=True)
+                print(f"  n{block_n} w{warps} s{stages} q{qpb}: {type(exc).__name__}",
+                      flush=True)
 
         for block_n, warps, stages in itertools.product((32, 64), (4, 8), (1, 2, 3)):
             run(block_n, warps, stages, base.queries_per_block, plan_gather)
@@ -93,8 +94,8 @@ def residual_tiles():
         ranked = sorted(results.items(), key=lambda kv: kv[1][0])
         for (block_n, warps, stages, qpb, gather), (ms, err) in ranked[:8] + ranked[-2:]:
             weights = "loads" if gather else "selects"
-            print(f"  n{block_n} w{warps} s{stages} q{qpb} {weights}: {ms:.3f}  (err {err:.1e})",
-                  flush=True)
+            print(f"  n{block_n} w{warps} s{stages} q{qpb} {weights}: {ms:.3f}  "
+                  f"(err {err:.1e})", flush=True)
         del index, Q
         torch.cuda.empty_cache()
 

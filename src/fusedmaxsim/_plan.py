@@ -28,8 +28,8 @@ import torch
 
 from . import settings
 from ._problem import (
-    APPROX_CANDIDATES, APPROX_COUNTED, CANDIDATES, CROSS, HIDDEN_CANDIDATES, HIDDEN_LAYOUTS, PAIRS, PACKED,
-    RESIDUAL, RESIDUAL_CANDIDATES, RESIDUAL_LAYOUTS, Options, Problem,
+    APPROX_CANDIDATES, APPROX_COUNTED, CANDIDATES, CROSS, HIDDEN_CANDIDATES, HIDDEN_LAYOUTS,
+    PAIRS, PACKED, RESIDUAL, RESIDUAL_CANDIDATES, RESIDUAL_LAYOUTS, Options, Problem,
 )
 
 __all__ = [
@@ -110,10 +110,10 @@ MEASURED: dict[str, object] = dict(
     # PLAID residual documents (design.md "PLAID"; NOTES §63): the kernel's tiles (d <= 128:
     # document tile, warps, stages with the bucket weights selected, stages with them loaded),
     # the query rows a block on the cross product (16-bit; half for fp32), and from how many
-    # bits a code the bucket weights are loaded rather than selected. 32-token tiles ran 1.2-1.7x faster than 64;
-    # 256 rows 1.4-1.7x faster than 128; loads 1.4-1.5x faster than the 15 selects of 4 bits,
-    # but only unpipelined (3-4x slower at 2 or 3 stages); 3 stages 5% slower than 2 on the
-    # cross product, 14% faster on the search's candidates.
+    # bits a code the bucket weights are loaded rather than selected. 32-token tiles ran
+    # 1.2-1.7x faster than 64; 256 rows 1.4-1.7x faster than 128; loads 1.4-1.5x faster than
+    # the 15 selects of 4 bits, but only unpipelined (3-4x slower at 2 or 3 stages); 3 stages
+    # 5% slower than 2 on the cross product, 14% faster on the search's candidates.
     RESIDUAL_TILES=(32, 4, 3, 1),
     RESIDUAL_ROWS=256,
     RESIDUAL_GATHER_MIN_NBITS=4,
@@ -1147,9 +1147,8 @@ def explain_plans(p: Problem, o: Options, strategy: str = "auto") -> str:
 # interpreter's are small so that tests cross tiles and query chunks; warps and stages were
 # within noise of the best at two of three one-query shapes). A program's [tokens, queries ·
 # query tokens] tile of gathered centroid scores holds about APPROX_TILE_ELEMS values; its
-# columns are at most
-# APPROX_MAX_COLUMNS (queries sharing a program, each padded to its chunk of at most
-# APPROX_MAX_LQ_TILE query tokens); its tokens between APPROX_BLOCK_T's bounds.
+# columns are at most APPROX_MAX_COLUMNS (queries sharing a program, each padded to its chunk of
+# at most APPROX_MAX_LQ_TILE query tokens); its tokens between APPROX_BLOCK_T's bounds.
 MEASURED.update({
     # 2048: 64 tokens a step at one query, 1.19-1.23x faster than 128 at two of three shapes
     # (NOTES §65); 32 queries keep the lower bound's 16 tokens (64 ran 1.5x slower there).

@@ -1047,7 +1047,8 @@ def padded_starts(lengths: Tensor, padded_len: int) -> tuple[Tensor, Tensor]:
     """Padded documents as packed ones: ``(starts = j · padded_len, lengths)``, a length outside
     ``[0, padded_len]`` passed on as -1 (its document then scores NaN, never reading its
     neighbour's ids)."""
-    starts = torch.arange(lengths.shape[0], device=lengths.device, dtype=torch.int64) * padded_len
+    starts = torch.arange(lengths.shape[0], device=lengths.device, dtype=torch.int64)
+    starts = starts * padded_len
     return starts, torch.where((lengths < 0) | (lengths > padded_len), -1, lengths)
 
 

@@ -4,8 +4,9 @@ with ``kernels.approx._plaid_approx_kernel``.
 Inputs arrive as ``_autograd.approx_scores`` takes them (shapes, dtypes and devices checked):
 ``cs [Nq, n_centroids, Lq]`` (any float dtype but float64, which the planner sends to the
 PyTorch path; any strides), ``codes [T]``, ``starts [Nd]``, ``lengths [Nd]``, optional
-``doc_ids [Nq, C]`` and with them optional ``counts [Nq]``. Empty problems return without a launch. The plan says the tiles and how
-many queries a launch takes; this module computes strides and grids, allocates and launches.
+``doc_ids [Nq, C]`` and with them optional ``counts [Nq]``. Empty problems return without a
+launch. The plan says the tiles and how many queries a launch takes; this module computes
+strides and grids, allocates and launches.
 """
 
 from __future__ import annotations

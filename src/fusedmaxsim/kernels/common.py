@@ -135,10 +135,10 @@ def _residual_tile(p_codes, stride_code_tok, res, o_t, m_t, BLOCK_K: tl.constexp
     ``7 - p % 8`` (``BIG``) or ``p % 8`` of byte ``p // 8``.
 
     Each token's residual bytes are read once, as one contiguous row (``BIG`` reverses each
-    byte's bits first, so both orders read code ``j`` of a byte from bits ``[j · NBITS, (j + 1) ·
-    NBITS)``), the codes taken out as ``[BLOCK_N, bytes, codes a byte]`` and reshaped to
-    ``[BLOCK_N, BLOCK_K]``. The bucket weight: a chain of selects over the ``2 ** NBITS``
-    weights, or with ``GATHER_WEIGHTS`` a load a value (from L1).
+    byte's bits first, so both orders read code ``j`` of a byte from bits
+    ``[j · NBITS, (j + 1) · NBITS)``), the codes taken out as ``[BLOCK_N, bytes, codes a byte]``
+    and reshaped to ``[BLOCK_N, BLOCK_K]``. The bucket weight: a chain of selects over the
+    ``2 ** NBITS`` weights, or with ``GATHER_WEIGHTS`` a load a value (from L1).
     """
     p_res, stride_res_tok, Centroids, stride_cent, BucketWeights, n_centroids, dim = res
     PER_BYTE: tl.constexpr = 8 // NBITS
@@ -439,14 +439,16 @@ def _doc_loop(
             b_q, acc_max, acc_arg, run_sum, smooth_scale, start, t_hi, p_doc, stride_doc_tok,
             stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv, stride_dinv_tok, o_k, m_k, res,
             False, EVEN_K, HAS_D_MASK, NORMALIZE, NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_N,
-            DOT_PRECISION, UPCAST, RESIDUAL_NBITS, RESIDUAL_BIG, RESIDUAL_GATHER, HIDDEN_BLOCK, HIDDEN_BIAS,
+            DOT_PRECISION, UPCAST, RESIDUAL_NBITS, RESIDUAL_BIG, RESIDUAL_GATHER, HIDDEN_BLOCK,
+            HIDDEN_BIAS,
         )
     if t_full < t_hi:
         acc_max, acc_arg, run_sum = _doc_tile(
             b_q, acc_max, acc_arg, run_sum, smooth_scale, t_full, t_hi, p_doc, stride_doc_tok,
             stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv, stride_dinv_tok, o_k, m_k, res,
             True, EVEN_K, HAS_D_MASK, NORMALIZE, NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_N,
-            DOT_PRECISION, UPCAST, RESIDUAL_NBITS, RESIDUAL_BIG, RESIDUAL_GATHER, HIDDEN_BLOCK, HIDDEN_BIAS,
+            DOT_PRECISION, UPCAST, RESIDUAL_NBITS, RESIDUAL_BIG, RESIDUAL_GATHER, HIDDEN_BLOCK,
+            HIDDEN_BIAS,
         )
     row_arg = tl.full([BLOCK_M], -1, tl.int32)
     if SMOOTH:
