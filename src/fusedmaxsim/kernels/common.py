@@ -371,9 +371,10 @@ def _doc_max(
     ``QUERY_IN_REGISTERS``: keep ``b_q`` in registers for the products (16-bit inputs, at least
     64 rows: Hopper's warp-group products), which leaves shared memory's bandwidth to the
     document tiles. ``RESIDUAL_NBITS``: the document is a PLAID one, decompressed tile by tile
-    (:func:`_residual_tile`, with ``res``); ``HIDDEN_BLOCK``: the document is hidden states,
-    projected tile by tile (:func:`_hidden_tile`, with ``res``, the bias with ``HIDDEN_BIAS``);
-    both 0 (dense documents) leave ``res`` unread.
+    (:func:`_residual_tile`, with ``res``; its bit order ``RESIDUAL_BIG``, its bucket weights
+    loaded with ``RESIDUAL_GATHER``, else selected); ``HIDDEN_BLOCK``: the document is hidden
+    states, projected tile by tile (:func:`_hidden_tile`, with ``res``, the bias with
+    ``HIDDEN_BIAS``); both 0 (dense documents) leave ``res`` unread.
     """
     if QUERY_IN_REGISTERS and not UPCAST:
         b_q = _in_product_layout(b_q)
