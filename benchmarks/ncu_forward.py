@@ -68,6 +68,40 @@ def _lik(nq, nd, lq, ld, *, normalize=False):
     return call
 
 
+def _plaid_approx(nd, ld, *, lik=False):
+    """One query's approximate score on padded ids (bench_plaid's approx inputs)."""
+    from fusedmaxsim.plaid import plaid_approx_score
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    codes = torch.randint(0, 4096, (nd, ld), device="cuda", generator=g)
+    lengths = torch.randint(ld // 2, ld + 1, (nd,), device="cuda", generator=g)
+    centroids = torch.nn.functional.normalize(torch.randn(4096, 128, device="cuda"), dim=-1)
+    Q = torch.nn.functional.normalize(torch.randn(32, 128, device="cuda"), dim=-1)
+    cs = (centroids @ Q.T)[None].half()
+    if lik:
+        from late_interaction_kernels.plaid import plaid_approx_score as lik_approx
+
+        cs32 = cs[0].float()
+        return lambda: lik_approx(cs32, codes, lengths)
+    return lambda: plaid_approx_score(cs, codes, lengths)
+
+
+def _plaid_residual(nd, ld, nq, n_cand):
+    """The residual kernel (nbits 2): the search's rescoring (``n_cand`` candidates a query) or
+    the cross product (``n_cand`` 0); the PLAID probes' inputs."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from probes.plaid import _call, _inputs
+
+    index, Q = _inputs(nd, ld, nq, 2)
+    call = _call(index, Q, n_cand)
+
+    def run():
+        with torch.no_grad():
+            call()
+
+    return run
+
+
 ROWS = {
     "batch_colbert": lambda: _ours(256, 256, 32, 300),
     "rerank_colpali": lambda: _ours(1, 1000, 128, 1024),
@@ -78,6 +112,14 @@ ROWS = {
     "train_colpali_nograd": lambda: _ours(128, 128, 128, 1024),
     "lik_rerank_colpali_norm": lambda: _lik(1, 1000, 128, 1024, normalize=True),
     "lik_batch_colbert": lambda: _lik(256, 256, 32, 300),
+    "approx_5000x200": lambda: _plaid_approx(5000, 200),
+    "approx_25000x200": lambda: _plaid_approx(25000, 200),
+    "approx_25000x512": lambda: _plaid_approx(25000, 512),
+    "lik_approx_5000x200": lambda: _plaid_approx(5000, 200, lik=True),
+    "lik_approx_25000x200": lambda: _plaid_approx(25000, 200, lik=True),
+    "rescore_1x1024": lambda: _plaid_residual(10000, 300, 1, 1024),
+    "rescore_32x1024": lambda: _plaid_residual(10000, 300, 32, 1024),
+    "residual_5000x200": lambda: _plaid_residual(5000, 200, 1, 0),
 }
 
 

@@ -13,7 +13,9 @@ import torch
 from helpers import assert_no_host_synchronization, masks_with_holes
 
 from fusedmaxsim.kernels.forward import _maxsim_residual_fwd_kernel
-from fusedmaxsim.plaid import PlaidIndex, load, maxsim_residual, maxsim_residual_varlen
+from fusedmaxsim.plaid import (
+    PlaidIndex, decompress_residuals, load, maxsim_residual, maxsim_residual_varlen,
+)
 from fusedmaxsim.reference import decompress_residuals_ref, maxsim_residual_ref
 from fusedmaxsim.testing import assert_close_to_reference
 
@@ -35,7 +37,7 @@ def _index(Nd, Ld, d, nbits, n_centroids=4096):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("nbits", [1, 2, 4, 8])
 def test_residual_parity_on_cuda(dtype, nbits):
-    """Every width: the bucket weights selected (1, 2 bits) and loaded (4, 8), as planned."""
+    """Every width, both orders' default (fast-plaid's), fp32 weights with fp16 centroids."""
     codes, residuals, lengths, centroids, weights = _index(37, 130, 128, nbits)
     Q = torch.randn(5, 32, 128, device="cuda", dtype=dtype, requires_grad=True)
     q_mask = masks_with_holes((5, 32), "cuda")
@@ -49,6 +51,28 @@ def test_residual_parity_on_cuda(dtype, nbits):
     gq, = torch.autograd.grad(out, Q, g)
     rq, = torch.autograd.grad(ref, Q64, g.double())
     assert_close_to_reference(gq, rq, BOUNDS[dtype], "grad_Q")
+
+
+@pytest.mark.parametrize("bit_order", ["big", "little"])
+@pytest.mark.parametrize("nbits", [1, 2, 4, 8])
+@pytest.mark.parametrize("dtypes", [(torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
+                                    (torch.float16, torch.float32), (torch.float32, torch.float32)],
+                         ids=str)
+def test_decoded_values_exact_on_cuda(dtypes, nbits, bit_order):
+    """The kernel's decoded values bit for bit: one-hot query tokens against one-token
+    documents (no normalization) score exactly a token's value in one dimension, which must be
+    decompress_residuals' (fp32 sum rounded to the centroids' dtype), bf16 included."""
+    d, n = 128, 300
+    codes = torch.randint(0, 64, (n, 1), device="cuda")
+    residuals = torch.randint(0, 256, (n, 1, d * nbits // 8), device="cuda", dtype=torch.uint8)
+    centroids = (torch.randn(64, d, device="cuda") * 100).to(dtypes[0])  # sums that round
+    weights = (torch.randn(1 << nbits, device="cuda") * 0.1).to(dtypes[1])
+    Q = torch.eye(d, device="cuda", dtype=dtypes[0])[:, None, :]
+    out = maxsim_residual(Q, codes, residuals, torch.ones(n, dtype=torch.int64, device="cuda"),
+                          centroids, weights, nbits, normalize=False, bit_order=bit_order)
+    tokens = decompress_residuals(codes, residuals, centroids, weights, nbits,
+                                  bit_order=bit_order)[:, 0]
+    assert torch.equal(out, tokens.float().T)
 
 
 def test_residual_has_no_host_synchronization():

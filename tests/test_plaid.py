@@ -122,18 +122,35 @@ def test_scores_and_gradients(nbits, bit_order, backend):
 
 
 @pytest.mark.parametrize("bit_order", ORDERS)
-@pytest.mark.parametrize("nbits", [1, 2, 4])
-def test_bucket_weights_by_loads_and_by_selects(nbits, bit_order, backend):
-    """The kernel's two ways to the bucket weights (a load a value, a chain of selects), each
-    forced through the plan: the oracle's scores; 33 dimensions (a last byte partly padding, a
-    tile partly past d) in 32-token steps of 40-token documents."""
+@pytest.mark.parametrize("nbits", NBITS)
+def test_odd_dim_in_tile_steps(nbits, bit_order, backend):
+    """33 dimensions (a last byte partly padding, a tile partly past d) in 32-token steps of
+    40-token documents: the oracle's scores."""
     index = _index(Nd=4, Ld=40, d=33, nbits=nbits, bit_order=bit_order)
     lengths = torch.tensor([40, 33, 0, 1])
-    Q = torch.randn(2, 5, 33)
-    for min_nbits in (nbits, 8):
-        with forced_plan(RESIDUAL_GATHER_MIN_NBITS=min_nbits), recording() as plans:
-            _check(Q, index, lengths, nbits, bit_order)
-        assert plans[0][1].residual_gather == (backend == "triton" and min_nbits == nbits)
+    _check(torch.randn(2, 5, 33), index, lengths, nbits, bit_order)
+
+
+@pytest.mark.parametrize("bit_order", ORDERS)
+@pytest.mark.parametrize("nbits", NBITS)
+@pytest.mark.parametrize("dtypes", [(torch.float16, torch.float16), (torch.float16, torch.float32),
+                                    (torch.float32, torch.float32)], ids=str)
+def test_decoded_values_exact(nbits, bit_order, dtypes, backend):
+    """Each decoded value bit for bit: one-hot query tokens against one-token documents score
+    exactly the token's value in that dimension, which must equal decompress_residuals' (the
+    sum of centroid and bucket weight in fp32, rounded to the centroids' dtype) for centroids
+    and weights of one dtype or of two. 19 dimensions: a tile past d."""
+    d, n = 19, 12
+    codes, residuals, centroids, weights = _index(Nd=n, Ld=1, d=d, n_centroids=5, nbits=nbits,
+                                                  bit_order=bit_order, seed=3)
+    centroids = (centroids * 100).to(dtypes[0])  # far apart in scale: the sum rounds
+    weights = weights.to(dtypes[1])
+    Q = torch.eye(d, dtype=dtypes[0])[:, None, :]  # [d, 1, d]
+    out = maxsim_residual(Q, codes, residuals, torch.ones(n, dtype=torch.int64), centroids,
+                          weights, nbits, normalize=False, bit_order=bit_order)
+    tokens = decompress_residuals(codes, residuals, centroids, weights, nbits,
+                                  bit_order=bit_order)[:, 0]  # [n, d]
+    assert torch.equal(out, tokens.float().T)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])

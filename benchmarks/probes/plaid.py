@@ -1,5 +1,5 @@
 """Probes of the PLAID residual kernel (``_maxsim_residual_fwd_kernel``; design.md "PLAID"): its
-tiles and the two ways to the bucket weights, on the kernel bench's shapes and on the search's
+tiles, on the kernel bench's shapes and on the search's
 rescoring (one query a block against its own candidates)."""
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ def _call(index, Q, n_cand):
 
 
 def residual_tiles():
-    """Inference forward (ms) by document tile, warps and stages (the plan's query rows and
-    bucket weights), then for the best three of those the other way to the bucket weights and
-    (cross product, 32 queries) 4 and 8 queries a block; beside the plan's choice."""
+    """Inference forward (ms) by document tile, warps and stages (the plan's query rows), then
+    for the best three of those (cross product, 32 queries) 4 and 8 queries a block; beside the
+    plan's choice."""
     for name, (Nd, Ld, Nq, nbits, n_cand) in SHAPES.items():
         index, Q = _inputs(Nd, Ld, Nq, nbits)
         call = _call(index, Q, n_cand)
@@ -64,17 +64,15 @@ def residual_tiles():
         with torch.no_grad():
             planned = do_bench(call)
         print(f"{name}: plan {planned:.3f} ms ({base})", flush=True)
-        plan_gather = nbits >= 8 or plans[-1][1].residual_gather
         results = {}
 
-        def run(block_n, warps, stages, qpb, gather):
-            key = (block_n, warps, stages, qpb, gather)
+        def run(block_n, warps, stages, qpb):
+            key = (block_n, warps, stages, qpb)
             if key in results:
                 return
             cfg = FwdConfig(32, qpb, block_n, 128, warps, stages)
             try:
-                with torch.no_grad(), forced_plan(fwd_tiles=cfg,
-                                                  RESIDUAL_GATHER_MIN_NBITS=1 if gather else 9):
+                with torch.no_grad(), forced_plan(fwd_tiles=cfg):
                     out = call()
                     err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-9)).item()
                     results[key] = (do_bench(call), err)
@@ -83,19 +81,16 @@ def residual_tiles():
                       flush=True)
 
         for block_n, warps, stages in itertools.product((32, 64), (4, 8), (1, 2, 3)):
-            run(block_n, warps, stages, base.queries_per_block, plan_gather)
+            run(block_n, warps, stages, base.queries_per_block)
         best = sorted(results, key=lambda k: results[k][0])[:3]
-        for block_n, warps, stages, qpb, gather in best:
-            if nbits < 8:
-                run(block_n, warps, stages, qpb, not gather)
+        for block_n, warps, stages, qpb in best:
             if not n_cand and Nq > 1:
                 for other in (4, 8):
-                    run(block_n, warps, stages, other, gather)
+                    run(block_n, warps, stages, other)
         ranked = sorted(results.items(), key=lambda kv: kv[1][0])
-        for (block_n, warps, stages, qpb, gather), (ms, err) in ranked[:8] + ranked[-2:]:
-            weights = "loads" if gather else "selects"
-            print(f"  n{block_n} w{warps} s{stages} q{qpb} {weights}: {ms:.3f}  "
-                  f"(err {err:.1e})", flush=True)
+        for (block_n, warps, stages, qpb), (ms, err) in ranked[:8] + ranked[-2:]:
+            print(f"  n{block_n} w{warps} s{stages} q{qpb}: {ms:.3f}  (err {err:.1e})",
+                  flush=True)
         del index, Q
         torch.cuda.empty_cache()
 

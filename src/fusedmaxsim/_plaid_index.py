@@ -32,7 +32,7 @@ from ._plan import forced_key, plan_probe_queries
 from ._torch_path import decompress_residuals as _decompress
 from ._problem import (
     NBITS, ResidualDocs, _check_residual_query, check_int, check_residual_varlen, options_for,
-    residual_problem,
+    residual_problem, weight_table,
 )
 
 _NPY_DTYPES = {
@@ -233,6 +233,7 @@ class PlaidIndex:
         device = centroids.device
         self.centroids, self.bucket_weights = centroids, bucket_weights.to(device)
         self.nbits, self.bit_order = nbits, bit_order
+        self._weight_table = weight_table(self.bucket_weights, nbits, bit_order)
         self.codes, self.residuals = codes.to(device), residuals.to(device)
         lengths = doc_lengths.long()
         self.doc_starts = (torch.cumsum(lengths, 0) - lengths).to(device)
@@ -291,7 +292,7 @@ class PlaidIndex:
     def _docs(self, doc_ids: Tensor | None) -> ResidualDocs:
         return ResidualDocs(self.codes, self.residuals, self.doc_starts, self.doc_lengths,
                             self.max_doc_len, doc_ids, self.centroids, self.bucket_weights,
-                            self.nbits, self.bit_order, True)
+                            self.nbits, self.bit_order, True, self._weight_table)
 
     def documents(self, ids, *, normalize: bool = True) -> list[Tensor]:
         """Documents ``ids`` (ints) decompressed: a ``[L_j, d]`` tensor each, in the centroids'

@@ -107,16 +107,12 @@ MEASURED: dict[str, object] = dict(
     HIDDEN_FUSED_MAX_PASSES=2,
     HIDDEN_FUSED_MAX_BYTES=400 << 20,
     HIDDEN_TILES=(128, 64, 8, 3),
-    # PLAID residual documents (design.md "PLAID"; NOTES §63): the kernel's tiles (d <= 128:
-    # document tile, warps, stages with the bucket weights selected, stages with them loaded),
-    # the query rows a block on the cross product (16-bit; half for fp32), and from how many
-    # bits a code the bucket weights are loaded rather than selected. 32-token tiles ran
-    # 1.2-1.7x faster than 64; 256 rows 1.4-1.7x faster than 128; loads 1.4-1.5x faster than
-    # the 15 selects of 4 bits, but only unpipelined (3-4x slower at 2 or 3 stages); 3 stages
-    # 5% slower than 2 on the cross product, 14% faster on the search's candidates.
-    RESIDUAL_TILES=(32, 4, 3, 1),
+    # PLAID residual documents (design.md "PLAID"; NOTES §63, §66): the kernel's tiles (d <=
+    # 128: document tile, warps, stages) and the query rows a block on the cross product
+    # (16-bit; half for fp32). 32-token tiles ran 1.2-1.7x faster than 64; 256 rows 1.4-1.7x
+    # faster than 128; a gathered load (the weight table's) pipelined ran 3-4x slower.
+    RESIDUAL_TILES=(32, 4, 1),
     RESIDUAL_ROWS=256,
-    RESIDUAL_GATHER_MIN_NBITS=4,
 )
 # Programs an SM of the Gluon tile sets whose grids are counted in waves (design.md "Hopper").
 _HOPPER_PROGRAMS_PER_SM = {MEASURED["HOPPER_SHORT_TILES"]: 3,
@@ -424,8 +420,6 @@ class ForwardPlan:
     # projected once into memory, then the dense plan); the fused kernel's d_model step.
     hidden_route: str = ""
     hidden_block: int = 0
-    # Residual layouts: the bucket weights read by a load a value instead of a chain of selects.
-    residual_gather: bool = False
     reasons: tuple[str, ...] = ()
 
 
@@ -630,30 +624,26 @@ def _plan_torch_forward(p: Problem, o: Options) -> ForwardPlan:
 def _plan_residual_forward(p: Problem, o: Options) -> ForwardPlan:
     """PLAID documents on the Triton path: the dense cross product's mapping, the documents
     decompressed tile by tile in the kernel, with tiles of their own (``RESIDUAL_TILES``,
-    ``RESIDUAL_ROWS``) and the bucket weights read by selects or by loads
-    (``RESIDUAL_GATHER_MIN_NBITS``; design.md "PLAID"). The plan keeps the PyTorch path's blocks
+    ``RESIDUAL_ROWS``; design.md "PLAID"). The plan keeps the PyTorch path's blocks
     too, for the backward (``grad_Q``), which decompresses a block of documents at a time."""
     blocks = _plan_torch_forward(p, o).blocks
     if _forced.get("kernel") == "torch":
         return ForwardPlan("torch", blocks=blocks,
                            reasons=("kernel: forced", "residual layout: the PyTorch path"))
-    gather = p.nbits >= _measured("RESIDUAL_GATHER_MIN_NBITS")
     cfg = _forced.get("fwd_tiles")
     if cfg is None:
         cfg = fwd_heuristic(max(p.Lq, 1), p.dim, max(p.Nq, 1), p.layout == RESIDUAL_CANDIDATES,
                             p.dtype.itemsize)
         if not INTERPRETER and cfg.block_k <= 128:
-            block_n, warps, select_stages, gather_stages = _measured("RESIDUAL_TILES")
+            block_n, warps, stages = _measured("RESIDUAL_TILES")
             qpb = cfg.queries_per_block
             if p.layout == RESIDUAL:
                 rows = _measured("RESIDUAL_ROWS") * 2 // p.dtype.itemsize  # 16-bit rows
                 qpb = max(1, min(rows // cfg.lq_tile, pow2(max(p.Nq, 1))))
             cfg = dataclasses.replace(
-                cfg, queries_per_block=qpb, block_n=block_n, num_warps=warps,
-                num_stages=gather_stages if gather else select_stages)
-    return ForwardPlan("triton", cfg, blocks=blocks, residual_gather=gather, reasons=(
+                cfg, queries_per_block=qpb, block_n=block_n, num_warps=warps, num_stages=stages)
+    return ForwardPlan("triton", cfg, blocks=blocks, reasons=(
         "residual layout: the Triton forward, each document tile decompressed on chip",
-        f"bucket weights by {'loads' if gather else 'selects'} ({p.nbits} bits)",
         f"tiles: {cfg}"))
 
 

@@ -701,6 +701,36 @@ NBITS = (1, 2, 4, 8)
 BIT_ORDERS = ("big", "little")
 
 
+_CODE_TABLES: dict = {}
+
+
+def code_table(nbits: int, bit_order: str, device: torch.device) -> Tensor:
+    """``[256, 8 // nbits]`` int32: the ``nbits``-bit codes one residual byte holds, in dimension
+    order. The codes form a bit stream, each code least significant bit first, packed into bytes
+    most significant bit first (``"big"``: ColBERT's and fast-plaid's ``np.packbits``) or least
+    significant bit first (``"little"``)."""
+    key = (nbits, bit_order, device)
+    table = _CODE_TABLES.get(key)
+    if table is None:
+        byte = torch.arange(256, dtype=torch.int32)
+        slots = []
+        for slot in range(8 // nbits):
+            code = torch.zeros(256, dtype=torch.int32)
+            for bit in range(nbits):
+                pos = slot * nbits + bit  # the position in the byte's part of the stream
+                code |= ((byte >> (7 - pos if bit_order == "big" else pos)) & 1) << bit
+            slots.append(code)
+        table = _CODE_TABLES[key] = torch.stack(slots, 1).to(device)
+    return table
+
+
+def weight_table(bucket_weights: Tensor, nbits: int, bit_order: str) -> Tensor:
+    """``[256, 8 // nbits]`` in the weights' dtype and device: the bucket weights of the codes
+    one residual byte holds, in dimension order (``bucket_weights[code_table(...)]``), which the
+    residual kernel gathers a byte at a time."""
+    return bucket_weights[code_table(nbits, bit_order, bucket_weights.device)].contiguous()
+
+
 class ResidualDocs(NamedTuple):
     """Documents of a PLAID (ColBERTv2) index, compressed and packed: token ``t`` of document
     ``j`` is row ``starts[j] + t`` of ``codes`` / ``residuals``, ``centroids[code] +
@@ -723,6 +753,7 @@ class ResidualDocs(NamedTuple):
     nbits: int
     bit_order: str  # "big" (fast-plaid, ColBERT) or "little"
     checked: bool
+    weight_table: Tensor | None = None  # weight_table(...) where the caller keeps it (an index)
 
     @property
     def n_cols(self) -> int:

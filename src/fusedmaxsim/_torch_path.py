@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from ._plan import argmax_dtype, plan_blocks
+from ._problem import code_table
 
 __all__ = [
     "decompress_residuals", "hidden_bwd_torch", "maxsim_bwd_blocked", "maxsim_fwd_blocked",
@@ -582,29 +583,6 @@ def packed_bwd_torch(layout, grad, Q, D, argmax, q_inv, d_inv, need_q, need_d, f
 # Residual (PLAID) documents: decompressed a block of documents at a time
 # ------------------------------------------------------------------------------------------------
 
-_CODE_TABLES: dict = {}
-
-
-def _code_table(nbits: int, bit_order: str, device: torch.device) -> Tensor:
-    """``[256, 8 // nbits]`` int32: the ``nbits``-bit codes one residual byte holds, in dimension
-    order. The codes form a bit stream, each code least significant bit first, packed into bytes
-    most significant bit first (``"big"``: ColBERT's and fast-plaid's ``np.packbits``) or least
-    significant bit first (``"little"``)."""
-    key = (nbits, bit_order, device)
-    table = _CODE_TABLES.get(key)
-    if table is None:
-        byte = torch.arange(256, dtype=torch.int32)
-        slots = []
-        for slot in range(8 // nbits):
-            code = torch.zeros(256, dtype=torch.int32)
-            for bit in range(nbits):
-                pos = slot * nbits + bit  # the position in the byte's part of the stream
-                code |= ((byte >> (7 - pos if bit_order == "big" else pos)) & 1) << bit
-            slots.append(code)
-        table = _CODE_TABLES[key] = torch.stack(slots, 1).to(device)
-    return table
-
-
 def decompress_residuals(codes: Tensor, residuals: Tensor, centroids: Tensor,
                          bucket_weights: Tensor, nbits: int, bit_order: str) -> Tensor:
     """``centroids[codes] + bucket_weights[b]`` per dimension, ``b`` the dimension's code in
@@ -613,7 +591,7 @@ def decompress_residuals(codes: Tensor, residuals: Tensor, centroids: Tensor,
     n_centroids, dim = centroids.shape
     inside = (codes >= 0) & (codes < n_centroids)
     rows = centroids[codes.clamp(0, max(n_centroids - 1, 0)).long()]
-    buckets = _code_table(nbits, bit_order, residuals.device)[residuals.long()]
+    buckets = code_table(nbits, bit_order, residuals.device)[residuals.long()]
     buckets = buckets.flatten(-2)[..., :dim]  # the last byte's spare codes dropped
     ct = _compute_dtype(centroids)
     tokens = (rows.to(ct) + bucket_weights.to(ct)[buckets]).to(centroids.dtype)

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from .. import settings
 from .._plan import ForwardPlan, argmax_dtype, block_k_for, fwd_candidates
-from .._problem import Problem
+from .._problem import Problem, weight_table
 from ..kernels.forward import (
     _inverse_norm_kernel, _maxsim_fwd_kernel, _maxsim_hidden_fwd_kernel, _maxsim_ragged_fwd_kernel,
     _maxsim_residual_fwd_kernel,
@@ -195,16 +195,16 @@ def forward_residual(plan: ForwardPlan, p: Problem, fp32_precision: str, Q: Tens
     per_query_docs = docs.doc_ids is not None
     residuals = docs.residuals if docs.residuals.stride(-1) == 1 else docs.residuals.contiguous()
     centroids = docs.centroids if docs.centroids.stride(-1) == 1 else docs.centroids.contiguous()
-    weights = docs.bucket_weights.contiguous()
+    table = docs.weight_table
+    if table is None:
+        table = weight_table(docs.bucket_weights, docs.nbits, docs.bit_order)
     doc_ids = docs.doc_ids.contiguous() if per_query_docs else docs.starts
     qm = as_bytes(q_mask)
     cfg = plan.tiles
     meta = fwd_meta(cfg, Q.dtype, p.dim, has_q_mask=qm is not None, has_d_mask=False,
                     normalize=p.normalize, save_argmax=save_argmax, fp32_precision=fp32_precision)
     del meta["HAS_D_MASK"]  # the lengths bound each document
-    consts = constants(NBITS=docs.nbits, BIG=docs.bit_order == "big",
-                       GATHER_WEIGHTS=plan.residual_gather,
-                       PER_QUERY_DOCS=per_query_docs, NORMALIZE_Q=normalize_q, **meta)
+    consts = constants(NBITS=docs.nbits, PER_QUERY_DOCS=per_query_docs, NORMALIZE_Q=normalize_q, **meta)
     kernel = launcher(_maxsim_residual_fwd_kernel)
     qpb = cfg.queries_per_block
 
@@ -214,7 +214,7 @@ def forward_residual(plan: ForwardPlan, p: Problem, fp32_precision: str, Q: Tens
         kernel(
             (Ncols, cdiv(q.shape[0], qpb)),
             (
-                q, docs.codes, residuals, docs.starts, docs.lengths, ids, centroids, weights,
+                q, docs.codes, residuals, docs.starts, docs.lengths, ids, centroids, table,
                 q if q_m is None else q_m, out, take(argmax, rows) if save_argmax else argmax,
                 q.shape[0], Ncols, Lq, p.Ld, docs.codes.shape[0], centroids.shape[0],
                 p.dim, *q.stride(), docs.codes.stride(0), residuals.stride(0),

@@ -123,53 +123,46 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _residual_tile(p_codes, stride_code_tok, res, o_t, m_t, BLOCK_K: tl.constexpr,
-                   NBITS: tl.constexpr, BIG: tl.constexpr, GATHER_WEIGHTS: tl.constexpr):
-    """Tokens ``o_t`` of one PLAID document, decompressed on chip: ``centroids[code] +
-    bucket_weights[b]`` per dimension, summed in fp32 and rounded to the centroids' dtype; zero
-    outside ``m_t`` and past ``dim`` (so the tile's norms hold), NaN for a token whose centroid
-    id is outside ``[0, n_centroids)`` (read as centroid 0: never out of bounds).
+                   NBITS: tl.constexpr, EVEN_K: tl.constexpr):
+    """``(tile, inside)``: tokens ``o_t`` of one PLAID document, decompressed on chip
+    (``centroids[code] + bucket_weights[b]`` per dimension, rounded to the centroids' dtype),
+    and whether each token's centroid id lies in ``[0, n_centroids)``. A token outside it is
+    read as centroid 0 (never out of bounds) and the caller makes its scores NaN. The tile is
+    zero past ``dim``; a token outside ``m_t`` holds finite values the caller masks.
 
     ``res`` = ``(residual row pointer, its token stride, centroids, their row stride,
-    bucket_weights, n_centroids, dim)``. Dimension ``k``'s code is the stream bits
-    ``[k · NBITS, (k + 1) · NBITS)``, least significant first; stream bit ``p`` is bit
-    ``7 - p % 8`` (``BIG``) or ``p % 8`` of byte ``p // 8``.
-
-    Each token's residual bytes are read once, as one contiguous row (``BIG`` reverses each
-    byte's bits first, so both orders read code ``j`` of a byte from bits
-    ``[j · NBITS, (j + 1) · NBITS)``), the codes taken out as ``[BLOCK_N, bytes, codes a byte]``
-    and reshaped to ``[BLOCK_N, BLOCK_K]``. The bucket weight: a chain of selects over the
-    ``2 ** NBITS`` weights, or with ``GATHER_WEIGHTS`` a load a value (from L1).
+    weight table, n_centroids, dim)``. The weight table ``[256, 8 // NBITS]`` holds, for each
+    residual byte, the bucket weights of its codes in dimension order (the bit order folded in
+    when the table is made: ``fusedmaxsim._plaid_index.weight_table``), so a token's residual
+    row is read once as bytes and each byte gathers its ``8 // NBITS`` weights with one load
+    (from L1: the table is 0.5-4 KiB). The loaded ``[BLOCK_N, bytes, codes a byte]`` tile is
+    reshaped to ``[BLOCK_N, BLOCK_K]`` before any arithmetic (a reshape right before the
+    product's operand fails Hopper's shared layouts). The sum is taken in the centroids' dtype
+    when the weights share it (for 16-bit values the same result as fp32's sum rounded: where
+    fp32 rounds, the smaller term is under a quarter of the larger's 16-bit ulp), else in fp32.
     """
-    p_res, stride_res_tok, Centroids, stride_cent, BucketWeights, n_centroids, dim = res
+    p_res, stride_res_tok, Centroids, stride_cent, WeightTable, n_centroids, dim = res
     PER_BYTE: tl.constexpr = 8 // NBITS
     BYTES: tl.constexpr = BLOCK_K // PER_BYTE
-    code = tl.load(p_codes + o_t * stride_code_tok, mask=m_t, other=0).to(tl.int64)
+    code = tl.load(p_codes + o_t * stride_code_tok, mask=m_t, other=0)
     inside = (code >= 0) & (code < n_centroids)
-    code = tl.where(inside, code, 0)
+    code = tl.where(inside, code, 0).to(tl.int64)
     o_b = tl.arange(0, BYTES)
     byte = tl.load(p_res + o_t[:, None] * stride_res_tok + o_b[None, :],
-                   mask=m_t[:, None] & (o_b * 8 < dim * NBITS)[None, :], other=0).to(tl.int32)
-    if BIG:
-        byte = ((byte & 0xF0) >> 4) | ((byte & 0x0F) << 4)
-        byte = ((byte & 0xCC) >> 2) | ((byte & 0x33) << 2)
-        byte = ((byte & 0xAA) >> 1) | ((byte & 0x55) << 1)
+                   mask=m_t[:, None] & (o_b * 8 < dim * NBITS)[None, :], other=0)
     o_j = tl.arange(0, PER_BYTE)
-    bucket = (byte[:, :, None] >> (o_j * NBITS)[None, None, :]) & ((1 << NBITS) - 1)
-    # Dimension b · PER_BYTE + j is code j of byte b. Reshaped here, before the tile's
-    # arithmetic: a reshape right before the product's operand fails Hopper's shared layouts.
-    bucket = tl.reshape(bucket, [o_t.shape[0], BLOCK_K])
+    weight = tl.load(WeightTable + byte.to(tl.int32)[:, :, None] * PER_BYTE + o_j[None, None, :])
+    weight = tl.reshape(weight, [o_t.shape[0], BLOCK_K])
     o_k = tl.arange(0, BLOCK_K)
-    m = m_t[:, None] & (o_k < dim)[None, :]
-    rows = tl.load(Centroids + code[:, None] * stride_cent + o_k[None, :], mask=m, other=0.0)
-    if GATHER_WEIGHTS:
-        weight = tl.load(BucketWeights + bucket)  # in [0, 2 ** NBITS) by construction
+    rows = tl.load(Centroids + code[:, None] * stride_cent + o_k[None, :],
+                   mask=m_t[:, None] & (o_k < dim)[None, :], other=0.0)
+    if WeightTable.dtype.element_ty == rows.dtype:
+        tile = rows + weight
     else:
-        weight = tl.zeros(bucket.shape, tl.float32) + tl.load(BucketWeights).to(tl.float32)
-        for b in tl.static_range(1, 1 << NBITS):
-            weight = tl.where(bucket == b, tl.load(BucketWeights + b).to(tl.float32), weight)
-    tile = (rows.to(tl.float32) + weight.to(tl.float32)).to(rows.dtype)
-    tile = tl.where(m, tile, 0.0)
-    return tl.where(inside[:, None], tile, float("nan"))
+        tile = (rows.to(tl.float32) + weight.to(tl.float32)).to(rows.dtype)
+    if not EVEN_K:  # the spare codes of the last byte, and the bytes past the row
+        tile = tl.where((o_k < dim)[None, :], tile, 0.0)
+    return tile, inside
 
 
 @triton.jit
@@ -240,8 +233,6 @@ def _doc_tile(
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     RESIDUAL_NBITS: tl.constexpr,
-    RESIDUAL_BIG: tl.constexpr,
-    RESIDUAL_GATHER: tl.constexpr = False,
     HIDDEN_BLOCK: tl.constexpr = 0,
     HIDDEN_BIAS: tl.constexpr = False,
 ):
@@ -263,8 +254,9 @@ def _doc_tile(
     m_t = o_t < t_hi
     p = p_doc + o_t[:, None] * stride_doc_tok + o_k[None, :] * stride_doc_dim
     if RESIDUAL_NBITS:
-        b_d = _residual_tile(p_doc, stride_doc_tok, res, o_t, m_t, o_k.shape[0], RESIDUAL_NBITS,
-                             RESIDUAL_BIG, RESIDUAL_GATHER).to(b_q.dtype)
+        b_d, inside = _residual_tile(p_doc, stride_doc_tok, res, o_t, m_t, o_k.shape[0],
+                                     RESIDUAL_NBITS, EVEN_K)
+        b_d = b_d.to(b_q.dtype)
     elif HIDDEN_BLOCK:
         b_d = _hidden_tile(p_doc, stride_doc_tok, res, o_t, m_t, o_k, m_k, HIDDEN_BLOCK,
                            HIDDEN_BIAS, DOT_PRECISION, UPCAST).to(b_q.dtype)
@@ -284,7 +276,11 @@ def _doc_tile(
             d_inv = tl.load(p_dinv + o_t * stride_dinv_tok, mask=m_t, other=0.0)
         else:
             d_inv = tl.load(p_dinv + o_t * stride_dinv_tok)
+        if RESIDUAL_NBITS:  # a centroid id out of range: the token's scores are NaN
+            d_inv = tl.where(inside, d_inv, float("nan"))
         b_s = b_s * d_inv[None, :]
+    elif RESIDUAL_NBITS:
+        b_s = tl.where(inside[None, :], b_s, float("nan"))
     if HAS_D_MASK:
         if MASK_TAIL:
             m_t = m_t & (tl.load(p_dmask + o_t * stride_dmask_tok, mask=m_t, other=0) != 0)
@@ -353,8 +349,6 @@ def _doc_max(
     UPCAST: tl.constexpr,
     QUERY_IN_REGISTERS: tl.constexpr,
     RESIDUAL_NBITS: tl.constexpr = 0,
-    RESIDUAL_BIG: tl.constexpr = True,
-    RESIDUAL_GATHER: tl.constexpr = False,
     HIDDEN_BLOCK: tl.constexpr = 0,
     HIDDEN_BIAS: tl.constexpr = False,
 ):
@@ -371,8 +365,7 @@ def _doc_max(
     ``QUERY_IN_REGISTERS``: keep ``b_q`` in registers for the products (16-bit inputs, at least
     64 rows: Hopper's warp-group products), which leaves shared memory's bandwidth to the
     document tiles. ``RESIDUAL_NBITS``: the document is a PLAID one, decompressed tile by tile
-    (:func:`_residual_tile`, with ``res``; its bit order ``RESIDUAL_BIG``, its bucket weights
-    loaded with ``RESIDUAL_GATHER``, else selected); ``HIDDEN_BLOCK``: the document is hidden
+    (:func:`_residual_tile`, with ``res``); ``HIDDEN_BLOCK``: the document is hidden
     states, projected tile by tile (:func:`_hidden_tile`, with ``res``, the bias with
     ``HIDDEN_BIAS``); both 0 (dense documents) leave ``res`` unread.
     """
@@ -383,14 +376,14 @@ def _doc_max(
             b_q, p_doc, stride_doc_tok, stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv,
             stride_dinv_tok, t_lo, t_hi, o_k, m_k, smooth_scale, res, EVEN_K, False, NORMALIZE,
             NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST,
-            RESIDUAL_NBITS, RESIDUAL_BIG, RESIDUAL_GATHER, HIDDEN_BLOCK, HIDDEN_BIAS,
+            RESIDUAL_NBITS, HIDDEN_BLOCK, HIDDEN_BIAS,
         )
     else:
         row_max, row_arg = _doc_loop(
             b_q, p_doc, stride_doc_tok, stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv,
             stride_dinv_tok, t_lo, t_hi, o_k, m_k, smooth_scale, res, EVEN_K, True, NORMALIZE,
             NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST,
-            RESIDUAL_NBITS, RESIDUAL_BIG, RESIDUAL_GATHER, HIDDEN_BLOCK, HIDDEN_BIAS,
+            RESIDUAL_NBITS, HIDDEN_BLOCK, HIDDEN_BIAS,
         )
     return row_max, row_arg
 
@@ -422,8 +415,6 @@ def _doc_loop(
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     RESIDUAL_NBITS: tl.constexpr,
-    RESIDUAL_BIG: tl.constexpr,
-    RESIDUAL_GATHER: tl.constexpr = False,
     HIDDEN_BLOCK: tl.constexpr = 0,
     HIDDEN_BIAS: tl.constexpr = False,
 ):
@@ -440,16 +431,14 @@ def _doc_loop(
             b_q, acc_max, acc_arg, run_sum, smooth_scale, start, t_hi, p_doc, stride_doc_tok,
             stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv, stride_dinv_tok, o_k, m_k, res,
             False, EVEN_K, HAS_D_MASK, NORMALIZE, NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_N,
-            DOT_PRECISION, UPCAST, RESIDUAL_NBITS, RESIDUAL_BIG, RESIDUAL_GATHER, HIDDEN_BLOCK,
-            HIDDEN_BIAS,
+            DOT_PRECISION, UPCAST, RESIDUAL_NBITS, HIDDEN_BLOCK, HIDDEN_BIAS,
         )
     if t_full < t_hi:
         acc_max, acc_arg, run_sum = _doc_tile(
             b_q, acc_max, acc_arg, run_sum, smooth_scale, t_full, t_hi, p_doc, stride_doc_tok,
             stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv, stride_dinv_tok, o_k, m_k, res,
             True, EVEN_K, HAS_D_MASK, NORMALIZE, NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_N,
-            DOT_PRECISION, UPCAST, RESIDUAL_NBITS, RESIDUAL_BIG, RESIDUAL_GATHER, HIDDEN_BLOCK,
-            HIDDEN_BIAS,
+            DOT_PRECISION, UPCAST, RESIDUAL_NBITS, HIDDEN_BLOCK, HIDDEN_BIAS,
         )
     row_arg = tl.full([BLOCK_M], -1, tl.int32)
     if SMOOTH:

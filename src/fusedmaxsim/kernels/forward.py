@@ -193,7 +193,7 @@ def _maxsim_residual_fwd_kernel(
     Lengths,
     DocIds,
     Centroids,
-    BucketWeights,
+    WeightTable,
     QMask,
     Out,
     Argmax,
@@ -224,8 +224,6 @@ def _maxsim_residual_fwd_kernel(
     UPCAST: tl.constexpr,
     QUERY_IN_REGISTERS: tl.constexpr,
     NBITS: tl.constexpr,
-    BIG: tl.constexpr,
-    GATHER_WEIGHTS: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = LQ_TILE * QUERIES_PER_BLOCK
     i_col = tl.program_id(0).to(tl.int64)
@@ -249,7 +247,7 @@ def _maxsim_residual_fwd_kernel(
     t_hi = tl.where(broken | missing, 0, length).to(tl.int32)  # token indices are int32
     p_codes = Codes + tl.maximum(start, 0) * stride_code_tok
     res = (Residuals + tl.maximum(start, 0) * stride_res_tok, stride_res_tok, Centroids,
-           stride_cent, BucketWeights, n_centroids, dim)
+           stride_cent, WeightTable, n_centroids, dim)
     acc = tl.zeros([QUERIES_PER_BLOCK], tl.float32)
     for chunk in range(0, Lq, LQ_TILE):
         o_s = chunk + o_row_in_tile
@@ -261,7 +259,7 @@ def _maxsim_residual_fwd_kernel(
         row_max, row_arg = _doc_max(
             b_q, p_codes, stride_code_tok, 0, p_codes, 1, p_codes, 1, 0, t_hi, True, o_k, m_k,
             1.0, res, EVEN_K, NORMALIZE, NORMALIZE, SAVE_ARGMAX, False, BLOCK_M, BLOCK_N,
-            DOT_PRECISION, UPCAST, QUERY_IN_REGISTERS, NBITS, BIG, GATHER_WEIGHTS,
+            DOT_PRECISION, UPCAST, QUERY_IN_REGISTERS, NBITS,
         )
         q_inv = 1.0
         if NORMALIZE_Q:
