@@ -66,30 +66,32 @@ def residual_tiles():
         print(f"{name}: plan {planned:.3f} ms ({base})", flush=True)
         results = {}
 
-        def run(block_n, warps, stages, qpb):
-            key = (block_n, warps, stages, qpb)
+        def run(block_n, warps, stages, qpb, regs=None):
+            key = (block_n, warps, stages, qpb, regs)
             if key in results:
                 return
-            cfg = FwdConfig(32, qpb, block_n, 128, warps, stages)
+            cfg = FwdConfig(32, qpb, block_n, 128, warps, stages, max_registers=regs)
             try:
                 with torch.no_grad(), forced_plan(fwd_tiles=cfg):
                     out = call()
                     err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-9)).item()
                     results[key] = (do_bench(call), err)
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: reported
-                print(f"  n{block_n} w{warps} s{stages} q{qpb}: {type(exc).__name__}",
+                print(f"  n{block_n} w{warps} s{stages} q{qpb} r{regs}: {type(exc).__name__}",
                       flush=True)
 
-        for block_n, warps, stages in itertools.product((32, 64), (4, 8), (1, 2, 3)):
+        for block_n, warps, stages in itertools.product((16, 32, 64), (4, 8), (1, 2)):
             run(block_n, warps, stages, base.queries_per_block)
         best = sorted(results, key=lambda k: results[k][0])[:3]
-        for block_n, warps, stages, qpb in best:
+        for block_n, warps, stages, qpb, _ in best:
+            for regs in (128, 96, 80):  # a register cap: more programs an SM
+                run(block_n, warps, stages, qpb, regs)
             if not n_cand and Nq > 1:
                 for other in (4, 8):
                     run(block_n, warps, stages, other)
         ranked = sorted(results.items(), key=lambda kv: kv[1][0])
-        for (block_n, warps, stages, qpb), (ms, err) in ranked[:8] + ranked[-2:]:
-            print(f"  n{block_n} w{warps} s{stages} q{qpb}: {ms:.3f}  (err {err:.1e})",
+        for (block_n, warps, stages, qpb, regs), (ms, err) in ranked[:10] + ranked[-2:]:
+            print(f"  n{block_n} w{warps} s{stages} q{qpb} r{regs}: {ms:.3f}  (err {err:.1e})",
                   flush=True)
         del index, Q
         torch.cuda.empty_cache()

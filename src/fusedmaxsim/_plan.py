@@ -108,10 +108,14 @@ MEASURED: dict[str, object] = dict(
     HIDDEN_FUSED_MAX_BYTES=400 << 20,
     HIDDEN_TILES=(128, 64, 8, 3),
     # PLAID residual documents (design.md "PLAID"; NOTES §63, §66): the kernel's tiles (d <=
-    # 128: document tile, warps, stages) and the query rows a block on the cross product
-    # (16-bit; half for fp32). 32-token tiles ran 1.2-1.7x faster than 64; 256 rows 1.4-1.7x
-    # faster than 128; a gathered load (the weight table's) pipelined ran 3-4x slower.
-    RESIDUAL_TILES=(32, 4, 1),
+    # 128: document tile, warps, stages, register cap) on the cross product and on per-query
+    # candidates, and the query rows a block on the cross product (16-bit; half for fp32).
+    # Cross product: 32-token tiles 1.1-1.4x faster than 16 or 64; 256 rows 1.4-1.7x faster
+    # than 128. Candidates (one query a block): 16-token tiles capped at 128 registers (4
+    # programs an SM, not 2) 1.25x faster than 32 uncapped. Pipelined (2-3 stages), the
+    # gathered loads ran 2.5-4x slower.
+    RESIDUAL_TILES=(32, 4, 1, None),
+    RESIDUAL_CANDIDATE_TILES=(16, 4, 1, 128),
     RESIDUAL_ROWS=256,
 )
 # Programs an SM of the Gluon tile sets whose grids are counted in waves (design.md "Hopper").
@@ -624,7 +628,7 @@ def _plan_torch_forward(p: Problem, o: Options) -> ForwardPlan:
 def _plan_residual_forward(p: Problem, o: Options) -> ForwardPlan:
     """PLAID documents on the Triton path: the dense cross product's mapping, the documents
     decompressed tile by tile in the kernel, with tiles of their own (``RESIDUAL_TILES``,
-    ``RESIDUAL_ROWS``; design.md "PLAID"). The plan keeps the PyTorch path's blocks
+    ``RESIDUAL_CANDIDATE_TILES``, ``RESIDUAL_ROWS``; design.md "PLAID"). The plan keeps the PyTorch path's blocks
     too, for the backward (``grad_Q``), which decompresses a block of documents at a time."""
     blocks = _plan_torch_forward(p, o).blocks
     if _forced.get("kernel") == "torch":
@@ -635,13 +639,16 @@ def _plan_residual_forward(p: Problem, o: Options) -> ForwardPlan:
         cfg = fwd_heuristic(max(p.Lq, 1), p.dim, max(p.Nq, 1), p.layout == RESIDUAL_CANDIDATES,
                             p.dtype.itemsize)
         if not INTERPRETER and cfg.block_k <= 128:
-            block_n, warps, stages = _measured("RESIDUAL_TILES")
+            block_n, warps, stages, regs = _measured(
+                "RESIDUAL_CANDIDATE_TILES" if p.layout == RESIDUAL_CANDIDATES else
+                "RESIDUAL_TILES")
             qpb = cfg.queries_per_block
             if p.layout == RESIDUAL:
                 rows = _measured("RESIDUAL_ROWS") * 2 // p.dtype.itemsize  # 16-bit rows
                 qpb = max(1, min(rows // cfg.lq_tile, pow2(max(p.Nq, 1))))
             cfg = dataclasses.replace(
-                cfg, queries_per_block=qpb, block_n=block_n, num_warps=warps, num_stages=stages)
+                cfg, queries_per_block=qpb, block_n=block_n, num_warps=warps, num_stages=stages,
+                max_registers=regs)
     return ForwardPlan("triton", cfg, blocks=blocks, reasons=(
         "residual layout: the Triton forward, each document tile decompressed on chip",
         f"tiles: {cfg}"))

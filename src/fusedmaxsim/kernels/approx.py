@@ -31,12 +31,10 @@ Grid mapping
 A program walks its queries' tokens in chunks of ``LQ_TILE`` (a run-time loop over ``Lq``, so
 one compiled kernel serves every query length of a bucket) and, within a chunk, the document's
 tokens in steps of ``BLOCK_T`` up to its length (a run-time value: no recompilation per
-length). A step gathers the ``[BLOCK_T, QUERIES_PER_BLOCK · LQ_TILE]`` tile of centroid
-scores (for each token, its centroid's row of each query, ``LQ_TILE`` consecutive values) by the
-``BLOCK_T`` ids loaded the step before (their latency behind this step's gather), and folds it
-into an element-wise running max of the same shape in the scores' own dtype (no conversion a
-value; bf16's in fp32), reduced over tokens in fp32 once a chunk. Ids out of range are counted a token slot and
-turn the document's scores NaN once, at the end.
+length). A step loads ``BLOCK_T`` ids, then gathers the ``[BLOCK_T, QUERIES_PER_BLOCK ·
+LQ_TILE]`` tile of centroid scores (for each token, its centroid's row of each query, ``LQ_TILE``
+consecutive values) and folds it into an element-wise running max of the same shape, reduced
+over tokens once a chunk.
 
 Caveats
 -------
@@ -74,9 +72,6 @@ def _approx_column(CS, Codes, Starts, Lengths, Out, doc, q0, i_col, Nq, Ncols, L
     """Column ``i_col`` (document ``doc``) of the queries ``[q0, q0 + QUERIES_PER_BLOCK)``:
     scored and stored."""
     COLS: tl.constexpr = LQ_TILE * QUERIES_PER_BLOCK
-    # bf16 scores are maxed in fp32: the Triton interpreter's bf16 max is wrong, and CI runs it.
-    RUN_DTYPE: tl.constexpr = tl.float32 if CS.dtype.element_ty == tl.bfloat16 else \
-        CS.dtype.element_ty
     no_candidate = doc < 0
     known = (doc >= 0) & (doc < n_docs)
     doc = tl.where(known, doc, 0)
@@ -99,31 +94,26 @@ def _approx_column(CS, Codes, Starts, Lengths, Out, doc, q0, i_col, Nq, Ncols, L
     o_s_in = o_c % LQ_TILE
     m_query = o_query < Nq
     o_t0 = tl.arange(0, BLOCK_T)
-    n_bad = tl.zeros([BLOCK_T], tl.int32)  # ids out of range seen, by slot
     acc = tl.zeros([QUERIES_PER_BLOCK], tl.float32)
     for chunk in range(0, Lq, LQ_TILE):
         o_s = chunk + o_s_in
         m_col = m_query & (o_s < Lq)
         p_cols = CS + o_query * stride_cs_q + o_s * stride_cs_s  # [COLS] pointers
-        # The running max in the scores' own dtype (exact), its ids a step ahead.
-        run = tl.full([BLOCK_T, COLS], float("-inf"), RUN_DTYPE)
-        code_next = tl.load(p_codes + o_t0 * stride_code, mask=o_t0 < n_tok, other=0)
+        run = tl.full([BLOCK_T, COLS], float("-inf"), tl.float32)
         for t0 in range(0, n_tok, BLOCK_T):
             o_t = t0 + o_t0
             m_t = o_t < n_tok
-            code = code_next.to(tl.int64)
-            o_next = o_t + BLOCK_T
-            code_next = tl.load(p_codes + o_next * stride_code, mask=o_next < n_tok, other=0)
+            code = tl.load(p_codes + o_t * stride_code, mask=m_t, other=0).to(tl.int64)
             bad = m_t & ((code < 0) | (code >= n_centroids))  # read nothing, score NaN
-            n_bad += bad.to(tl.int32)
+            m_read = m_t & (~bad)
             vals = tl.load(p_cols[None, :] + code[:, None] * stride_cs_c,
-                           mask=(m_t & ~bad)[:, None] & m_col[None, :], other=float("-inf"))
-            run = tl.maximum(run, vals.to(RUN_DTYPE), propagate_nan=tl.PropagateNan.ALL)
-        row_max = tl.reduce(run.to(tl.float32), 0, _max_propagate_nan)  # [COLS]
+                           mask=m_read[:, None] & m_col[None, :], other=float("-inf"))
+            vals = tl.where(bad[:, None], float("nan"), vals.to(tl.float32))
+            run = tl.maximum(run, vals, propagate_nan=tl.PropagateNan.ALL)
+        row_max = tl.reduce(run, 0, _max_propagate_nan)  # [COLS]
         contrib = tl.where(row_max == float("-inf"), 0.0, row_max)
         contrib = tl.where(m_col, contrib, 0.0)
         acc += tl.sum(tl.reshape(contrib, (QUERIES_PER_BLOCK, LQ_TILE)), axis=1)
-    broken = broken | (tl.sum(n_bad, 0) > 0)
     acc = tl.where(broken, float("nan"), acc)
     if CANDIDATES:
         acc = tl.where(no_candidate, float("-inf"), acc)

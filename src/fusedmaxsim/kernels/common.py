@@ -148,8 +148,11 @@ def _residual_tile(p_codes, stride_code_tok, res, o_t, m_t, BLOCK_K: tl.constexp
     inside = (code >= 0) & (code < n_centroids)
     code = tl.where(inside, code, 0).to(tl.int64)
     o_b = tl.arange(0, BYTES)
-    byte = tl.load(p_res + o_t[:, None] * stride_res_tok + o_b[None, :],
-                   mask=m_t[:, None] & (o_b * 8 < dim * NBITS)[None, :], other=0)
+    p_byte = p_res + o_t[:, None] * stride_res_tok + o_b[None, :]
+    if EVEN_K:  # the row is BYTES long: a token's mask alone, so its bytes load as vectors
+        byte = tl.load(p_byte, mask=m_t[:, None], other=0)
+    else:
+        byte = tl.load(p_byte, mask=m_t[:, None] & (o_b * 8 < dim * NBITS)[None, :], other=0)
     o_j = tl.arange(0, PER_BYTE)
     weight = tl.load(WeightTable + byte.to(tl.int32)[:, :, None] * PER_BYTE + o_j[None, None, :])
     weight = tl.reshape(weight, [o_t.shape[0], BLOCK_K])
