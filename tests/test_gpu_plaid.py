@@ -153,16 +153,30 @@ def test_varlen_compiles_once_and_never_synchronizes():
 FIXTURE = Path(__file__).parent / "fixtures" / "fast_plaid"
 
 
-def _check_against(answers_results, settings, index, Q, q_mask):
+def _check_against(answers_results, settings, index, Q, q_mask, ties=False):
+    """Our search against fast-plaid's answers: the same ids, scores within its 1e-3. With
+    ``ties``, a query may swap one document at the cut for one that our exact scores put
+    within 1e-3 of the cut or above it: a near-tie that fast-plaid's fp16 scoring, on an index
+    its GPU k-means builds anew each run, settles either way."""
     for name, results in answers_results.items():
         kw = settings[name]
         scores, ids = index.search(Q, kw["top_k"], n_probe=kw["n_ivf_probe"],
                                    n_candidates=kw["n_full_scores"], q_mask=q_mask)
         for q, theirs in enumerate(results):
             n = len(theirs["ids"])
-            assert set(ids[q, :n].tolist()) == set(theirs["ids"]), (name, q)
+            missing = set(theirs["ids"]) - set(ids[q, :n].tolist())
+            if ties and len(missing) == 1:
+                exact = index.score(Q[q:q + 1], q_mask=None if q_mask is None else
+                                    q_mask[q:q + 1])[0]
+                cut = float(scores[q, n - 1])
+                m = missing.pop()
+                assert float(exact[m]) >= cut - 1e-3 * max(1.0, abs(cut)), (name, q, m, cut)
+            else:
+                assert not missing, (name, q, missing)
             by_id = dict(zip(theirs["ids"], theirs["scores"]))
             for s, j in zip(scores[q, :n].tolist(), ids[q, :n].tolist()):
+                if j not in by_id:  # the swapped document of a near-tie
+                    continue
                 assert abs(s - by_id[j]) <= 1e-3 * max(1.0, abs(by_id[j])), (name, q, j)
 
 
@@ -201,7 +215,7 @@ def test_search_equals_fast_plaid_on_an_index_it_builds(tmp_path, nbits):
     for name, kw in settings.items():
         found = theirs.search(queries_embeddings=Q.float(), show_progress=False, **kw)
         results[name] = [{"ids": [i for i, _ in r], "scores": [s for _, s in r]} for r in found]
-    _check_against(results, settings, index, Q, None)
+    _check_against(results, settings, index, Q, None, ties=True)
     theirs.close()
 
 
