@@ -55,9 +55,9 @@ def test_residual_parity_on_cuda(dtype, nbits):
 
 @pytest.mark.parametrize("bit_order", ["big", "little"])
 @pytest.mark.parametrize("nbits", [1, 2, 4, 8])
-@pytest.mark.parametrize("dtypes", [(torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
-                                    (torch.float16, torch.float32), (torch.float32, torch.float32)],
-                         ids=str)
+@pytest.mark.parametrize("dtypes", [
+    (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float32), (torch.float32, torch.float32)], ids=str)
 def test_decoded_values_exact_on_cuda(dtypes, nbits, bit_order):
     """The kernel's decoded values bit for bit: one-hot query tokens against one-token
     documents (no normalization) score exactly a token's value in one dimension, which must be

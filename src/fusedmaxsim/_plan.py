@@ -628,8 +628,9 @@ def _plan_torch_forward(p: Problem, o: Options) -> ForwardPlan:
 def _plan_residual_forward(p: Problem, o: Options) -> ForwardPlan:
     """PLAID documents on the Triton path: the dense cross product's mapping, the documents
     decompressed tile by tile in the kernel, with tiles of their own (``RESIDUAL_TILES``,
-    ``RESIDUAL_CANDIDATE_TILES``, ``RESIDUAL_ROWS``; design.md "PLAID"). The plan keeps the PyTorch path's blocks
-    too, for the backward (``grad_Q``), which decompresses a block of documents at a time."""
+    ``RESIDUAL_CANDIDATE_TILES``, ``RESIDUAL_ROWS``; design.md "PLAID"). The plan keeps the
+    PyTorch path's blocks too, for the backward (``grad_Q``), which decompresses a block of
+    documents at a time."""
     blocks = _plan_torch_forward(p, o).blocks
     if _forced.get("kernel") == "torch":
         return ForwardPlan("torch", blocks=blocks,

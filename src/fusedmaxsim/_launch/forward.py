@@ -204,7 +204,8 @@ def forward_residual(plan: ForwardPlan, p: Problem, fp32_precision: str, Q: Tens
     meta = fwd_meta(cfg, Q.dtype, p.dim, has_q_mask=qm is not None, has_d_mask=False,
                     normalize=p.normalize, save_argmax=save_argmax, fp32_precision=fp32_precision)
     del meta["HAS_D_MASK"]  # the lengths bound each document
-    consts = constants(NBITS=docs.nbits, PER_QUERY_DOCS=per_query_docs, NORMALIZE_Q=normalize_q, **meta)
+    consts = constants(NBITS=docs.nbits, PER_QUERY_DOCS=per_query_docs, NORMALIZE_Q=normalize_q,
+                       **meta)
     kernel = launcher(_maxsim_residual_fwd_kernel)
     qpb = cfg.queries_per_block
 

@@ -133,7 +133,7 @@ def _residual_tile(p_codes, stride_code_tok, res, o_t, m_t, BLOCK_K: tl.constexp
     ``res`` = ``(residual row pointer, its token stride, centroids, their row stride,
     weight table, n_centroids, dim)``. The weight table ``[256, 8 // NBITS]`` holds, for each
     residual byte, the bucket weights of its codes in dimension order (the bit order folded in
-    when the table is made: ``fusedmaxsim._plaid_index.weight_table``), so a token's residual
+    when the table is made: ``fusedmaxsim._problem.weight_table``), so a token's residual
     row is read once as bytes and each byte gathers its ``8 // NBITS`` weights with one load
     (from L1: the table is 0.5-4 KiB). The loaded ``[BLOCK_N, bytes, codes a byte]`` tile is
     reshaped to ``[BLOCK_N, BLOCK_K]`` before any arithmetic (a reshape right before the
