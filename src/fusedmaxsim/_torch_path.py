@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ._plan import argmax_dtype, plan_blocks
-from ._problem import code_table
+from ._problem import weight_table
 
 __all__ = [
     "decompress_residuals", "hidden_bwd_torch", "maxsim_bwd_blocked", "maxsim_fwd_blocked",
@@ -591,10 +591,11 @@ def decompress_residuals(codes: Tensor, residuals: Tensor, centroids: Tensor,
     n_centroids, dim = centroids.shape
     inside = (codes >= 0) & (codes < n_centroids)
     rows = centroids[codes.clamp(0, max(n_centroids - 1, 0)).long()]
-    buckets = code_table(nbits, bit_order, residuals.device)[residuals.long()]
-    buckets = buckets.flatten(-2)[..., :dim]  # the last byte's spare codes dropped
     ct = _compute_dtype(centroids)
-    tokens = (rows.to(ct) + bucket_weights.to(ct)[buckets]).to(centroids.dtype)
+    # Each byte's weights through the kernel's own table (the bit order folded in).
+    weights = weight_table(bucket_weights.to(ct), nbits, bit_order)[residuals.long()]
+    weights = weights.flatten(-2)[..., :dim]  # the last byte's spare codes dropped
+    tokens = (rows.to(ct) + weights).to(centroids.dtype)
     return tokens.masked_fill_(~inside.unsqueeze(-1), float("nan"))
 
 
