@@ -300,8 +300,11 @@ def profile_search(fn, Q, device, reps=5, top=12):
                 kernels.append((e.key[:90], us / reps / 1e3, e.count / reps))
         kernels.sort(key=lambda k: -k[1])
         out[label] = {"wall_ms": wall, "gpu_ms": sum(k[1] for k in kernels),
+                      "launches": sum(k[2] for k in kernels),
                       "kernels": [{"name": n, "ms": ms, "calls": c} for n, ms, c in kernels[:top]]}
-        log(f"profile {label}: wall {wall:.3f} ms, GPU {out[label]['gpu_ms']:.3f} ms")
+        log(f"profile {label}: wall {wall:.3f} ms, GPU {out[label]['gpu_ms']:.3f} ms, "
+            f"{out[label]['launches']:g} kernels; " + "; ".join(
+                f"{n[:40]} {ms:.4f}x{c:g}" for n, ms, c in kernels))
     return out
 
 
@@ -513,8 +516,9 @@ def markdown(rec):
         lines += ["", f"Where our search's time goes, {r['docs']} documents (torch.profiler, per "
                       "call):"]
         for label, prof in r["profile"].items():
+            launches = f", {prof['launches']:g} launches" if "launches" in prof else ""
             lines += ["", f"- {label}: wall {prof['wall_ms']:.3f} ms, GPU kernels "
-                          f"{prof['gpu_ms']:.3f} ms", ""]
+                          f"{prof['gpu_ms']:.3f} ms{launches}", ""]
             lines += _table("kernel", "ms", "launches")[1:]
             lines += [_row(k["name"].replace("|", "/"), f"{k['ms']:.4f}", f"{k['calls']:g}")
                       for k in prof["kernels"]]

@@ -84,6 +84,21 @@ def test_approx_candidates_on_cuda():
     assert _relative(out[:, :3000], expected[:, :3000]) <= TOL
 
 
+@pytest.mark.parametrize("Nq", [1, 32])
+def test_approx_hits_on_cuda(Nq):
+    """The search's call: each query's candidates as a bitmap over 20,000 documents (a tenth,
+    half, all or none of them), the others -inf."""
+    cs, codes, lengths = _index(20000, 256, Nq=Nq)
+    flat, cu = _packed(codes, lengths)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    density = torch.tensor([0.1, 0.5, 1.0, 0.0], device="cuda").repeat(Nq)[:Nq, None]
+    hits = torch.rand(Nq, 20000, device="cuda", generator=g) < density
+    out = approx_scores(cs, flat, cu[:-1], lengths, hits=hits)
+    full = plaid_approx_score_ref(cs, codes, lengths)
+    assert torch.equal(out.isinf(), ~hits)
+    assert _relative(torch.where(hits, out, 0), torch.where(hits, full, 0)) <= TOL
+
+
 def test_approx_unchecked_values_on_cuda():
     """On the GPU nothing is checked unless asked: out-of-range ids and lengths score NaN;
     validate=True raises."""
@@ -112,6 +127,7 @@ def test_approx_has_no_host_synchronization():
         plaid_approx_score(cs, codes, lengths)
         plaid_approx_score(cs, flat, cu_seqlens=cu)
         approx_scores(cs, flat, cu[:-1], lengths, doc_ids)
+        approx_scores(cs, flat, cu[:-1], lengths, hits=(lengths > 32).expand(4, -1))
 
     assert_no_host_synchronization(calls)
 

@@ -117,28 +117,30 @@ def test_candidates(backend):
     assert torch.equal(none, torch.full((3, 2), float("-inf")))
 
 
-@pytest.mark.parametrize("slot_programs", [None, 1, 2])
-def test_counted_candidates(backend, slot_programs):
-    """Counted candidates (the search's table): only each query's first counts[q] columns are
-    read, the rest score -inf whatever they hold; counts of 0, within, equal to and past the
-    width; one program a query walking every column, two, or the plan's."""
+@pytest.mark.parametrize("slot_programs", [None, 1, 2, 3])
+def test_hits(backend, slot_programs):
+    """Hits (the search's candidates): query q's documents of hits[q] true are scored, the rest
+    -inf; a query of no hit, one, some and all; the corpus walked by one program a query, two,
+    three (a share that ends within a step) or the plan's."""
     cs = _cs(4, 9)
     codes, lengths = _padded()
     ref = plaid_approx_score_ref(cs, codes, lengths)
     starts = torch.arange(7) * codes.shape[1]
-    doc_ids = torch.tensor([[0, 5, 2, 6, 1], [3, 3, 1, 6, 0], [4, 0, 1, 2, 6], [6, 5, 4, 3, 2]])
-    counts = torch.tensor([0, 3, 5, 9])
-    col = torch.arange(5)
-    expected = torch.where(col < counts[:, None], ref.gather(1, doc_ids), float("-inf"))
-    garbage = doc_ids.masked_fill(col >= counts[:, None], 99)  # never read
+    hits = torch.zeros(4, 7, dtype=torch.bool)
+    hits[1, 6] = True
+    hits[2, [0, 2, 3, 5]] = True
+    hits[3] = True
+    expected = torch.where(hits, ref, float("-inf"))
     forced = {} if slot_programs is None else {"approx_slot_programs": slot_programs}
     with forced_plan(**forced):
-        out = approx_scores(cs, codes.flatten(), starts, lengths, garbage, counts)
+        out = approx_scores(cs, codes.flatten(), starts, lengths, hits=hits)
+    assert out.shape == (4, 7)
     _assert_matches(out, expected)
-    with pytest.raises(ValueError, match=r"counts must be \[Nq\] integers"):
-        approx_scores(cs, codes.flatten(), starts, lengths, doc_ids, counts[:3])
-    with pytest.raises(ValueError, match=r"counts must be \[Nq\] integers"):
-        approx_scores(cs, codes.flatten(), starts, lengths, None, counts)
+    for bad in (hits[:3], hits.int(), hits[:, :6]):
+        with pytest.raises(ValueError, match=r"hits must be \[Nq, Nd\] bool"):
+            approx_scores(cs, codes.flatten(), starts, lengths, hits=bad)
+    with pytest.raises(ValueError, match=r"without doc_ids"):
+        approx_scores(cs, codes.flatten(), starts, lengths, torch.zeros(4, 2).long(), hits)
 
 
 def test_empty_batches(backend):

@@ -461,11 +461,48 @@ def test_torch_compile_fullgraph_plaid_training_step():
 
 
 def test_search_gathers_the_probe_in_blocks_of_queries():
-    """The probe's gather a query at a time (forced) finds what one block finds."""
+    """The PyTorch path's probe a query at a time (forced) finds what one block finds."""
     from fusedmaxsim import forced_plan
     index = load(FIXTURE / "nbits2")
     Q, q_mask = _queries()
     whole = index.search(Q, 10, n_probe=4, n_candidates=256, q_mask=q_mask)
-    with forced_plan(PROBE_GATHER_IDS=1):
+    with forced_plan(kernel="torch", PROBE_GATHER_IDS=1):
         blocks = index.search(Q, 10, n_probe=4, n_candidates=256, q_mask=q_mask)
     assert torch.equal(whole[1], blocks[1]) and torch.equal(whole[0], blocks[0])
+
+
+@pytest.mark.parametrize("forced", [{}, {"PROBE_BLOCK": 2}, {"kernel": "torch"},
+                                    {"kernel": "torch", "PROBE_GATHER_IDS": 1}])
+def test_probe_marks_the_documents_of_the_probed_lists(backend, forced):
+    """The probe's bitmap against sets built in Python: cells probed twice, -1, out of range
+    (-2 and n_cells: nothing), a cell of an empty list, a query probing nothing; list steps of
+    2 entries (forced) cross the lists' ends."""
+    from fusedmaxsim._plaid_index import _probed_documents
+    from fusedmaxsim.planning import forced_plan, recording
+    from fusedmaxsim._problem import options_for
+    g = torch.Generator().manual_seed(3)
+    n_docs, n_cells = 11, 6
+    lengths = torch.randint(1, 5, (n_docs,), generator=g)
+    lengths[4] = 0
+    codes = torch.randint(0, n_cells - 1, (int(lengths.sum()),), generator=g)  # cell 5: empty
+    d = 8
+    index = PlaidIndex.from_tensors(torch.randn(n_cells, d), torch.randn(4), 2, codes,
+                                    torch.zeros(codes.shape[0], d * 2 // 8, dtype=torch.uint8),
+                                    lengths)
+    cells = torch.tensor([[0, 3, 3, -1, 5], [-1, -1, -1, -1, -1], [2, -2, 6, 1, 4],
+                          [4, 4, 4, 4, 4]])
+    starts = (torch.cumsum(lengths, 0) - lengths).tolist()
+    docs_of = {c: {j for j in range(n_docs)
+                   if c in codes[starts[j]:starts[j] + lengths[j]].tolist()}
+               for c in range(n_cells)}
+    expected = torch.zeros(4, n_docs, dtype=torch.bool)
+    for q, row in enumerate(cells.tolist()):
+        for c in row:
+            for j in docs_of.get(c, ()):
+                expected[q, j] = True
+    with forced_plan(**forced), recording() as plans:
+        for ids in (cells, cells.int()):
+            hit = _probed_documents(index, ids, options_for(torch.zeros(1)))
+            assert hit.dtype == torch.bool and torch.equal(hit, expected)
+    assert {plan.kernel for _, plan in plans} == {forced.get("kernel", backend)}
+    assert _probed_documents(index, cells[:0], options_for(torch.zeros(1))).shape == (0, n_docs)

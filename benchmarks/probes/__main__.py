@@ -72,6 +72,7 @@ SECTIONS = {
     "residual_tiles": ("plaid", "residual_tiles"),
     "residual_profile": ("plaid", "residual_profile"),
     "approx_tiles": ("plaid", "approx_tiles"),
+    "search_steps": ("plaid", "search_steps"),
 }
 DEFAULT = ("normalize", "kd", "smooth")
 

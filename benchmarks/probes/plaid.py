@@ -1,6 +1,7 @@
-"""Probes of the PLAID residual kernel (``_maxsim_residual_fwd_kernel``; design.md "PLAID"): its
-tiles, on the kernel bench's shapes and on the search's
-rescoring (one query a block against its own candidates)."""
+"""Probes of PLAID (design.md "PLAID"): the residual kernel's tiles
+(``_maxsim_residual_fwd_kernel``), on the kernel bench's shapes and on the search's rescoring
+(one query a block against its own candidates); the approximate score's tiles; the search's
+steps."""
 
 from __future__ import annotations
 
@@ -161,3 +162,66 @@ def approx_tiles():
         for ms, block_t, warps, stages, ok in rows[:8] + rows[-2:]:
             print(f"  t{block_t} w{warps} s{stages}: {ms:.4f}{'' if ok else '  (differs!)'}",
                   flush=True)
+
+
+def _search_index(n_docs, nbits=2):
+    """A clustered corpus of the search bench (``bench_plaid_search``: 200-300 tokens, its toy
+    compression and centroid count), its index and 32 queries of 32 tokens."""
+    import math
+
+    import bench_plaid_search as bench
+    g = torch.Generator(device="cuda").manual_seed(bench.SEED)
+    topics = F.normalize(torch.randn(1024, bench.DIM, device="cuda", generator=g), dim=-1)
+    tokens, lens = bench.make_corpus(n_docs, topics, (200, 300), torch.device("cuda"))
+    K = min(tokens.shape[0], 2 ** int(math.log2(16 * math.sqrt(tokens.shape[0]))))
+    centroids, weights, codes, residuals = bench.toy_compress(tokens, nbits, K)
+    index = PlaidIndex.from_tensors(centroids, weights, nbits, codes, residuals, lens,
+                                    validate=False)
+    return index, bench.make_queries(32, 32, topics, torch.device("cuda"))
+
+
+def search_steps():
+    """The search's steps (ms, ``do_bench``) at 10k and 100k documents, 1 and 32 queries
+    (``n_probe`` 8, 1,024 rescored): the probe's top-k over centroid-major scores ``[Nq, K,
+    Lq]`` (dim 1: what the approximate score reads) against token-major ``[Nq, Lq, K]`` (dim -1:
+    a second product), each with its product; the probe's bitmap by the PyTorch path and by the
+    Triton kernel; the top 1,024 of the approximate scores by ``topk`` and by ``sort``; the
+    whole search, eager and as a CUDA graph."""
+    from fusedmaxsim._autograd import approx_scores
+    from fusedmaxsim._plaid_index import _probed_documents
+
+    for n_docs in (10_000, 100_000):
+        index, queries = _search_index(n_docs)
+        C = index.centroids
+        print(f"{n_docs} documents: {index.centroids.shape[0]} centroids, longest list "
+              f"{index.max_list_len}, {index.ivf.shape[0]} list entries", flush=True)
+        for Nq in (1, 32):
+            Q = queries[:Nq]
+            o = options_for(Q)
+            times = {
+                "product [Nq, K, Lq]": lambda: torch.matmul(C, Q.transpose(1, 2)),
+                "product + topk dim 1": lambda: torch.matmul(C, Q.transpose(1, 2)).topk(8, 1),
+                "product [Nq, Lq, K]": lambda: torch.matmul(Q, C.T),
+                "product + topk dim -1": lambda: torch.matmul(Q, C.T).topk(8, -1),
+            }
+            cs = torch.matmul(C, Q.transpose(1, 2))
+            cells = cs.topk(8, 1).indices.flatten(1)
+            with forced_plan(kernel="torch"):
+                old = _probed_documents(index, cells, o)
+                times["probe, PyTorch path"] = lambda: _probed_documents(index, cells, o)
+            new = _probed_documents(index, cells, o)
+            times["probe, Triton"] = lambda: _probed_documents(index, cells, o)
+            approx = approx_scores(cs, index.codes, index.doc_starts, index.doc_lengths, hits=new)
+            times["approx over hits"] = lambda: approx_scores(
+                cs, index.codes, index.doc_starts, index.doc_lengths, hits=new)
+            times["topk 1024 of approx"] = lambda: approx.topk(1024, 1, sorted=False)
+            times["sort of approx"] = lambda: approx.sort(1, descending=True)
+            times["search eager"] = lambda: index.search(Q, 10, n_probe=8, n_candidates=4096)
+            index.search(Q, 10, n_probe=8, n_candidates=4096, cuda_graph=True)
+            times["search graph"] = lambda: index.search(Q, 10, n_probe=8, n_candidates=4096,
+                                                         cuda_graph=True)
+            same = torch.equal(old, new)
+            print(f"  Nq={Nq}: {int(new.sum())} candidates; bitmaps equal: {same}", flush=True)
+            for name, fn in times.items():
+                print(f"    {name}: {do_bench(fn):.4f}", flush=True)
+        index.release_graphs()

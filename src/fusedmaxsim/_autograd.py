@@ -735,7 +735,7 @@ _approx_launcher = None
 
 
 def approx_scores(cs: Tensor, codes: Tensor, starts: Tensor, lengths: Tensor,
-                  doc_ids: Tensor | None = None, counts: Tensor | None = None) -> Tensor:
+                  doc_ids: Tensor | None = None, hits: Tensor | None = None) -> Tensor:
     """PLAID's approximate (IVF pruning) scores, no autograd: ``score[q, j] = Σ_s max_{t <
     lengths[j]} cs[q, codes[starts[j] + t], s]``, the max exact, the sum in fp32 (float64 for
     float64 ``cs``); a query token whose max is -inf adds 0 (an empty document scores 0).
@@ -747,10 +747,9 @@ def approx_scores(cs: Tensor, codes: Tensor, starts: Tensor, lengths: Tensor,
         lengths: ``[Nd]`` integers, each document's tokens.
         doc_ids: optional ``[Nq, C]`` int64, each query's candidate documents; an id < 0 is "no
             candidate" and scores -inf.
-        counts: optional ``[Nq]`` integers (with ``doc_ids``): only query ``q``'s first
-            ``counts[q]`` candidates are read, its other columns score -inf (read on the device
-            by the kernel; the PyTorch path reads the largest back, one synchronization on a
-            GPU).
+        hits: optional ``[Nq, Nd]`` bool (instead of ``doc_ids``): query ``q``'s candidates are
+            the documents of ``hits[q]`` true, the others score -inf (the PyTorch path reads
+            the largest count back: one synchronization on a GPU).
 
     Returns ``[Nq, C]`` (``[Nq, Nd]`` without ``doc_ids``) fp32. Nothing is checked by value
     and nothing synchronizes on the Triton path: a document whose range leaves ``codes``, a
@@ -758,11 +757,11 @@ def approx_scores(cs: Tensor, codes: Tensor, starts: Tensor, lengths: Tensor,
     NaN, never a read out of bounds. The plan (``_plan.plan_approx``) picks the Triton kernel on
     CUDA, the PyTorch path elsewhere, or as forced (``forced_plan(kernel="torch")``)."""
     check_approx_internal(cs, codes, starts, lengths, doc_ids)
-    if counts is not None:
-        if doc_ids is None or counts.shape != (cs.shape[0],) or counts.device != cs.device or \
-                counts.dtype.is_floating_point or counts.dtype == torch.bool:
-            raise ValueError("counts must be [Nq] integers on the scores' device, with doc_ids")
-        return _approx(cs, codes, starts, lengths, doc_ids, options_for(cs), counts)
+    if hits is not None:
+        if doc_ids is not None or hits.dtype != torch.bool or hits.device != cs.device or \
+                hits.shape != (cs.shape[0], lengths.shape[0]):
+            raise ValueError("hits must be [Nq, Nd] bool on the scores' device, without doc_ids")
+        return _approx(cs, codes, starts, lengths, None, options_for(cs), hits.contiguous())
     return approx_checked(cs, codes, starts, lengths, doc_ids)
 
 
@@ -778,19 +777,19 @@ def approx_checked(cs, codes, starts, lengths, doc_ids=None, *,
     return _approx(cs, codes, starts, lengths, doc_ids, o, padded_len=padded_len)
 
 
-def _approx(cs, codes, starts, lengths, doc_ids, o: Options, counts=None,
+def _approx(cs, codes, starts, lengths, doc_ids, o: Options, hits=None,
             padded_len: int | None = None) -> Tensor:
     global _approx_launcher
     n_cols = lengths.shape[0] if doc_ids is None else doc_ids.shape[1]
-    plan = plan_approx(approx_problem(cs, n_cols, doc_ids is not None, counts is not None), o)
+    plan = plan_approx(approx_problem(cs, n_cols, doc_ids is not None, hits is not None), o)
     if plan.kernel == "torch":
         if padded_len is not None:
             starts, lengths = padded_starts(lengths, padded_len)
         return _torch_path.approx_scores_torch(plan.torch_block_elems, cs, codes, starts, lengths,
-                                               doc_ids, counts)
+                                               doc_ids, hits)
     if _approx_launcher is None:  # imported on first use: the PyTorch path never imports Triton
         from ._launch.approx import approx_scores as _approx_launcher
-    return _approx_launcher(plan, cs, codes, starts, lengths, doc_ids, counts, padded_len)
+    return _approx_launcher(plan, cs, codes, starts, lengths, doc_ids, hits, padded_len)
 
 
 @torch.library.custom_op("fusedmaxsim::plaid_approx", mutates_args=())

@@ -28,12 +28,13 @@ import torch
 from torch import Tensor
 
 from ._autograd import run_forward
-from ._plan import forced_key, plan_probe_queries
-from ._torch_path import decompress_residuals as _decompress
+from ._plan import forced_key, plan_probe
 from ._problem import (
     NBITS, ResidualDocs, _check_residual_query, check_int, check_residual_varlen, options_for,
-    residual_problem, weight_table,
+    probe_problem, residual_problem, weight_table,
 )
+from ._torch_path import decompress_residuals as _decompress
+from ._torch_path import probe_torch
 
 _NPY_DTYPES = {
     "<i8": torch.int64, "<i4": torch.int32, "|u1": torch.uint8, "<u1": torch.uint8,
@@ -384,43 +385,20 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, *,
                       residuals, lengths, ivf, ivf_lengths)
 
 
-def _probed_documents(index: PlaidIndex, cells: Tensor) -> Tensor:
+_probe_launcher = None
+
+
+def _probed_documents(index: PlaidIndex, cells: Tensor, o) -> Tensor:
     """``[Nq, Nd]`` bool: the documents in the inverted lists of each query's probed ``cells
-    [Nq, P]`` (-1: none), gathered a block of queries at a time."""
-    Nq, P = cells.shape
-    hit = torch.zeros((Nq, index.n_docs + 1), dtype=torch.bool, device=cells.device)
-    M = index.max_list_len
-    if M == 0 or P == 0:
-        return hit[:, :-1]
-    # A cell probed by several query tokens is read once (int32: half the sort's passes).
-    cells = cells.int().sort(dim=1).values
-    repeat = torch.zeros_like(cells, dtype=torch.bool)
-    repeat[:, 1:] = cells[:, 1:] == cells[:, :-1]
-    cells = cells.masked_fill(repeat, -1)
-    pos = torch.arange(M, device=cells.device)
-    step = plan_probe_queries(P, M)
-    for q0 in range(0, Nq, step):
-        c = cells[q0:q0 + step]
-        safe = c.clamp_min(0)
-        lo = index.ivf_offsets[safe]
-        n = torch.where(c >= 0, index.ivf_offsets[safe + 1] - lo, 0)
-        entry = (lo[..., None] + pos).clamp_max(index.ivf.shape[0] - 1)
-        docs = torch.where(pos < n[..., None], index.ivf[entry], index.n_docs)
-        hit[q0:q0 + step].scatter_(1, docs.flatten(1), True)
-    return hit[:, :-1]
-
-
-def _candidate_table(hit: Tensor) -> tuple[Tensor, Tensor]:
-    """``(table [Nq, Nd] int64, counts [Nq] int64)``: each query's documents in ascending order,
-    then -1, and how many it has. The table is as wide as the corpus, so its shape is known
-    without reading a count back: nothing synchronizes."""
-    Nq, Nd = hit.shape
-    pos = torch.cumsum(hit, 1, dtype=torch.int32)
-    counts = pos[:, -1].long() if Nd else hit.new_zeros(Nq, dtype=torch.int64)
-    table = torch.full((Nq, Nd + 1), -1, dtype=torch.int64, device=hit.device)
-    slot = torch.where(hit, pos - 1, Nd).long()  # column Nd: a slot for the documents not hit
-    table.scatter_(1, slot, torch.arange(Nd, device=hit.device).expand(Nq, Nd))
-    return table[:, :Nd], counts
+    [Nq, P]`` (-1: none), by the plan's kernel (``_plan.plan_probe``)."""
+    global _probe_launcher
+    plan = plan_probe(probe_problem(cells, index.n_docs, index.max_list_len), o)
+    if plan.kernel == "torch":
+        return probe_torch(plan.launch_queries, cells, index.ivf_offsets, index.ivf,
+                           index.n_docs, index.max_list_len)
+    if _probe_launcher is None:  # imported on first use: the PyTorch path never imports Triton
+        from ._launch.probe import probe as _probe_launcher
+    return _probe_launcher(plan, cells, index.ivf_offsets, index.ivf, index.n_docs)
 
 
 def _subset_ids(index: PlaidIndex, ids, what: str) -> Tensor:
@@ -498,8 +476,8 @@ def plaid_search(Q: Tensor, index: PlaidIndex, top_k: int = 10, *, n_probe: int 
     which removes the host's cost of launching its two dozen operations (each graph keeps its
     buffers until :meth:`PlaidIndex.release_graphs`, and serves one call at a time: not from
     several threads at once). Memory holds the centroid scores and, for each query, a
-    candidate bitmap, table and approximate score as wide as the corpus (about 25 bytes a
-    document at the peak), never a decompressed document. No gradient; eager only (not under
+    candidate bitmap and approximate scores as wide as the corpus (5 bytes a document), never
+    a decompressed document. No gradient; eager only (not under
     ``torch.compile``).
     """
     if torch.compiler.is_compiling():
@@ -541,6 +519,7 @@ def _search(index: PlaidIndex, Q: Tensor, q_mask: Tensor | None, top_k: int, n_p
     with torch.no_grad():
         Nq, Lq, _ = Q.shape
         Qc = Q.to(index.centroids.dtype)
+        o = options_for(Qc)
         cs = torch.matmul(index.centroids, Qc.transpose(1, 2))  # [Nq, K, Lq]
         allowed = None
         probe = cs
@@ -558,18 +537,17 @@ def _search(index: PlaidIndex, Q: Tensor, q_mask: Tensor | None, top_k: int, n_p
             valid = q_mask.bool()
             cells = cells.masked_fill(~valid[:, None, :], -1)
             cs = cs.masked_fill(~valid[:, None, :], 0)
-        hit = _probed_documents(index, cells.flatten(1))
+        hit = _probed_documents(index, cells.flatten(1), o)
         if allowed is not None:
             hit &= allowed
-        table, counts = _candidate_table(hit)
-        approx = approx_scores(cs, index.codes, index.doc_starts, index.doc_lengths, table,
-                               counts)
+        approx = approx_scores(cs, index.codes, index.doc_starts, index.doc_lengths, hits=hit)
         n_exact = min(max(1, n_candidates // 4), index.n_docs)
-        best = approx.topk(n_exact, dim=1, sorted=False).indices  # order: the rescoring's
-        ids = table.gather(1, best)  # -1 where a query has fewer candidates
+        best = approx.topk(n_exact, dim=1, sorted=False)  # order: the rescoring's
+        # -inf: no candidate (a query with fewer candidates than n_exact)
+        ids = best.indices.masked_fill(best.values == float("-inf"), -1)
         docs = index._docs(ids)
         p = residual_problem(docs, Qc, q_mask, normalize=True, save_argmax=False)
-        exact = run_forward(p, options_for(Qc), Qc, None, q_mask, None, None, None, docs)[0]
+        exact = run_forward(p, o, Qc, None, q_mask, None, None, None, docs)[0]
         k = min(top_k, n_exact)
         scores, order = exact.float().topk(k, dim=1)
         ids = ids.gather(1, order)

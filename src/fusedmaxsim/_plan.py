@@ -28,7 +28,7 @@ import torch
 
 from . import settings
 from ._problem import (
-    APPROX_CANDIDATES, APPROX_COUNTED, CANDIDATES, CROSS, HIDDEN_CANDIDATES, HIDDEN_LAYOUTS,
+    APPROX_CANDIDATES, APPROX_HITS, CANDIDATES, CROSS, HIDDEN_CANDIDATES, HIDDEN_LAYOUTS,
     PAIRS, PACKED, RESIDUAL, RESIDUAL_CANDIDATES, RESIDUAL_LAYOUTS, Options, Problem,
 )
 
@@ -1154,13 +1154,16 @@ MEASURED.update({
     "APPROX_MAX_COLUMNS": 32 if INTERPRETER else 256,
     "APPROX_MAX_LQ_TILE": 16 if INTERPRETER else 128,
     "APPROX_BLOCK_T": (8, 128) if INTERPRETER else (16, 128),
-    # Counted candidates (the search's table): programs an SM in all. 8 left the approximate
-    # score of 32 queries × 1M candidates latency-bound (1M-document search 170 ms at batch 32,
-    # 125 ms compacted; NOTES §64); an empty program costs about 1.8 ns.
-    "APPROX_COUNTED_WAVES": 32,
+    # Hits (the search's candidates): programs an SM in all. Measured on the compacted table of
+    # candidates the bitmap replaced: 8 left 32 queries × 1M candidates latency-bound (the
+    # 1M-document search 170 ms at batch 32, 125 ms with 32; NOTES §64); an empty program costs
+    # about 1.8 ns.
+    "APPROX_HIT_WAVES": 32,
+    # Not measured: documents whose hits a program ranks at a time (one vector of bytes).
+    "APPROX_HIT_BLOCK": 8 if INTERPRETER else 128,
 })
 # approx_tiles: an ApproxTiles; approx_launch_queries: queries a launch of the approx kernel;
-# approx_slot_programs: programs a query of counted candidates.
+# approx_slot_programs: programs a query of hits.
 FORCIBLE = FORCIBLE | {"approx_tiles", "approx_launch_queries", "approx_slot_programs"}
 
 MAX_PROGRAMS = 2**31 - 1  # CUDA's limit on a grid's first axis
@@ -1185,14 +1188,15 @@ class ApproxPlan:
     ``"torch"`` (``_torch_path.approx_scores_torch``); ``tiles``: the kernel's;
     ``launch_queries``: queries a launch (its 1-D grid stays within CUDA's limit);
     ``torch_block_elems``: the PyTorch path's bound on the centroid scores gathered at a time;
-    ``slot_programs``: programs a query of counted candidates (each walks every
-    ``slot_programs``-th candidate up to the query's count)."""
+    ``slot_programs``: programs a query of hits (each walks its share of the corpus, in steps of
+    ``hit_block`` documents)."""
 
     kernel: str
     tiles: ApproxTiles | None = None
     launch_queries: int = 1
     torch_block_elems: int = 0
     slot_programs: int = 0
+    hit_block: int = 0
     reasons: tuple[str, ...] = ()
 
 
@@ -1218,7 +1222,7 @@ def _plan_approx(p: Problem, o: Options) -> ApproxPlan:
         why = "kernel: forced" if o.backend != "torch" else "backend: the PyTorch path"
         return ApproxPlan("torch", torch_block_elems=budget, reasons=(
             why, f"blocks of documents of at most {budget} gathered centroid scores"))
-    candidates = p.layout in (APPROX_CANDIDATES, APPROX_COUNTED)
+    candidates = p.layout in (APPROX_CANDIDATES, APPROX_HITS)
     tiles = _forced.get("approx_tiles")
     reasons = ["kernel: the Triton gather kernel (kernels.approx)"]
     if tiles is None:
@@ -1228,15 +1232,16 @@ def _plan_approx(p: Problem, o: Options) -> ApproxPlan:
                        f"{'per-query candidates' if candidates else f'Nq={p.Nq}'}")
     else:
         reasons.append("tiles: forced")
-    slots = 0
-    if p.layout == APPROX_COUNTED:
-        # About APPROX_COUNTED_WAVES programs an SM in all, however wide the table: a program
-        # of an empty slot is not free (NOTES §59: 1.8 ns each).
+    slots = hit_block = 0
+    if p.layout == APPROX_HITS:
+        # About APPROX_HIT_WAVES programs an SM in all, however wide the corpus: a program of
+        # no hit is not free (NOTES §59: 1.8 ns each).
         slots = _forced.get("approx_slot_programs") or max(1, min(
             max(p.Ncols, 1),
-            _measured("APPROX_COUNTED_WAVES") * sm_count(p.device) // max(p.Nq, 1)))
-        reasons.append(f"{slots} programs a query, each every {slots}-th candidate up to the "
-                       "query's count")
+            _measured("APPROX_HIT_WAVES") * sm_count(p.device) // max(p.Nq, 1)))
+        hit_block = _measured("APPROX_HIT_BLOCK")
+        reasons.append(f"{slots} programs a query, each a {slots}-th of the corpus in steps of "
+                       f"{hit_block} documents")
     launch = _forced.get("approx_launch_queries")
     if launch is None:
         # Programs: the queries' candidates (or slot programs), or the documents for each block
@@ -1246,7 +1251,7 @@ def _plan_approx(p: Problem, o: Options) -> ApproxPlan:
             launch *= tiles.queries_per_block
     launch = max(1, launch)
     reasons.append(f"{launch} queries a launch (1-D grid of at most {MAX_PROGRAMS} programs)")
-    return ApproxPlan("triton", tiles, launch, budget, slots, tuple(reasons))
+    return ApproxPlan("triton", tiles, launch, budget, slots, hit_block, tuple(reasons))
 
 
 _approx_plans: dict = {}
@@ -1262,20 +1267,58 @@ __all__ += ["ApproxPlan", "ApproxTiles", "approx_tiles", "plan_approx"]
 
 
 # ------------------------------------------------------------------------------------------------
-# PLAID search: the probe's gather
+# PLAID search: the probe (the candidate documents of the probed cells, as a bitmap)
 # ------------------------------------------------------------------------------------------------
 
-# Not measured: a memory bound. The search gathers the probed inverted lists of a block of
-# queries at a time, [queries, probed cells, longest list] ids (int64), at most this many.
-MEASURED["PROBE_GATHER_IDS"] = 1 << 24
+MEASURED.update({
+    # Not measured: a memory bound. The PyTorch path gathers the probed inverted lists of a
+    # block of queries at a time, [queries, probed cells, longest list] ids (int64), at most
+    # this many.
+    "PROBE_GATHER_IDS": 1 << 24,
+    # Not measured: list entries a program of the Triton probe reads a step (lists hold about
+    # 100-1000 documents on the search bench's corpora).
+    "PROBE_BLOCK": 16 if INTERPRETER else 256,
+})
 
 
-def plan_probe_queries(n_cells: int, longest_list: int) -> int:
-    """Queries whose probed inverted lists ``plaid_search`` gathers at a time (``n_cells`` cells
-    a query, lists of at most ``longest_list`` documents), within ``PROBE_GATHER_IDS`` ids;
-    forcible as ``forced_plan(PROBE_GATHER_IDS=...)``."""
-    return max(1, _measured("PROBE_GATHER_IDS") // max(1, n_cells * longest_list))
+@dataclasses.dataclass(frozen=True)
+class ProbePlan:
+    """How the search's probe runs: ``kernel`` ``"triton"`` (``kernels.probe``: a program a
+    probed cell, ``block`` list entries a step, ``launch_queries`` queries a launch) or
+    ``"torch"`` (``_torch_path.probe_torch``: ``launch_queries`` queries' lists gathered at a
+    time)."""
+
+    kernel: str
+    launch_queries: int
+    block: int = 0
+    num_warps: int = 4
+    reasons: tuple[str, ...] = ()
 
 
-__all__ += ["plan_probe_queries"]
+def _plan_probe(p: Problem, o: Options) -> ProbePlan:
+    cells, longest = p.Lq, p.Ld
+    if o.backend == "torch" or _forced.get("kernel") == "torch":
+        why = "kernel: forced" if o.backend != "torch" else "backend: the PyTorch path"
+        launch = max(1, _measured("PROBE_GATHER_IDS") // max(1, cells * longest))
+        return ProbePlan("torch", launch, reasons=(
+            why, f"{launch} queries' lists gathered at a time ({cells} cells of at most "
+            f"{longest} documents a query; PROBE_GATHER_IDS)"))
+    block = _measured("PROBE_BLOCK")
+    launch = max(1, MAX_PROGRAMS // max(1, cells))
+    return ProbePlan("triton", launch, block, 4, (
+        "kernel: the Triton probe (kernels.probe), a program a probed cell",
+        f"{block} list entries a step (PROBE_BLOCK)",
+        f"{launch} queries a launch (1-D grid of at most {MAX_PROGRAMS} programs)"))
+
+
+_probe_plans: dict = {}
+
+
+def plan_probe(p: Problem, o: Options) -> ProbePlan:
+    """The plan of the search's probe (``p.layout`` ``ivf probe``), cached on ``(p, o)`` (not
+    while decisions are forced); ``recording()`` collects it."""
+    return _cached(_probe_plans, (p, o), p, _plan_probe, p, o)
+
+
+__all__ += ["ProbePlan", "plan_probe"]
 

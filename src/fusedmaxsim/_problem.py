@@ -918,26 +918,42 @@ def check_residual_varlen(Q: object, codes: object, residuals: object, cu_seqlen
 # ------------------------------------------------------------------------------------------------
 # PLAID approximate scores (fusedmaxsim.plaid.plaid_approx_score): the IVF pruning score
 # ------------------------------------------------------------------------------------------------
-# Two layouts, the Problem's other fields unused (``Ld`` and ``dim`` are 0: each document's length
+# Three layouts, the Problem's other fields unused (``Ld`` and ``dim`` are 0: each document's length
 # is read as the kernel runs, and the centroids' count enters no decision):
 # * ``approx``: every query's centroid scores ``cs [Nq, n_centroids, Lq]`` against every document
 #   of a packed list of centroid ids: ``Ncols = Nd``;
 # * ``approx candidates``: each query against its own candidate documents ``doc_ids [Nq, C]``
-#   (an id < 0: no candidate, scored -inf): ``Ncols = C``.
+#   (an id < 0: no candidate, scored -inf): ``Ncols = C``;
+# * ``approx hits``: each query against the documents its row of ``hits [Nq, Nd]`` marks (the
+#   others scored -inf): ``Ncols = Nd``.
 
 APPROX, APPROX_CANDIDATES = "approx", "approx candidates"
-# Per-query candidates of which each query's first counts[q] hold documents (the search's table).
-APPROX_COUNTED = "approx counted candidates"
+# Each query against its candidates among all documents, marked in hits [Nq, Nd] (the search's).
+APPROX_HITS = "approx hits"
 
 
-def approx_problem(cs: Tensor, n_cols: int, candidates: bool, counted: bool = False) -> Problem:
+def approx_problem(cs: Tensor, n_cols: int, candidates: bool, hits: bool = False) -> Problem:
     """The :class:`Problem` of the centroid scores ``cs [Nq, n_centroids, Lq]`` against ``n_cols``
-    documents (or each query's ``n_cols`` candidates; ``counted``: the first of them, as many
-    as the query's count)."""
+    documents (or each query's ``n_cols`` candidates; ``hits``: the documents each query's row
+    of a bitmap marks)."""
     Nq, _, Lq = cs.shape
-    layout = APPROX_COUNTED if counted else APPROX_CANDIDATES if candidates else APPROX
+    layout = APPROX_HITS if hits else APPROX_CANDIDATES if candidates else APPROX
     return Problem(layout, Nq, n_cols, Lq, 0, 0, cs.dtype,
                    cs.device, False, False, False, False, 0.0, False, False)
+
+
+# The PLAID search's probe (``ivf probe``): each query's probed cells ``[Nq, P]`` against the
+# inverted lists of ``Nd`` documents, a bitmap ``[Nq, Nd]`` out: ``Ncols = Nd``, ``Lq = P`` (cells
+# a query), ``Ld`` the longest list; ``dtype`` the cells'.
+PROBE = "ivf probe"
+
+
+def probe_problem(cells: Tensor, n_docs: int, longest_list: int) -> Problem:
+    """The :class:`Problem` of the probe of ``cells [Nq, P]`` in inverted lists of ``n_docs``
+    documents, the longest ``longest_list`` long."""
+    Nq, P = cells.shape
+    return Problem(PROBE, Nq, n_docs, P, longest_list, 0, cells.dtype, cells.device, False,
+                   False, False, False, 0.0, False, False)
 
 
 def _approx_int(name: str, t: object, dims: int, what: str, device: torch.device) -> Tensor:

@@ -719,11 +719,11 @@ def _approx_sum(vals: Tensor) -> Tensor:
 
 def approx_scores_torch(block_elems: int, cs: Tensor, codes: Tensor, starts: Tensor,
                         lengths: Tensor, doc_ids: Tensor | None,
-                        counts: Tensor | None = None) -> Tensor:
+                        hits: Tensor | None = None) -> Tensor:
     """PLAID's approximate scores (``kernels.approx``' contract) on the PyTorch path: ``[Nq,
     Nd]``, or ``[Nq, C]`` with ``doc_ids`` (an id < 0: -inf), fp32 (float64 for float64 ``cs``).
-    With ``counts`` only query ``q``'s first ``counts[q]`` candidates are read, the rest score
-    -inf (the largest count read back: one synchronization on a GPU).
+    With ``hits [Nq, Nd]`` only the documents of ``hits[q]`` true are scored for query ``q``,
+    the rest score -inf (the largest count read back: one synchronization on a GPU).
 
     The centroid scores are copied once into the compute dtype with two rows more, -inf (a
     padding token) and NaN (an id out of range), so that one ``index_select`` gathers a block's
@@ -731,14 +731,17 @@ def approx_scores_torch(block_elems: int, cs: Tensor, codes: Tensor, starts: Ten
     each block padded to its own longest document and holding at most ``block_elems`` values (a
     single document larger than that is still gathered whole). A document whose range leaves
     ``codes``, or a candidate id ``>= Nd``, scores NaN."""
-    if counts is not None:
-        width = int(counts.max()) if counts.numel() else 0
-        width = max(0, min(width, doc_ids.shape[1]))
-        col = torch.arange(width, device=doc_ids.device)
-        ids = doc_ids[:, :width].masked_fill(col >= counts[:, None], -1)
-        out = approx_scores_torch(block_elems, cs, codes, starts, lengths, ids)
-        rest = out.new_full((out.shape[0], doc_ids.shape[1] - width), float("-inf"))
-        return torch.cat([out, rest], 1)
+    if hits is not None:  # each query's hits, ascending, then -1: as wide as the most hits
+        Nq, Nd = hits.shape
+        pos = torch.cumsum(hits, 1)
+        width = int(pos[:, -1].max()) if hits.numel() else 0
+        ids = torch.full((Nq, width + 1), -1, dtype=torch.int64, device=hits.device)
+        slot = torch.where(hits, pos - 1, width)  # column width: a slot for the misses
+        ids.scatter_(1, slot, torch.arange(Nd, device=hits.device).expand(Nq, Nd))
+        ids = ids[:, :width]
+        scores = approx_scores_torch(block_elems, cs, codes, starts, lengths, ids)
+        out = scores.new_full((Nq, Nd + 1), float("-inf"))  # column Nd: the padding's
+        return out.scatter_(1, torch.where(ids < 0, Nd, ids), scores)[:, :Nd]
     Nq, n_centroids, Lq = cs.shape
     ct = _compute_dtype(cs)
     n_docs, n_tokens = starts.shape[0], codes.shape[0]
@@ -793,6 +796,33 @@ def approx_scores_torch(block_elems: int, cs: Tensor, codes: Tensor, starts: Ten
 
 
 __all__ += ["approx_scores_torch"]
+
+
+def probe_torch(launch_queries: int, cells: Tensor, offsets: Tensor, ivf: Tensor, n_docs: int,
+                longest: int) -> Tensor:
+    """The search's probe (``kernels.probe``' contract) on the PyTorch path: ``hit [Nq, n_docs]``
+    bool, true where a document is in the inverted list ``ivf[offsets[c]:offsets[c + 1]]`` of
+    some cell ``c`` of ``cells [Nq, P]`` (a cell outside ``[0, n_cells)`` probes nothing). The
+    lists of ``launch_queries`` queries are gathered at a time, each padded to ``longest``."""
+    Nq, P = cells.shape
+    hit = torch.zeros((Nq, n_docs + 1), dtype=torch.bool, device=cells.device)
+    if longest == 0 or P == 0:
+        return hit[:, :-1]
+    n_cells = offsets.shape[0] - 1
+    pos = torch.arange(longest, device=cells.device)
+    for q0 in range(0, Nq, launch_queries):
+        c = cells[q0:q0 + launch_queries].long()
+        probed = (c >= 0) & (c < n_cells)
+        c = torch.where(probed, c, 0)
+        lo = offsets[c]
+        n = torch.where(probed, offsets[c + 1] - lo, 0)
+        entry = (lo[..., None] + pos).clamp_max(ivf.shape[0] - 1)
+        docs = torch.where(pos < n[..., None], ivf[entry], n_docs)  # column n_docs: no entry
+        hit[q0:q0 + launch_queries].scatter_(1, docs.flatten(1), True)
+    return hit[:, :-1]
+
+
+__all__ += ["probe_torch"]
 
 
 # ------------------------------------------------------------------------------------------------

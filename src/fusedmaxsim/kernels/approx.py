@@ -13,6 +13,8 @@ The max is taken over the stored values, converted to fp32 (exact), and the sum 
 token whose max is ``-inf`` (an empty document, or ``-inf`` in every entry the document's ids
 select) adds 0, so an empty document scores 0. With per-query candidates (``CANDIDATES``) column
 ``c`` of query ``q`` is document ``doc_ids[q, c]``; an id < 0 is "no candidate", scored ``-inf``.
+With hits (``HITS``) column ``j`` is document ``j``, scored where ``Hits[q, j]`` is nonzero and
+``-inf`` elsewhere.
 
 Grid mapping
 ------------
@@ -22,11 +24,15 @@ Grid mapping
   ``[b · QUERIES_PER_BLOCK, (b + 1) · QUERIES_PER_BLOCK)``; the query blocks of one document are
   neighbours, so the programs reading its ids run together. A document's ids are read once a
   query chunk for every query of the block.
-* Per-query candidates: program ``q · P + p`` owns query ``q``'s candidates ``p, p + P, …``
-  (``P = n_slot_programs``; ``QUERIES_PER_BLOCK`` is 1): ``P = Ncols`` gives each candidate its
-  program; with ``COUNTED`` only the query's first ``Counts[q]`` candidates are scored (the
-  count read on the device: a candidate table as wide as the corpus costs what it holds, with
-  no synchronization to size it) and the other columns are left as they are.
+* Per-query candidates: program ``q · Ncols + c`` owns column ``c`` of query ``q``
+  (``QUERIES_PER_BLOCK`` is 1).
+* Hits (the search's candidates, ``HITS``): ``Hits [Nq, Nd]`` marks each query's candidate
+  documents; program ``q · P + p`` (``P = n_slot_programs``) owns query ``q``'s documents
+  ``[p · span, (p + 1) · span)`` and walks them in steps of ``BLOCK_D``: it loads a step's
+  bytes, ranks its hits (a cumulative sum), scores them one after another and stores the step's
+  scores at once, -inf for a document that is no candidate. A bitmap as wide as the corpus costs
+  a byte a document to walk, and needs no compacted list of candidates (whose offsets would need
+  a scan across the corpus); ``P`` spreads the corpus over the GPU whatever the hit count.
 
 A program walks its queries' tokens in chunks of ``LQ_TILE`` (a run-time loop over ``Lq``, so
 one compiled kernel serves every query length of a bucket) and, within a chunk, the document's
@@ -50,8 +56,8 @@ Caveats
   fp16 tile, against 32 ``LDG.E.U16`` with ``Lq`` unspecialized). Three variants at most, never
   one per length.
 * ``cs`` may have any strides (the launcher gives it a unit stride along ``Lq`` for coalesced
-  rows); ``Out`` is contiguous ``[Nq, Ncols]``. ``codes`` int32 or int64, ``starts`` and
-  ``lengths`` any integer type; document lengths must fit in int32.
+  rows); ``Out`` is contiguous ``[Nq, Ncols]``, and so are ``Hits``' bytes. ``codes`` int32
+  or int64, ``starts`` and ``lengths`` any integer type; document lengths must fit in int32.
 * Not differentiable (the caller's scores carry no gradient).
 """
 
@@ -64,13 +70,12 @@ from .common import _max_propagate_nan
 
 
 @triton.jit
-def _approx_column(CS, Codes, Starts, Lengths, Out, doc, q0, i_col, Nq, Ncols, Lq, n_centroids,
-                   n_tokens, n_docs, padded_len, stride_cs_q, stride_cs_c, stride_cs_s,
-                   stride_code, CANDIDATES: tl.constexpr, PADDED: tl.constexpr,
-                   LQ_TILE: tl.constexpr, QUERIES_PER_BLOCK: tl.constexpr,
-                   BLOCK_T: tl.constexpr):
-    """Column ``i_col`` (document ``doc``) of the queries ``[q0, q0 + QUERIES_PER_BLOCK)``:
-    scored and stored."""
+def _approx_column(CS, Codes, Starts, Lengths, doc, q0, Nq, Lq, n_centroids, n_tokens, n_docs,
+                   padded_len, stride_cs_q, stride_cs_c, stride_cs_s, stride_code,
+                   CANDIDATES: tl.constexpr, PADDED: tl.constexpr, LQ_TILE: tl.constexpr,
+                   QUERIES_PER_BLOCK: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The scores ``[QUERIES_PER_BLOCK]`` of document ``doc`` (an id < 0 with ``CANDIDATES``:
+    none, -inf) for the queries ``[q0, q0 + QUERIES_PER_BLOCK)``."""
     COLS: tl.constexpr = LQ_TILE * QUERIES_PER_BLOCK
     no_candidate = doc < 0
     known = (doc >= 0) & (doc < n_docs)
@@ -117,19 +122,18 @@ def _approx_column(CS, Codes, Starts, Lengths, Out, doc, q0, i_col, Nq, Ncols, L
     acc = tl.where(broken, float("nan"), acc)
     if CANDIDATES:
         acc = tl.where(no_candidate, float("-inf"), acc)
-    o_out = q0 + tl.arange(0, QUERIES_PER_BLOCK)
-    tl.store(Out + o_out * Ncols + i_col, acc, mask=o_out < Nq)
+    return acc
 
 
 @triton.jit(do_not_specialize=["Nq", "Ncols", "n_centroids", "n_tokens", "n_docs", "n_qblocks",
-                               "n_slot_programs", "padded_len"])
+                               "n_slot_programs", "span", "padded_len"])
 def _plaid_approx_kernel(
     CS,
     Codes,
     Starts,
     Lengths,
     DocIds,
-    Counts,
+    Hits,
     Out,
     Nq,
     Ncols,
@@ -139,6 +143,7 @@ def _plaid_approx_kernel(
     n_docs,
     n_qblocks,
     n_slot_programs,
+    span,
     padded_len,
     stride_cs_q,
     stride_cs_c,
@@ -147,29 +152,44 @@ def _plaid_approx_kernel(
     stride_ids_q,
     stride_ids_c,
     CANDIDATES: tl.constexpr,
-    COUNTED: tl.constexpr,
+    HITS: tl.constexpr,
     PADDED: tl.constexpr,
     LQ_TILE: tl.constexpr,
     QUERIES_PER_BLOCK: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
-    if CANDIDATES:
+    if HITS:
         q0 = pid // n_slot_programs
-        first = pid % n_slot_programs
-        n_cols = Ncols
-        if COUNTED:  # the query's first Counts[q0] columns; the rest are the caller's
-            n_cols = tl.minimum(tl.load(Counts + q0).to(tl.int64), Ncols)
-        for i_col in range(first, n_cols, n_slot_programs):
-            doc = tl.load(DocIds + q0 * stride_ids_q + i_col * stride_ids_c).to(tl.int64)
-            _approx_column(CS, Codes, Starts, Lengths, Out, doc, q0, i_col, Nq, Ncols, Lq,
-                           n_centroids, n_tokens, n_docs, padded_len, stride_cs_q, stride_cs_c,
-                           stride_cs_s, stride_code, CANDIDATES, PADDED, LQ_TILE,
-                           QUERIES_PER_BLOCK, BLOCK_T)
+        first = (pid % n_slot_programs) * span
+        last = tl.minimum(first + span, Ncols)
+        for d0 in range(first, last, BLOCK_D):
+            o_d = d0 + tl.arange(0, BLOCK_D)
+            m_d = o_d < last
+            hit = (tl.load(Hits + q0 * Ncols + o_d, mask=m_d, other=0) != 0).to(tl.int32)
+            rank = tl.cumsum(hit, 0)  # the i-th hit of the step has rank i + 1
+            out = tl.full([BLOCK_D], float("-inf"), tl.float32)
+            for i in range(0, tl.sum(hit, 0)):
+                doc = tl.sum(tl.where((hit != 0) & (rank == i + 1), o_d, 0), 0)
+                acc = _approx_column(CS, Codes, Starts, Lengths, doc, q0, Nq, Lq, n_centroids,
+                                     n_tokens, n_docs, padded_len, stride_cs_q, stride_cs_c,
+                                     stride_cs_s, stride_code, False, PADDED, LQ_TILE,
+                                     QUERIES_PER_BLOCK, BLOCK_T)
+                out = tl.where(o_d == doc, tl.sum(acc, 0), out)
+            tl.store(Out + q0 * Ncols + o_d, out, mask=m_d)
     else:
-        i_col = pid // n_qblocks
-        q0 = (pid % n_qblocks) * QUERIES_PER_BLOCK
-        _approx_column(CS, Codes, Starts, Lengths, Out, i_col, q0, i_col, Nq, Ncols, Lq,
-                       n_centroids, n_tokens, n_docs, padded_len, stride_cs_q, stride_cs_c,
-                       stride_cs_s, stride_code, CANDIDATES, PADDED, LQ_TILE,
-                       QUERIES_PER_BLOCK, BLOCK_T)
+        if CANDIDATES:
+            q0 = pid // Ncols
+            i_col = pid % Ncols
+            doc = tl.load(DocIds + q0 * stride_ids_q + i_col * stride_ids_c).to(tl.int64)
+        else:
+            i_col = pid // n_qblocks
+            q0 = (pid % n_qblocks) * QUERIES_PER_BLOCK
+            doc = i_col
+        acc = _approx_column(CS, Codes, Starts, Lengths, doc, q0, Nq, Lq, n_centroids, n_tokens,
+                             n_docs, padded_len, stride_cs_q, stride_cs_c, stride_cs_s,
+                             stride_code, CANDIDATES, PADDED, LQ_TILE, QUERIES_PER_BLOCK,
+                             BLOCK_T)
+        o_out = q0 + tl.arange(0, QUERIES_PER_BLOCK)
+        tl.store(Out + o_out * Ncols + i_col, acc, mask=o_out < Nq)
