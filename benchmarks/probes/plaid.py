@@ -206,9 +206,12 @@ def search_steps():
             }
             cs = torch.matmul(C, Q.transpose(1, 2))
             cells = cs.topk(8, 1).indices.flatten(1)
-            with forced_plan(kernel="torch"):
-                old = _probed_documents(index, cells, o)
-                times["probe, PyTorch path"] = lambda: _probed_documents(index, cells, o)
+            def probe_torch():
+                with forced_plan(kernel="torch"):
+                    return _probed_documents(index, cells, o)
+
+            old = probe_torch()
+            times["probe, PyTorch path"] = probe_torch
             new = _probed_documents(index, cells, o)
             times["probe, Triton"] = lambda: _probed_documents(index, cells, o)
             approx = approx_scores(cs, index.codes, index.doc_starts, index.doc_lengths, hits=new)
