@@ -73,6 +73,7 @@ SECTIONS = {
     "residual_profile": ("plaid", "residual_profile"),
     "approx_tiles": ("plaid", "approx_tiles"),
     "search_steps": ("plaid", "search_steps"),
+    "approx_hits": ("plaid", "approx_hits"),
 }
 DEFAULT = ("normalize", "kd", "smooth")
 

@@ -230,3 +230,59 @@ def search_steps():
             for name, fn in times.items():
                 print(f"    {name}: {do_bench(fn):.4f}", flush=True)
         index.release_graphs()
+
+
+def _random_index(n_docs, length=300, K=65536, nbits=2):
+    """The search bench's scale index (random codes and residuals) and 32 queries of 32 tokens
+    near its centroids."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    centroids = F.normalize(torch.randn(K, 128, device="cuda", generator=g), dim=-1).half()
+    T = n_docs * length
+    codes = torch.randint(0, K, (T,), device="cuda", dtype=torch.int32, generator=g)
+    residuals = torch.randint(0, 256, (T, 128 * nbits // 8), device="cuda", dtype=torch.uint8,
+                              generator=g)
+    index = PlaidIndex.from_tensors(centroids, torch.linspace(-0.05, 0.05, 1 << nbits,
+                                                              device="cuda"),
+                                    nbits, codes, residuals,
+                                    torch.full((n_docs,), length, device="cuda"), validate=False)
+    q = centroids[torch.randint(0, K, (32, 32), device="cuda", generator=g)].float()
+    noise = torch.randn(q.shape, device="cuda", generator=g)
+    return index, F.normalize(q + 0.3 / 128 ** 0.5 * noise, dim=-1).half()
+
+
+def approx_hits():
+    """The approximate score over the search's hits (ms, ``do_bench``) by documents a step
+    (``APPROX_HIT_BLOCK``) and programs an SM (``APPROX_HIT_WAVES``): the clustered 100k corpus
+    of the search bench and the random 1M-document index of its scale run, 1 and 32 queries
+    (``n_probe`` 8); every result equal to the plan's."""
+    from fusedmaxsim._autograd import approx_scores
+    from fusedmaxsim._plaid_index import _probed_documents
+
+    x = torch.randn(4096, 4096, device="cuda", dtype=torch.float16)
+    do_bench(lambda: x @ x, rep=2000)  # the clocks up before the first measurement
+    for name, make in (("100k clustered", lambda: _search_index(100_000)),
+                       ("1M random", lambda: _random_index(1_000_000))):
+        index, queries = make()
+        for Nq in (1, 32):
+            Q = queries[:Nq]
+            cs = torch.matmul(index.centroids, Q.transpose(1, 2))
+            hits = _probed_documents(index, cs.topk(8, 1).indices.flatten(1), options_for(Q))
+
+            def call():
+                return approx_scores(cs, index.codes, index.doc_starts, index.doc_lengths,
+                                     hits=hits)
+
+            ref = call()
+            print(f"{name}, Nq={Nq}: {int(hits.sum())} hits; plan {do_bench(call):.4f}",
+                  flush=True)
+            rows = []
+            for block, waves in itertools.product((16, 32, 64, 128, 256), (8, 16, 32, 64)):
+                with forced_plan(APPROX_HIT_BLOCK=block, APPROX_HIT_WAVES=waves):
+                    ok = torch.equal(call(), ref)
+                    rows.append((do_bench(call), block, waves, ok))
+            rows.sort()
+            for ms, block, waves, ok in rows:
+                print(f"  block {block} waves {waves}: {ms:.4f}{'' if ok else '  (differs!)'}",
+                      flush=True)
+        del index
+        torch.cuda.empty_cache()
