@@ -250,11 +250,12 @@ def _random_index(n_docs, length=300, K=65536, nbits=2):
     return index, F.normalize(q + 0.3 / 128 ** 0.5 * noise, dim=-1).half()
 
 
-def approx_hits():
+def approx_hits(blocks=(64, 128), waves_an_sm=(32, 64, 128, 256, 512)):
     """The approximate score over the search's hits (ms, ``do_bench``) by documents a step
     (``APPROX_HIT_BLOCK``) and programs an SM (``APPROX_HIT_WAVES``): the clustered 100k corpus
     of the search bench and the random 1M-document index of its scale run, 1 and 32 queries
-    (``n_probe`` 8); every result equal to the plan's."""
+    (``n_probe`` 8); every result equal to the plan's. (Record ``58792f8`` swept steps of
+    16-256 and 8-64 programs an SM.)"""
     from fusedmaxsim._autograd import approx_scores
     from fusedmaxsim._plaid_index import _probed_documents
 
@@ -276,7 +277,7 @@ def approx_hits():
             print(f"{name}, Nq={Nq}: {int(hits.sum())} hits; plan {do_bench(call):.4f}",
                   flush=True)
             rows = []
-            for block, waves in itertools.product((16, 32, 64, 128, 256), (8, 16, 32, 64)):
+            for block, waves in itertools.product(blocks, waves_an_sm):
                 with forced_plan(APPROX_HIT_BLOCK=block, APPROX_HIT_WAVES=waves):
                     ok = torch.equal(call(), ref)
                     rows.append((do_bench(call), block, waves, ok))
