@@ -1154,12 +1154,13 @@ MEASURED.update({
     "APPROX_MAX_COLUMNS": 32 if INTERPRETER else 256,
     "APPROX_MAX_LQ_TILE": 16 if INTERPRETER else 128,
     "APPROX_BLOCK_T": (8, 128) if INTERPRETER else (16, 128),
-    # Hits (the search's candidates): programs an SM in all. Measured on the compacted table of
-    # candidates the bitmap replaced: 8 left 32 queries × 1M candidates latency-bound (the
-    # 1M-document search 170 ms at batch 32, 125 ms with 32; NOTES §64); an empty program costs
-    # about 1.8 ns.
-    "APPROX_HIT_WAVES": 32,
-    # Not measured: documents whose hits a program ranks at a time (one vector of bytes).
+    # Hits (the search's candidates): programs an SM in all, and documents whose hits a program
+    # ranks at a time (`python3 benchmarks/probes approx_hits`, NOTES §67): against 32, 64 ran
+    # 4-21% faster at all four shapes (100k clustered and 1M random documents, 1 and 32
+    # queries: a program's share of the hits varies, and smaller shares even the tail out);
+    # 256-512 gained 5-8% more at three of them, with 4-8x the programs at small corpora. 64 and
+    # 128 documents a step within 1.5% of each other, 16-32 up to 10% slower.
+    "APPROX_HIT_WAVES": 64,
     "APPROX_HIT_BLOCK": 8 if INTERPRETER else 128,
 })
 # approx_tiles: an ApproxTiles; approx_launch_queries: queries a launch of the approx kernel;
