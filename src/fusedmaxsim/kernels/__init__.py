@@ -6,6 +6,7 @@ them. This package imports none of them, nor Triton.
 * ``forward``: the forwards, dense, packed and PLAID (residual documents decompressed on chip),
   and the inverse norms.
 * ``approx``: PLAID's approximate score, a gather of centroid scores by id with a running max.
+* ``probe``: the PLAID search's probe, the documents of the probed inverted lists as a bitmap.
 * ``backward``: the backwards from the argmax, dense and packed: the ``grad_Q`` gathers, the
   document-owned ``grad_D`` and the drain of the atomic ``grad_D`` buffer.
 * ``winner_index``: the winner index of the dense document-owned backward.
