@@ -5,8 +5,6 @@ inputs (queries normalized, ``W`` scaled by ``1/√d_model``, a small bias), pro
 
 * ``fusedmaxsim``: ``fusedmaxsim.maxsim_from_hidden``, the route the plan picks;
 * ``fused`` and ``unfused``: the same call with the route forced (``forced_plan(hidden_route=)``);
-* ``closed form`` (training only): the plan's forward with the backward's closed form forced
-  (``forced_plan(hidden_backward="closed form")``), against the plan's backward;
 * ``chain``: our unfused chain, ``F.linear`` → ``F.normalize`` → ``fusedmaxsim.maxsim``;
 * ``lik``: late-interaction-kernels 0.4.5 ``fused_head.maxsim_from_hidden`` where importable.
 
@@ -78,14 +76,9 @@ def _lik():
     return lik
 
 
-def _providers(device, train):
+def _providers(device):
     def ours(Q, H, W, b):
         return maxsim_from_hidden(Q, H, W, b)
-
-    def closed_form(Q, H, W, b):
-        return maxsim_from_hidden(Q, H, W, b)
-
-    closed_form.step_decisions = {"hidden_backward": "closed form"}  # forward and backward
 
     def forced(route):
         def fn(Q, H, W, b):
@@ -97,8 +90,6 @@ def _providers(device, train):
         return maxsim(Q, F.normalize(F.linear(H, W, b), dim=-1))
 
     found = {"fusedmaxsim": ours, "unfused": forced("unfused"), "chain": chain}
-    if train:
-        found["closed form"] = closed_form
     if device.type == "cuda":
         found["fused"] = forced("fused")
     lik = _lik()
@@ -147,15 +138,14 @@ def run_case(case, device, rounds, train, dtype):
     row = {"case": dict(label=label, Nq=Nq, Nd=Nd, Lq=Lq, Ld=Ld, d_model=d_model, d=d),
            "mode": "forward + backward" if train else "forward", "providers": {}}
     timed = {}
-    for name, fn in _providers(device, train).items():
+    for name, fn in _providers(device).items():
         entry = row["providers"][name] = {}
 
         def step(fn=fn):
             if train:
                 for t in leaves:
                     t.grad = None
-                with forced_plan(**getattr(fn, "step_decisions", {})):
-                    fn(*leaves).sum().backward()
+                fn(*leaves).sum().backward()
             else:
                 with torch.no_grad():
                     fn(*leaves)
@@ -192,7 +182,7 @@ def run_case(case, device, rounds, train, dtype):
     for name, ms in times.items():
         row["providers"][name]["ms"] = statistics.median(ms)
     ours = row["providers"]["fusedmaxsim"].get("ms")
-    for other in ("lik", "chain", "unfused", "fused", "closed form"):
+    for other in ("lik", "chain", "unfused", "fused"):
         theirs = row["providers"].get(other, {}).get("ms")
         row[f"speedup_vs_{other}"] = theirs / ours if ours and theirs else None
     del Q, H, W, b, leaves, ref, ref_grads
@@ -230,16 +220,15 @@ def _markdown(record) -> str:
             continue
         lines += ["", f"## {title}", "",
                   ("| shape | Nq × Nd, Ld, d_model→d | fusedmaxsim (route) | fused | unfused | "
-                   "closed form | chain | LIK | × LIK | × chain | MiB ours / chain / LIK |"),
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                   "chain | LIK | × LIK | × chain | MiB ours / chain / LIK |"),
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for row in rows:
             c, p = row["case"], row["providers"]
             route = p["fusedmaxsim"].get("route", "")
             lines.append(
                 f"| {c['label']} | {c['Nq']} × {c['Nd']}, {c['Ld']}, {c['d_model']}→{c['d']} | "
                 f"{_cell(p, 'fusedmaxsim')}{f' ({route})' if route else ''} | "
-                f"{_cell(p, 'fused')} | {_cell(p, 'unfused')} | {_cell(p, 'closed form')} | "
-                f"{_cell(p, 'chain')} | "
+                f"{_cell(p, 'fused')} | {_cell(p, 'unfused')} | {_cell(p, 'chain')} | "
                 f"{_cell(p, 'lik')} | {_x(row, 'lik')} | {_x(row, 'chain')} | "
                 f"{_cell(p, 'fusedmaxsim', 'peak_mib', '.0f')} / "
                 f"{_cell(p, 'chain', 'peak_mib', '.0f')} / {_cell(p, 'lik', 'peak_mib', '.0f')} |")
@@ -276,14 +265,7 @@ def main(argv=None) -> int:
             with torch.no_grad(), recording() as plans:
                 maxsim_from_hidden(Q, H, W, b)
             routes = [plan.hidden_route for _, plan in plans if getattr(plan, "hidden_route", "")]
-            if section == "train":  # and the backward's
-                leaves = [t.detach().requires_grad_() for t in (Q, H, W, b)]
-                with recording() as plans:
-                    maxsim_from_hidden(*leaves).sum().backward()
-                routes += [{"dense": "dense backward", "torch": "closed form"}[plan.kernel]
-                           for _, plan in plans if plan.reasons
-                           and str(plan.reasons[0]).startswith("projection head")][:1]
-            row["providers"]["fusedmaxsim"]["route"] = ", ".join(r for r in routes if r) or None
+            row["providers"]["fusedmaxsim"]["route"] = routes[0] if routes else None
             record[section].append(row)
             (out / "hidden_bench.json").write_text(json.dumps(record, indent=1, default=str))
             (out / "hidden_bench.md").write_text(_markdown(record))

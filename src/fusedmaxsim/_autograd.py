@@ -412,66 +412,23 @@ def _(Q, H, W, b, q_mask, d_mask, normalize, save_argmax, backend, fp32_precisio
 @torch.library.custom_op("fusedmaxsim::maxsim_hidden_bwd", mutates_args=())
 def maxsim_hidden_bwd(
     grad_scores: Tensor, Q: Tensor, H: Tensor, W: Tensor, b: Tensor | None, argmax: Tensor,
-    normalize: bool, need_q: bool, need_h: bool, need_w: bool, need_b: bool, backend: str,
-    fp32_precision: str,
+    normalize: bool, need_q: bool, need_h: bool, need_w: bool, need_b: bool, block_bytes: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(grad_Q, grad_H, grad_W, grad_b)`` in the inputs' dtypes (grad_Q in Q's), from the
-    argmax (``_hidden_grads``); an unneeded one is an empty tensor."""
+    argmax (``_torch_path.hidden_bwd_torch``); an unneeded one is an empty tensor."""
     grads = _hidden_grads(grad_scores, Q, H, W, b, argmax, normalize,
-                          (need_q, need_h, need_w, need_b),
-                          options_for(Q, backend, fp32_precision))
+                          (need_q, need_h, need_w, need_b), block_bytes)
     return tuple(Q.new_empty((0,)) if g is None else g for g in grads)
 
 
-def _hidden_grads(grad_scores, Q, H, W, b, argmax, normalize: bool, needs, o: Options):
+def _hidden_grads(grad_scores, Q, H, W, b, argmax, normalize: bool, needs, block_bytes: int):
     """The projection head's gradients as planned (``plan_hidden_backward``), each in its
     input's dtype; None where not needed."""
     p = hidden_problem(Q, H, W, b, None, None, normalize=normalize, save_argmax=True)
-    plan = plan_hidden_backward(p, o.torch_block_bytes, o.backend)
-    if plan.kernel == "dense":
-        grads = _hidden_grads_dense(grad_scores, Q, H, W, b, argmax, normalize, needs, o)
-    else:
-        grads = _torch_path.hidden_bwd_torch(grad_scores, Q, H, W, b, argmax, normalize, *needs,
-                                             plan.hidden_cols, plan.hidden_by_entry)
+    plan = plan_hidden_backward(p, block_bytes)
+    grads = _torch_path.hidden_bwd_torch(grad_scores, Q, H, W, b, argmax, normalize, *needs,
+                                         plan.hidden_cols, plan.hidden_by_entry)
     return [None if g is None else g.to(x.dtype) for g, x in zip(grads, (Q, H, W, b))]
-
-
-def _hidden_grads_dense(grad_scores, Q, H, W, b, argmax, normalize: bool, needs, o: Options):
-    """The projection head's gradients through the dense backward (``kernel="dense"``): every
-    row projected again as the forward's unfused route projects it, ``(grad_Q, grad_P̂)`` of the
-    dense MaxSim from the argmax (``lowmem``: deterministic), the normalization's backward in
-    fp32, then ``grad_H = grad_P W``, ``grad_W = grad_Pᵀ H`` and ``grad_b = Σ grad_P``. A row
-    that no entry won receives exactly 0, and its values (a masked token may hold NaN) reach no
-    product: ``H``'s copy for ``grad_W`` zeroes them."""
-    need_q, need_h, need_w, need_b = needs
-    need_p = need_h or need_w or need_b
-    Q = Q.contiguous()
-    P = torch.nn.functional.linear(H, W, b)
-    q_inv = d_inv = None
-    if normalize:  # the documents' tokens only: Q comes as given
-        d_inv = inverse_norms(P, o.backend)
-        q_inv = torch.ones(Q.shape[:2], dtype=d_inv.dtype, device=Q.device)
-    p = dense_problem(Q, P, None, None, normalize=normalize, save_argmax=True)
-    grad = grad_scores.to(_score_dtype(Q))
-    grad_q, grad_p = run_backward(p, o, "lowmem", grad, Q, P, argmax, q_inv, d_inv, None,
-                                  need_q, need_p)
-    if not need_p:
-        return grad_q, None, None, None
-    ct = _score_dtype(Q)
-    grad_p = grad_p.to(ct)
-    if normalize:
-        grad_p = normalize_backward(P.to(ct), grad_p, d_inv)
-    d, d_model, dtype = W.shape[0], W.shape[1], H.dtype
-    flat = grad_p.reshape(-1, d)
-    grad_h = _torch_path._hidden_mm(grad_p, W, dtype) if need_h else None
-    grad_w = grad_b = None
-    if need_w:
-        won = (flat != 0).any(dim=-1, keepdim=True)
-        grad_w = _torch_path._hidden_mm(flat.t(), H.reshape(-1, d_model).masked_fill(~won, 0),
-                                        dtype)
-    if need_b and b is not None:
-        grad_b = flat.sum(0)
-    return (grad_q if need_q else None), grad_h, grad_w, grad_b
 
 
 def _hidden_backward_of(ctx, grad_scores: Tensor, traced: bool) -> list:
@@ -482,11 +439,12 @@ def _hidden_backward_of(ctx, grad_scores: Tensor, traced: bool) -> list:
     needs[3] = needs[3] and b is not None
     if traced:
         grads = maxsim_hidden_bwd(grad_scores, Q, H, W, b, argmax, ctx.normalize, *needs,
-                                  ctx.backend, ctx.fp32_precision)
+                                  ctx.block_bytes)
         grads = [g if need else None for g, need in zip(grads, needs)]
     else:
         with torch.no_grad():
-            grads = _hidden_grads(grad_scores, Q, H, W, b, argmax, ctx.normalize, needs, ctx.o)
+            grads = _hidden_grads(grad_scores, Q, H, W, b, argmax, ctx.normalize, needs,
+                                  ctx.block_bytes)
     if torch.is_grad_enabled() and not torch.compiler.is_compiling():  # create_graph=True
         grads = [None if g is None else _FirstOrderOnly.apply(g, Q, H, grad_scores)
                  for g in grads]
@@ -494,8 +452,7 @@ def _hidden_backward_of(ctx, grad_scores: Tensor, traced: bool) -> list:
 
 
 @maxsim_hidden_bwd.register_fake
-def _(grad_scores, Q, H, W, b, argmax, normalize, need_q, need_h, need_w, need_b, backend,
-      fp32_precision):
+def _(grad_scores, Q, H, W, b, argmax, normalize, need_q, need_h, need_w, need_b, block_bytes):
     return (torch.empty_like(Q) if need_q else Q.new_empty((0,)),
             torch.empty_like(H) if need_h else Q.new_empty((0,)),
             torch.empty_like(W) if need_w else Q.new_empty((0,)),
@@ -506,7 +463,8 @@ def _hidden_setup_context(ctx, inputs, output) -> None:
     Q, H, W, b, q_mask, d_mask, normalize, save_argmax, backend, fp32_precision = inputs
     ctx.mark_non_differentiable(output[1])
     ctx.save_for_backward(Q, H, W, b, output[1])
-    ctx.normalize, ctx.backend, ctx.fp32_precision = normalize, backend, fp32_precision
+    ctx.normalize = normalize
+    ctx.block_bytes = options_for(Q, backend, fp32_precision).torch_block_bytes
 
 
 def _hidden_backward(ctx, grad_scores: Tensor, _grad_saved):
@@ -527,7 +485,7 @@ class HiddenFunction(torch.autograd.Function):
         q_mask, d_mask, normalize, o = rest
         scores, argmax = _hidden_forward(Q, H, W, b, q_mask, d_mask, normalize, True, o)
         ctx.save_for_backward(Q, H, W, b, argmax)
-        ctx.normalize, ctx.o = normalize, o
+        ctx.normalize, ctx.block_bytes = normalize, o.torch_block_bytes
         return scores
 
     @staticmethod

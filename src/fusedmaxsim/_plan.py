@@ -153,7 +153,6 @@ FORCIBLE = frozenset({
     "bf16_product",       # PyTorch path: bf16 inputs multiplied in bf16 (inference)
     "hidden_route",       # fused projection head: "fused" or "unfused"
     "hidden_by_entry",    # projection head backward: winners one row an entry, or every row
-    "hidden_backward",    # projection head backward: "dense" or "closed form"
 })
 
 
@@ -818,9 +817,8 @@ def plan_forward(p: Problem, o: Options) -> ForwardPlan:
 
 @dataclasses.dataclass(frozen=True)
 class BackwardPlan:
-    """How a backward runs. ``kernel``: ``"torch"``, ``"triton"``, ``"smooth"`` (the smooth
-    max's recomputing kernel) or, for the projection head, ``"dense"`` (through the dense
-    backward). ``strategy``: ``"unified"`` (gather + fp32 atomics for grad_D) or
+    """How a backward runs. ``kernel``: ``"torch"``, ``"triton"`` or ``"smooth"`` (the smooth
+    max's recomputing kernel). ``strategy``: ``"unified"`` (gather + fp32 atomics for grad_D) or
     ``"lowmem"`` (row-owned grad_Q, document-owned grad_D). The rest says how the Triton
     backward is split and chunked; see :func:`plan_backward`."""
 
@@ -1090,27 +1088,8 @@ def plan_backward(p: Problem, o: Options, need_q: bool, need_d: bool,
                    _plan_backward, p, o, need_q, need_d, strategy, deterministic)
 
 
-# The projection head's backward through the dense backward for hidden states of at most this
-# many bytes (§68): its products read H twice more than the closed form, which costs some 55
-# PyTorch calls of host time.
-MEASURED["HIDDEN_DENSE_BWD_MAX_BYTES"] = 512 << 20
-
-
-def _plan_hidden_backward(p: Problem, block_bytes: int, backend: str) -> BackwardPlan:
+def _plan_hidden_backward(p: Problem, block_bytes: int) -> BackwardPlan:
     per_query = p.layout == HIDDEN_CANDIDATES
-    route = _forced.get("hidden_backward")
-    h_bytes = (p.Nq if per_query else 1) * p.Ncols * p.Ld * p.d_model * p.dtype.itemsize
-    if route is None:
-        small = h_bytes <= _measured("HIDDEN_DENSE_BWD_MAX_BYTES")
-        route = "dense" if backend == "triton" and small else "closed form"
-        why = (f"H {h_bytes} bytes {'<=' if small else '>'} HIDDEN_DENSE_BWD_MAX_BYTES"
-               if backend == "triton" else "the PyTorch path: the closed form")
-    else:
-        why = "forced"
-    if route == "dense":
-        return BackwardPlan("dense", "lowmem", hidden_cols=max(p.Ncols, 1), reasons=(
-            f"projection head: every row projected again, then the dense backward from the "
-            f"argmax (lowmem) and three products ({why})",))
     # A column's entries (query, query token) and rows (document tokens; Nq documents of
     # per-query candidates).
     entries_col, rows_col = p.Nq * p.Lq, (p.Nq if per_query else 1) * p.Ld
@@ -1125,20 +1104,18 @@ def _plan_hidden_backward(p: Problem, block_bytes: int, backend: str) -> Backwar
     how = "forced" if forced else (
         f"{entries_col} entries {'<' if by_entry else '>='} {rows_col} rows a column")
     return BackwardPlan("torch", "lowmem", hidden_cols=cols, hidden_by_entry=bool(by_entry),
-                        reasons=(f"projection head: closed form from the argmax ({why}), "
+                        reasons=(f"projection head: closed form from the argmax, "
                                  f"{'winners one row an entry' if by_entry else 'every row'} "
                                  f"({how}), {cols} columns a chunk within {block_bytes} bytes",))
 
 
-def plan_hidden_backward(p: Problem, block_bytes: int, backend: str = "torch") -> BackwardPlan:
-    """The projection head's backward: on the Triton backend, for hidden states of at most
-    ``HIDDEN_DENSE_BWD_MAX_BYTES``, ``kernel="dense"`` (every row projected again, then the
-    dense backward); otherwise the closed form (``_torch_path.hidden_bwd_torch``): a chunk of
-    documents with fewer (query, token) entries than document rows recomputes the projection of
-    each entry's winner, otherwise of every row; chunks of columns within ``block_bytes``
-    (cached; design.md "Fused projection head")."""
-    return _cached(_backward_plans, ("hidden", p, block_bytes, backend), p,
-                   _plan_hidden_backward, p, block_bytes, backend)
+def plan_hidden_backward(p: Problem, block_bytes: int) -> BackwardPlan:
+    """The projection head's backward (``_torch_path.hidden_bwd_torch``): a chunk of documents
+    with fewer (query, token) entries than document rows recomputes the projection of each
+    entry's winner, otherwise of every row; chunks of columns within ``block_bytes`` (cached;
+    design.md "Fused projection head")."""
+    return _cached(_backward_plans, ("hidden", p, block_bytes), p, _plan_hidden_backward, p,
+                   block_bytes)
 
 
 def explain_plans(p: Problem, o: Options, strategy: str = "auto") -> str:
