@@ -1285,14 +1285,15 @@ MEASURED.update({
 @dataclasses.dataclass(frozen=True)
 class ProbePlan:
     """How the search's probe runs: ``kernel`` ``"triton"`` (``kernels.probe``: a program a
-    probed cell, ``block`` list entries a step, ``launch_queries`` queries a launch) or
-    ``"torch"`` (``_torch_path.probe_torch``: ``launch_queries`` queries' lists gathered at a
-    time)."""
+    probed cell, ``block`` list entries a step, ``launch_queries`` queries a launch, its warps
+    and stages) or ``"torch"`` (``_torch_path.probe_torch``: ``launch_queries`` queries' lists
+    gathered at a time)."""
 
     kernel: str
     launch_queries: int
     block: int = 0
     num_warps: int = 4
+    num_stages: int = 1
     reasons: tuple[str, ...] = ()
 
 
@@ -1306,7 +1307,7 @@ def _plan_probe(p: Problem, o: Options) -> ProbePlan:
             f"{longest} documents a query; PROBE_GATHER_IDS)"))
     block = _measured("PROBE_BLOCK")
     launch = max(1, MAX_PROGRAMS // max(1, cells))
-    return ProbePlan("triton", launch, block, 4, (
+    return ProbePlan("triton", launch, block, 4, 1, (
         "kernel: the Triton probe (kernels.probe), a program a probed cell",
         f"{block} list entries a step (PROBE_BLOCK)",
         f"{launch} queries a launch (1-D grid of at most {MAX_PROGRAMS} programs)"))

@@ -20,8 +20,8 @@ __all__ = ["probe"]
 
 
 @functools.lru_cache(maxsize=16)
-def _constants(block: int, num_warps: int):
-    return constants(BLOCK=block, num_warps=num_warps, num_stages=1)
+def _constants(block: int, num_warps: int, num_stages: int):
+    return constants(BLOCK=block, num_warps=num_warps, num_stages=num_stages)
 
 
 def probe(plan: ProbePlan, cells: Tensor, offsets: Tensor, ivf: Tensor, n_docs: int) -> Tensor:
@@ -31,7 +31,8 @@ def probe(plan: ProbePlan, cells: Tensor, offsets: Tensor, ivf: Tensor, n_docs: 
     if not (Nq and P and n_docs and ivf.numel()):
         return hit
     cells, bitmap = cells.contiguous(), hit.view(torch.uint8)
-    kernel, consts = launcher(_probe_kernel), _constants(plan.block, plan.num_warps)
+    kernel = launcher(_probe_kernel)
+    consts = _constants(plan.block, plan.num_warps, plan.num_stages)
     for q0 in range(0, Nq, plan.launch_queries):
         c = cells[q0:q0 + plan.launch_queries]
         kernel((c.numel(),), (c, offsets, ivf, bitmap[q0:q0 + c.shape[0]], P,
