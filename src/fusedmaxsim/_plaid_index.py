@@ -30,8 +30,8 @@ from torch import Tensor
 from ._autograd import run_forward
 from ._plan import forced_key, plan_probe
 from ._problem import (
-    NBITS, ResidualDocs, _check_residual_query, check_int, check_residual_varlen, options_for,
-    probe_problem, residual_problem, weight_table,
+    NBITS, Options, ResidualDocs, _check_residual_query, check_int, check_residual_varlen,
+    options_for, probe_problem, residual_problem, weight_table,
 )
 from ._torch_path import decompress_residuals as _decompress
 from ._torch_path import probe_torch
@@ -388,7 +388,7 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, *,
 _probe_launcher = None
 
 
-def _probed_documents(index: PlaidIndex, cells: Tensor, o) -> Tensor:
+def _probed_documents(index: PlaidIndex, cells: Tensor, o: Options) -> Tensor:
     """``[Nq, Nd]`` bool: the documents in the inverted lists of each query's probed ``cells
     [Nq, P]`` (-1: none), by the plan's kernel (``_plan.plan_probe``)."""
     global _probe_launcher
