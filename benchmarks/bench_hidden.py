@@ -5,6 +5,8 @@ inputs (queries normalized, ``W`` scaled by ``1/√d_model``, a small bias), pro
 
 * ``fusedmaxsim``: ``fusedmaxsim.maxsim_from_hidden``, the route the plan picks;
 * ``fused`` and ``unfused``: the same call with the route forced (``forced_plan(hidden_route=)``);
+* ``closed form`` (training only): the plan's forward with the backward's closed form forced
+  (``forced_plan(hidden_bwd_kernel="torch")``), against the plan's backward;
 * ``chain``: our unfused chain, ``F.linear`` → ``F.normalize`` → ``fusedmaxsim.maxsim``;
 * ``lik``: late-interaction-kernels 0.4.5 ``fused_head.maxsim_from_hidden`` where importable.
 
@@ -76,9 +78,14 @@ def _lik():
     return lik
 
 
-def _providers(device):
+def _providers(device, train):
     def ours(Q, H, W, b):
         return maxsim_from_hidden(Q, H, W, b)
+
+    def closed_form(Q, H, W, b):
+        return maxsim_from_hidden(Q, H, W, b)
+
+    closed_form.step_decisions = {"hidden_bwd_kernel": "torch"}  # forward and backward
 
     def forced(route):
         def fn(Q, H, W, b):
@@ -90,6 +97,8 @@ def _providers(device):
         return maxsim(Q, F.normalize(F.linear(H, W, b), dim=-1))
 
     found = {"fusedmaxsim": ours, "unfused": forced("unfused"), "chain": chain}
+    if train:
+        found["closed form"] = closed_form
     if device.type == "cuda":
         found["fused"] = forced("fused")
     lik = _lik()
@@ -138,14 +147,15 @@ def run_case(case, device, rounds, train, dtype):
     row = {"case": dict(label=label, Nq=Nq, Nd=Nd, Lq=Lq, Ld=Ld, d_model=d_model, d=d),
            "mode": "forward + backward" if train else "forward", "providers": {}}
     timed = {}
-    for name, fn in _providers(device).items():
+    for name, fn in _providers(device, train).items():
         entry = row["providers"][name] = {}
 
         def step(fn=fn):
             if train:
                 for t in leaves:
                     t.grad = None
-                fn(*leaves).sum().backward()
+                with forced_plan(**getattr(fn, "step_decisions", {})):
+                    fn(*leaves).sum().backward()
             else:
                 with torch.no_grad():
                     fn(*leaves)
@@ -154,8 +164,9 @@ def run_case(case, device, rounds, train, dtype):
             for t in leaves:
                 t.grad = None
             if train:
-                out = fn(*leaves)
-                out.sum().backward()
+                with forced_plan(**getattr(fn, "step_decisions", {})):
+                    out = fn(*leaves)
+                    out.sum().backward()
                 grads = [t.grad for t in leaves]
             else:
                 with torch.no_grad():
@@ -182,7 +193,7 @@ def run_case(case, device, rounds, train, dtype):
     for name, ms in times.items():
         row["providers"][name]["ms"] = statistics.median(ms)
     ours = row["providers"]["fusedmaxsim"].get("ms")
-    for other in ("lik", "chain", "unfused", "fused"):
+    for other in ("lik", "chain", "unfused", "fused", "closed form"):
         theirs = row["providers"].get(other, {}).get("ms")
         row[f"speedup_vs_{other}"] = theirs / ours if ours and theirs else None
     del Q, H, W, b, leaves, ref, ref_grads
@@ -220,15 +231,16 @@ def _markdown(record) -> str:
             continue
         lines += ["", f"## {title}", "",
                   ("| shape | Nq × Nd, Ld, d_model→d | fusedmaxsim (route) | fused | unfused | "
-                   "chain | LIK | × LIK | × chain | MiB ours / chain / LIK |"),
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                   "closed form | chain | LIK | × LIK | × chain | MiB ours / chain / LIK |"),
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for row in rows:
             c, p = row["case"], row["providers"]
             route = p["fusedmaxsim"].get("route", "")
             lines.append(
                 f"| {c['label']} | {c['Nq']} × {c['Nd']}, {c['Ld']}, {c['d_model']}→{c['d']} | "
                 f"{_cell(p, 'fusedmaxsim')}{f' ({route})' if route else ''} | "
-                f"{_cell(p, 'fused')} | {_cell(p, 'unfused')} | {_cell(p, 'chain')} | "
+                f"{_cell(p, 'fused')} | {_cell(p, 'unfused')} | {_cell(p, 'closed form')} | "
+                f"{_cell(p, 'chain')} | "
                 f"{_cell(p, 'lik')} | {_x(row, 'lik')} | {_x(row, 'chain')} | "
                 f"{_cell(p, 'fusedmaxsim', 'peak_mib', '.0f')} / "
                 f"{_cell(p, 'chain', 'peak_mib', '.0f')} / {_cell(p, 'lik', 'peak_mib', '.0f')} |")
@@ -265,7 +277,13 @@ def main(argv=None) -> int:
             with torch.no_grad(), recording() as plans:
                 maxsim_from_hidden(Q, H, W, b)
             routes = [plan.hidden_route for _, plan in plans if getattr(plan, "hidden_route", "")]
-            row["providers"]["fusedmaxsim"]["route"] = routes[0] if routes else None
+            if section == "train":  # and the backward's
+                leaves = [t.detach().requires_grad_() for t in (Q, H, W, b)]
+                with recording() as plans:
+                    maxsim_from_hidden(*leaves).sum().backward()
+                routes += [{"triton": "Triton backward", "torch": "closed form"}[plan.kernel]
+                           for _, plan in plans if getattr(plan, "hidden_cols", 0)][:1]
+            row["providers"]["fusedmaxsim"]["route"] = ", ".join(r for r in routes if r) or None
             record[section].append(row)
             (out / "hidden_bench.json").write_text(json.dumps(record, indent=1, default=str))
             (out / "hidden_bench.md").write_text(_markdown(record))

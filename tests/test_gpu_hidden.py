@@ -1,6 +1,7 @@
 """GPU suite for the fused projection head (``pytest -m gpu``): maxsim_from_hidden on CUDA, both
-routes (the fused Triton kernel and the projection written once), bf16/fp16/fp32 scores and
-all four gradients against the float64 chain; opcheck of its ops and a compiled step."""
+routes (the fused Triton kernel and the projection written once) and both backwards (the Triton
+kernels, the PyTorch closed form), bf16/fp16/fp32 scores and all four gradients against the
+float64 chain; opcheck of its ops and a compiled step."""
 
 import pytest
 import torch
@@ -37,27 +38,67 @@ def _inputs(layout, dtype, Nq=3, Lq=37, K=4, Nd=9, Ld=300, d=128, d_model=384, b
     return Q, H, W, b
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("layout", ["cross", "candidates"])
-@pytest.mark.parametrize("route", ["fused", "unfused"])
-@pytest.mark.parametrize("masked", [False, True])
-def test_hidden_parity_on_cuda(dtype, layout, route, masked):
+# The Triton backward on every case; the PyTorch closed form on bf16 only (the slower one).
+PARITY = [(dtype, layout, route, masked, backward)
+          for backward, dtypes in (("triton", (torch.bfloat16, torch.float16, torch.float32)),
+                                   ("torch", (torch.bfloat16,)))
+          for dtype in dtypes for layout in ("cross", "candidates")
+          for route in ("fused", "unfused") for masked in (False, True)]
+
+
+@pytest.mark.parametrize("dtype, layout, route, masked, backward", PARITY)
+def test_hidden_parity_on_cuda(dtype, layout, route, masked, backward):
     Q, H, W, b = _inputs(layout, dtype)
     q_mask = masks_with_holes(Q.shape[:-1], "cuda") if masked else None
     d_mask = masks_with_holes(H.shape[:-1], "cuda") if masked else None
+    if masked:  # a masked token's hidden state never matters, NaN included
+        H = H.masked_fill(~d_mask.unsqueeze(-1), float("nan"))
     leaves = [t.detach().requires_grad_() for t in (Q, H, W, b)]
-    refs = [t.detach().double().requires_grad_() for t in (Q, H, W, b)]
-    with forced_plan(hidden_route=route):
+    refs = [t.detach().double().requires_grad_() for t in (Q, H.nan_to_num(0.0), W, b)]
+    with forced_plan(hidden_route=route, hidden_bwd_kernel=backward):
         out = maxsim_from_hidden(*leaves, q_mask, d_mask)
-    ref = _chain(*refs, q_mask, d_mask, True)
-    ts, tg = BOUNDS[dtype]
-    assert relative_error(out, ref) <= ts
-    grad = torch.randn_like(ref)
-    out.backward(grad.float())
-    ref.backward(grad)
+        ref = _chain(*refs, q_mask, d_mask, True)
+        ts, tg = BOUNDS[dtype]
+        assert relative_error(out, ref) <= ts
+        grad = torch.randn_like(ref)
+        out.backward(grad.float())
+        ref.backward(grad)
     for name, a, r in zip("QHWb", leaves, refs):
         assert a.grad.dtype == a.dtype and torch.isfinite(a.grad).all(), name
         assert relative_error_fro(a.grad, r.grad) <= tg, (name, relative_error_fro(a.grad, r.grad))
+
+
+@pytest.mark.parametrize("layout", ["cross", "candidates"])
+def test_triton_backward_in_chunks_through_the_index_on_cuda(layout):
+    """The Triton backward in one-column chunks (through the winner index on the cross
+    product) and in one chunk, bf16 with a stride-0 upstream gradient: the same gradients,
+    bitwise for grad_H (each row written once from the same products), within the bound for
+    the others (grad_Q and grad_W summed over chunks in another order); no host
+    synchronization."""
+    Q, H, W, b = _inputs(layout, torch.bfloat16, Nq=4, Lq=32, K=3, Nd=7, Ld=260)
+    grads = {}
+    for name, decisions in (("one chunk", {}),
+                            ("columns", dict(HIDDEN_BWD_MIN_BUFFER_BYTES=0,
+                                             HIDDEN_BWD_BUFFER_SHARE=2**40, winner_index=True))):
+        if layout == "candidates":
+            decisions.pop("winner_index", None)
+        leaves = [t.detach().requires_grad_() for t in (Q, H, W, b)]
+        with forced_plan(hidden_bwd_kernel="triton", **decisions):
+            out = maxsim_from_hidden(*leaves)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                out.sum().backward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        grads[name] = [t.grad for t in leaves]
+    refs = [t.detach().double().requires_grad_() for t in (Q, H, W, b)]
+    _chain(*refs, None, None, True).sum().backward()
+    assert torch.equal(grads["one chunk"][1], grads["columns"][1])
+    for name, found in grads.items():
+        for g, r, which in zip(found, refs, "QHWb"):
+            err = relative_error_fro(g, r.grad)
+            assert err <= BOUNDS[torch.bfloat16][1], (name, which, err)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -83,8 +124,11 @@ def test_hidden_ops_pass_opcheck_and_compile_on_cuda():
                 args = (Q, H, W, b, None, None, True, save, "triton", "ieee")
                 torch.library.opcheck(maxsim_hidden_fwd, args)
     scores, argmax = maxsim_hidden_fwd(Q, H, W, b, None, None, True, True, "triton", "ieee")
-    torch.library.opcheck(maxsim_hidden_bwd, (torch.randn_like(scores), Q, H, W, b, argmax, True,
-                                              True, True, True, True, 1 << 28))
+    for backward in ("triton", "torch"):
+        with forced_plan(hidden_bwd_kernel=backward):
+            torch.library.opcheck(maxsim_hidden_bwd, (torch.randn_like(scores), Q, H, W, b,
+                                                      argmax, True, True, True, True, True,
+                                                      "triton", "ieee"))
 
     torch._dynamo.reset()
     # fp32 in exact IEEE products: the compiled and eager steps must agree to fp32's rounding

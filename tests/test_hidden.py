@@ -142,15 +142,93 @@ def test_backward_by_entry_and_by_row_agree(layout):
                 settings.set_torch_block_bytes(None)
 
 
-def test_empty_batches_and_lengths():
+def _head_plans(plans):
+    return [plan for _, plan in plans if getattr(plan, "hidden_cols", 0)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("layout", ["cross", "candidates"])
+def test_triton_backward_chunks_index_and_partials(dtype, layout):
+    """The head's Triton backward (the interpreter here): one column a chunk of its row
+    buffers, grad_W in one fp32 partial or many, through the winner index or not (the cross
+    product); each agrees with the chain."""
+    Q, H, W, b = problem(layout, dtype, Nq=2, Lq=5, K=3, Nd=5, Ld=23)
+    one_column = dict(HIDDEN_BWD_MIN_BUFFER_BYTES=0, HIDDEN_BWD_BUFFER_SHARE=2**40)
+    cases = [({}, None), (one_column, 1), (dict(HIDDEN_WEIGHT_PARTIAL_SHARE=2**40), None),
+             (dict(HIDDEN_WEIGHT_PARTIAL_SHARE=1, HIDDEN_WEIGHT_WAVES=64), None)]
+    if layout == "cross":
+        cases += [(dict(winner_index=True, **one_column), 1), (dict(winner_index=False), None)]
+    for decisions, cols in cases:
+        with settings.use_backend("triton"), forced_plan(**decisions), recording() as plans:
+            check(Q, H, W, b)
+        (plan,) = _head_plans(plans)
+        assert plan.kernel == "triton" and plan.strategy == "lowmem"
+        if cols is not None:
+            assert plan.hidden_cols == cols
+        if "HIDDEN_WEIGHT_PARTIAL_SHARE" in decisions:
+            assert (plan.weight_groups == 1) == (decisions["HIDDEN_WEIGHT_PARTIAL_SHARE"] > 1)
+        if "winner_index" in decisions:
+            assert plan.winner_index == decisions["winner_index"]
+
+
+@pytest.mark.parametrize("layout", ["cross", "candidates"])
+def test_triton_backward_computes_only_what_is_asked(layout):
+    """Each input alone needing its gradient (and the bias absent): the same gradient as when
+    all four are asked for, on both backwards."""
+    Q, H, W, b = problem(layout, torch.float32, Ld=11)
+    g = torch.randn(Q.shape[0], H.shape[-3])
+    for kernel in ("triton", "torch"):
+        with settings.use_backend("triton"), forced_plan(hidden_bwd_kernel=kernel):
+            every = leaves(Q, H, W, b)
+            maxsim_from_hidden(*every).backward(g)
+            for k in range(4):
+                one = [t.detach().requires_grad_(i == k) for i, t in enumerate((Q, H, W, b))]
+                maxsim_from_hidden(*one).backward(g)
+                torch.testing.assert_close(one[k].grad, every[k].grad, rtol=0, atol=0)
+                assert all(t.grad is None for i, t in enumerate(one) if i != k)
+            no_bias = leaves(Q, H, W)
+            out = maxsim_from_hidden(*no_bias, None)
+            out.backward(g)
+            ref = leaves(Q, H, W)
+            chain_ref(*ref, None, None, None, True).backward(g.double())
+            for a, r in zip(no_bias, ref):
+                assert relative_error_fro(a.grad, r.grad) <= TOL[torch.float32][1]
+
+
+def test_the_backward_rule_and_its_errors():
+    """The Triton backward on the Triton backend for fp16/bf16/fp32 with Q and H_d of one dtype;
+    the closed form on the PyTorch backend, for float64 and mixed dtypes; forcing checked."""
+    def kernel(Q, H, backend, **decisions):
+        W = torch.randn(8, 16, dtype=H.dtype)
+        with settings.use_backend(backend), forced_plan(**decisions), recording() as plans:
+            maxsim_from_hidden(Q.requires_grad_(), H, W).sum().backward()
+        return _head_plans(plans)[0].kernel
+
+    Q, H = torch.randn(2, 4, 8), torch.randn(3, 5, 16)
+    assert kernel(Q, H, "triton") == "triton"
+    assert kernel(Q, H, "torch") == "torch"
+    assert kernel(Q.double(), H.double(), "triton") == "torch"
+    assert kernel(Q, H.half(), "triton") == "torch"  # mixed: the query promoted
+    assert kernel(Q, H, "triton", hidden_bwd_kernel="torch") == "torch"
+    with pytest.raises(ValueError, match="hidden_bwd_kernel must be 'triton' or 'torch'"):
+        kernel(Q, H, "triton", hidden_bwd_kernel="gpu")
+    for Qx, Hx, backend in ((Q, H, "torch"), (Q.double(), H.double(), "triton"),
+                            (Q, H.half(), "triton")):
+        with pytest.raises(ValueError, match="hidden_bwd_kernel='triton' needs the Triton "):
+            kernel(Qx, Hx, backend, hidden_bwd_kernel="triton")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_empty_batches_and_lengths(backend):
     for shape_q, shape_h in (((0, 5, 8), (3, 4, 16)), ((2, 5, 8), (0, 4, 16)),
                              ((2, 0, 8), (3, 4, 16)), ((2, 5, 8), (3, 0, 16))):
         Q, H = torch.randn(shape_q), torch.randn(shape_h)
         W, b = torch.randn(8, 16), torch.randn(8)
         Qg, Hg, Wg, bg = leaves(Q, H, W, b)
-        out = maxsim_from_hidden(Qg, Hg, Wg, bg)
-        assert out.shape == (shape_q[0], shape_h[0]) and bool((out == 0).all())
-        out.sum().backward()
+        with settings.use_backend(backend):
+            out = maxsim_from_hidden(Qg, Hg, Wg, bg)
+            assert out.shape == (shape_q[0], shape_h[0]) and bool((out == 0).all())
+            out.sum().backward()
         for t in (Qg, Hg, Wg, bg):
             assert t.grad is not None and bool((t.grad == 0).all())
 

@@ -412,20 +412,25 @@ def _(Q, H, W, b, q_mask, d_mask, normalize, save_argmax, backend, fp32_precisio
 @torch.library.custom_op("fusedmaxsim::maxsim_hidden_bwd", mutates_args=())
 def maxsim_hidden_bwd(
     grad_scores: Tensor, Q: Tensor, H: Tensor, W: Tensor, b: Tensor | None, argmax: Tensor,
-    normalize: bool, need_q: bool, need_h: bool, need_w: bool, need_b: bool, block_bytes: int,
+    normalize: bool, need_q: bool, need_h: bool, need_w: bool, need_b: bool, backend: str,
+    fp32_precision: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(grad_Q, grad_H, grad_W, grad_b)`` in the inputs' dtypes (grad_Q in Q's), from the
-    argmax (``_torch_path.hidden_bwd_torch``); an unneeded one is an empty tensor."""
+    argmax; an unneeded one is an empty tensor."""
     grads = _hidden_grads(grad_scores, Q, H, W, b, argmax, normalize,
-                          (need_q, need_h, need_w, need_b), block_bytes)
+                          (need_q, need_h, need_w, need_b),
+                          options_for(Q, backend, fp32_precision))
     return tuple(Q.new_empty((0,)) if g is None else g for g in grads)
 
 
-def _hidden_grads(grad_scores, Q, H, W, b, argmax, normalize: bool, needs, block_bytes: int):
-    """The projection head's gradients as planned (``plan_hidden_backward``), each in its
-    input's dtype; None where not needed."""
+def _hidden_grads(grad_scores, Q, H, W, b, argmax, normalize: bool, needs, o: Options):
+    """The projection head's gradients as planned (``plan_hidden_backward``: the Triton kernels
+    or the PyTorch closed form), each in its input's dtype; None where not needed."""
     p = hidden_problem(Q, H, W, b, None, None, normalize=normalize, save_argmax=True)
-    plan = plan_hidden_backward(p, block_bytes)
+    plan = plan_hidden_backward(p, o, needs[0], Q.dtype != H.dtype)
+    if plan.kernel == "triton":
+        return list(_launch()[1].backward_hidden(plan, o.fp32_precision, grad_scores, Q, H, W, b,
+                                                 argmax, normalize, needs))
     grads = _torch_path.hidden_bwd_torch(grad_scores, Q, H, W, b, argmax, normalize, *needs,
                                          plan.hidden_cols, plan.hidden_by_entry)
     return [None if g is None else g.to(x.dtype) for g, x in zip(grads, (Q, H, W, b))]
@@ -439,12 +444,12 @@ def _hidden_backward_of(ctx, grad_scores: Tensor, traced: bool) -> list:
     needs[3] = needs[3] and b is not None
     if traced:
         grads = maxsim_hidden_bwd(grad_scores, Q, H, W, b, argmax, ctx.normalize, *needs,
-                                  ctx.block_bytes)
+                                  ctx.options.backend, ctx.options.fp32_precision)
         grads = [g if need else None for g, need in zip(grads, needs)]
     else:
         with torch.no_grad():
             grads = _hidden_grads(grad_scores, Q, H, W, b, argmax, ctx.normalize, needs,
-                                  ctx.block_bytes)
+                                  ctx.options)
     if torch.is_grad_enabled() and not torch.compiler.is_compiling():  # create_graph=True
         grads = [None if g is None else _FirstOrderOnly.apply(g, Q, H, grad_scores)
                  for g in grads]
@@ -452,7 +457,8 @@ def _hidden_backward_of(ctx, grad_scores: Tensor, traced: bool) -> list:
 
 
 @maxsim_hidden_bwd.register_fake
-def _(grad_scores, Q, H, W, b, argmax, normalize, need_q, need_h, need_w, need_b, block_bytes):
+def _(grad_scores, Q, H, W, b, argmax, normalize, need_q, need_h, need_w, need_b, backend,
+      fp32_precision):
     return (torch.empty_like(Q) if need_q else Q.new_empty((0,)),
             torch.empty_like(H) if need_h else Q.new_empty((0,)),
             torch.empty_like(W) if need_w else Q.new_empty((0,)),
@@ -464,7 +470,7 @@ def _hidden_setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(output[1])
     ctx.save_for_backward(Q, H, W, b, output[1])
     ctx.normalize = normalize
-    ctx.block_bytes = options_for(Q, backend, fp32_precision).torch_block_bytes
+    ctx.options = options_for(Q, backend, fp32_precision)
 
 
 def _hidden_backward(ctx, grad_scores: Tensor, _grad_saved):
@@ -485,7 +491,7 @@ class HiddenFunction(torch.autograd.Function):
         q_mask, d_mask, normalize, o = rest
         scores, argmax = _hidden_forward(Q, H, W, b, q_mask, d_mask, normalize, True, o)
         ctx.save_for_backward(Q, H, W, b, argmax)
-        ctx.normalize, ctx.block_bytes = normalize, o.torch_block_bytes
+        ctx.normalize, ctx.options = normalize, o
         return scores
 
     @staticmethod

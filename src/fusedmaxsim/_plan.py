@@ -107,6 +107,17 @@ MEASURED: dict[str, object] = dict(
     HIDDEN_FUSED_MAX_PASSES=2,
     HIDDEN_FUSED_MAX_BYTES=400 << 20,
     HIDDEN_TILES=(128, 64, 8, 3),
+    # The head's Triton backward (design.md "Fused projection head"): its row buffers (grad_P,
+    # and P with its inverse norms for grad_Q) hold at most 1 / HIDDEN_BWD_BUFFER_SHARE of the
+    # hidden states' bytes (and at least HIDDEN_BWD_MIN_BUFFER_BYTES: one chunk of columns at
+    # small sizes, where launches cost more than memory); grad_W's fp32 partials at most
+    # 1 / HIDDEN_WEIGHT_PARTIAL_SHARE, and about HIDDEN_WEIGHT_WAVES programs an SM. The weight
+    # kernel's tiles: (buffer rows a step, d_model columns a program, warps).
+    HIDDEN_BWD_BUFFER_SHARE=16,
+    HIDDEN_BWD_MIN_BUFFER_BYTES=4 << 20,
+    HIDDEN_WEIGHT_PARTIAL_SHARE=2,
+    HIDDEN_WEIGHT_WAVES=2,
+    HIDDEN_WEIGHT_TILES=(16, 16, 4) if INTERPRETER else (64, 128, 8),
     # PLAID residual documents (design.md "PLAID"; NOTES §63, §66): the kernel's tiles (d <=
     # 128: document tile, warps, stages, register cap) on the cross product and on per-query
     # candidates, and the query rows a block on the cross product (16-bit; half for fp32).
@@ -153,6 +164,7 @@ FORCIBLE = frozenset({
     "bf16_product",       # PyTorch path: bf16 inputs multiplied in bf16 (inference)
     "hidden_route",       # fused projection head: "fused" or "unfused"
     "hidden_by_entry",    # projection head backward: winners one row an entry, or every row
+    "hidden_bwd_kernel",  # projection head backward: "triton" or "torch" (the closed form)
 })
 
 
@@ -844,10 +856,14 @@ class BackwardPlan:
     dd_tiles_per_program: int = 1
     dd_scan_stages: int = 1
     block_r: int = 0  # the packed layouts' one-hot rows
-    # The projection head's closed-form backward (PyTorch): columns a chunk, and whether a
-    # chunk recomputes its winners one row an entry (else every row of the chunk).
+    # The projection head: columns a chunk; the closed form (PyTorch) recomputes a chunk's
+    # winners one row an entry or every row; the Triton rows kernel's d_model a step, the
+    # weight kernel's tiles (buffer rows a step, d_model columns a program, warps) and groups.
     hidden_cols: int = 0
     hidden_by_entry: bool = False
+    hidden_block: int = 0
+    weight_tiles: tuple = ()
+    weight_groups: int = 0
     reasons: tuple[str, ...] = ()
 
 
@@ -1088,7 +1104,51 @@ def plan_backward(p: Problem, o: Options, need_q: bool, need_d: bool,
                    _plan_backward, p, o, need_q, need_d, strategy, deterministic)
 
 
-def _plan_hidden_backward(p: Problem, block_bytes: int) -> BackwardPlan:
+def _plan_hidden_backward(p: Problem, o: Options, need_q: bool, mixed: bool) -> BackwardPlan:
+    kernel = _forced.get("hidden_bwd_kernel")
+    forced = kernel is not None
+    if not forced:
+        kernel = "torch" if o.backend == "torch" or p.dtype == torch.float64 or mixed else "triton"
+    if kernel not in ("triton", "torch"):
+        raise ValueError(f"hidden_bwd_kernel must be 'triton' or 'torch', got {kernel!r}")
+    if kernel == "torch":
+        why = "forced" if forced else ("Q and H_d of different dtypes" if mixed else
+                                       f"backend {o.backend}, {p.dtype}")
+        return _plan_hidden_closed_form(p, o.torch_block_bytes, why)
+    if o.backend != "triton" or p.dtype == torch.float64 or mixed:
+        raise ValueError("hidden_bwd_kernel='triton' needs the Triton backend, fp16, bf16 or "
+                         "fp32 inputs, and Q and H_d of one dtype")
+    per_query = p.layout == HIDDEN_CANDIDATES
+    dense = p._replace(layout=CANDIDATES if per_query else CROSS, d_model=0, has_bias=False,
+                       normalize=False, norm_from_tiles=False)
+    base = _plan_backward(dense, o, need_q, True, "lowmem", True)
+    groups = p.Nq if per_query else 1
+    hidden_bytes = groups * p.Ncols * p.Ld * p.d_model * p.dtype.itemsize
+    # A column's row buffers: grad_P, and for grad_Q the projection and its inverse norms.
+    column_bytes = groups * p.Ld * (p.dim * p.dtype.itemsize * (2 if need_q else 1)
+                                    + (4 if need_q and p.normalize else 0))
+    budget = max(hidden_bytes // _measured("HIDDEN_BWD_BUFFER_SHARE"),
+                 _measured("HIDDEN_BWD_MIN_BUFFER_BYTES"))
+    cols = max(1, min(max(p.Ncols, 1), budget // max(1, column_bytes)))
+    if base.winner_index:
+        cols = min(cols, base.index_cols)
+    cols = cdiv(max(p.Ncols, 1), cdiv(max(p.Ncols, 1), cols))  # chunks as even as they go
+    block_t, block_c, warps = _measured("HIDDEN_WEIGHT_TILES")
+    row_tiles = cdiv(groups * cols * p.Ld, block_t)
+    partial_bytes = p.dim * p.d_model * 4
+    weight_groups = max(1, min(
+        row_tiles,
+        cdiv(_measured("HIDDEN_WEIGHT_WAVES") * sm_count(p.device), cdiv(p.d_model, block_c)),
+        hidden_bytes // _measured("HIDDEN_WEIGHT_PARTIAL_SHARE") // partial_bytes))
+    reasons = (*base.reasons[1:], f"projection head: {cols} column(s) a chunk of row buffers, "
+               f"grad_W in {weight_groups} fp32 partial(s)")
+    return dataclasses.replace(
+        base, strategy="lowmem", index_cols=cols, hidden_cols=cols,
+        hidden_block=_measured("HIDDEN_TILES")[1], weight_tiles=(block_t, block_c, warps),
+        weight_groups=weight_groups, reasons=reasons)
+
+
+def _plan_hidden_closed_form(p: Problem, block_bytes: int, why: str) -> BackwardPlan:
     per_query = p.layout == HIDDEN_CANDIDATES
     # A column's entries (query, query token) and rows (document tokens; Nq documents of
     # per-query candidates).
@@ -1104,18 +1164,21 @@ def _plan_hidden_backward(p: Problem, block_bytes: int) -> BackwardPlan:
     how = "forced" if forced else (
         f"{entries_col} entries {'<' if by_entry else '>='} {rows_col} rows a column")
     return BackwardPlan("torch", "lowmem", hidden_cols=cols, hidden_by_entry=bool(by_entry),
-                        reasons=(f"projection head: closed form from the argmax, "
+                        reasons=(f"projection head: the PyTorch closed form ({why}), "
                                  f"{'winners one row an entry' if by_entry else 'every row'} "
                                  f"({how}), {cols} columns a chunk within {block_bytes} bytes",))
 
 
-def plan_hidden_backward(p: Problem, block_bytes: int) -> BackwardPlan:
-    """The projection head's backward (``_torch_path.hidden_bwd_torch``): a chunk of documents
-    with fewer (query, token) entries than document rows recomputes the projection of each
-    entry's winner, otherwise of every row; chunks of columns within ``block_bytes`` (cached;
-    design.md "Fused projection head")."""
-    return _cached(_backward_plans, ("hidden", p, block_bytes), p, _plan_hidden_backward, p,
-                   block_bytes)
+def plan_hidden_backward(p: Problem, o: Options, need_q: bool, mixed: bool) -> BackwardPlan:
+    """The projection head's backward: the Triton kernels (``_launch.backward.backward_hidden``:
+    the document-owned backward's plan for the projected documents, columns a chunk within
+    the row buffers' budget, grad_W's partials) where the backend is Triton and Q and H_d share
+    a 16-bit or fp32 dtype, else the PyTorch closed form (``_torch_path.hidden_bwd_torch``: a
+    chunk of documents with fewer (query, token) entries than document rows recomputes each
+    entry's winner, otherwise every row; chunks within ``o.torch_block_bytes``). Cached;
+    design.md "Fused projection head"."""
+    return _cached(_backward_plans, ("hidden", p, o, need_q, mixed), p, _plan_hidden_backward,
+                   p, o, need_q, mixed)
 
 
 def explain_plans(p: Problem, o: Options, strategy: str = "auto") -> str:

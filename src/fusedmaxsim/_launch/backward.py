@@ -10,6 +10,7 @@ strides and grids, allocate, and launch. Gradients come back in the input dtype,
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from torch import Tensor
@@ -22,6 +23,7 @@ from ..kernels.backward import (
     _maxsim_ragged_bwd_dd_kernel,
     _maxsim_ragged_bwd_dq_kernel,
 )
+from ..kernels.head import _hidden_bwd_rows_kernel, _hidden_bwd_weight_kernel
 from ..kernels.smooth import _smooth_bwd_kernel
 from ..kernels.winner_index import _tile_counts_kernel, _tile_rows_kernel
 from .runtime import (
@@ -30,15 +32,18 @@ from .runtime import (
     cdiv,
     constants,
     doc_strides,
+    dot_precision,
     empty,
     gather_meta,
     grads_without_launch,
     launcher,
     owned_tile_meta,
     smooth_scales,
+    upcast,
 )
 
-__all__ = ["backward_dense", "backward_packed", "backward_smooth", "sorted_pairs"]
+__all__ = ["backward_dense", "backward_hidden", "backward_packed", "backward_smooth",
+           "sorted_pairs"]
 
 
 def _or_empty(grad: Tensor | None, like: Tensor) -> Tensor:
@@ -423,3 +428,153 @@ def backward_packed(plan: BackwardPlan, fp32_precision: str, layout, grad_scores
             PAIRS=pairs, NORMALIZE=normalize, BLOCK_R=plan.block_r,
             **owned_tile_meta(cfg, Q.dtype, fp32_precision, plan.dd_scan_stages)))
     return grad_q, grad_d
+
+
+# ------------------------------------------------------------------------------------------------
+# The fused projection head: the document-owned rows with the projection's backward on chip
+# ------------------------------------------------------------------------------------------------
+
+
+def backward_hidden(plan: BackwardPlan, fp32_precision: str, grad_scores: Tensor, Q: Tensor,
+                    H: Tensor, W: Tensor, b: Tensor | None, argmax: Tensor, normalize: bool,
+                    needs: tuple[bool, bool, bool, bool]) -> tuple[Tensor | None, ...]:
+    """``(grad_Q, grad_H, grad_W, grad_b)`` of ``maxsim(Q, normalize?(F.linear(H, W, b)))`` from
+    the forward's argmax, each in its input's dtype (None where not needed).
+
+    ``plan.hidden_cols`` columns at a time: the rows kernel (through the chunk's winner index
+    where the plan says so) writes ``grad_H`` and the chunk's winning rows and their ``grad_P``
+    (and ``P`` with its inverse norms for ``grad_Q``); the gather kernel adds the chunk's
+    ``grad_Q``; the weight kernel adds its ``grad_W``/``grad_b`` into ``plan.weight_groups``
+    fp32 partials, summed at the end. No atomics: bitwise reproducible."""
+    need_q, need_h, need_w, need_b = needs
+    need_b = need_b and b is not None
+    per_query = H.dim() == 4
+    Nq, Lq, dim = Q.shape
+    Ncols, Ld, d_model = H.shape[-3], H.shape[-2], H.shape[-1]
+    groups = Nq if per_query else 1
+    dev, dtype = Q.device, H.dtype
+    if not (Nq * Ncols * Lq * Ld * dim):  # nothing scored: every gradient is zero
+        return tuple(torch.zeros_like(t) if need else None
+                     for t, need in zip((Q, H, W, b), (need_q, need_h, need_w, need_b)))
+    cfg = plan.tiles
+    chunk = plan.hidden_cols
+    grad_q = grad_w = grad_b = None
+    grad_h = empty(H.shape, dtype, dev) if need_h else None
+    # Flat buffers of a chunk's rows, viewed [groups, n, Ld, ..] for each chunk of n columns:
+    # which rows won, their grad_P, and for grad_Q the projection P and its inverse norms.
+    rows_numel = groups * min(chunk, Ncols) * Ld
+    buffers = (empty((rows_numel,), torch.int8, dev),
+               empty((rows_numel * dim,), dtype, dev),
+               empty((rows_numel * dim,), dtype, dev) if need_q else None,
+               empty((rows_numel,), torch.float32, dev) if need_q and normalize else None)
+    n_chunks = cdiv(Ncols, chunk)
+    q_inv = None
+    if need_q:
+        grad_q = (torch.zeros(Q.shape, dtype=torch.float32, device=dev) if n_chunks > 1
+                  else empty(Q.shape, Q.dtype, dev))
+        q_inv = torch.ones((Nq, Lq), dtype=torch.float32, device=dev) if normalize else None
+    weights = None
+    if need_w or need_b:
+        weights = (empty((plan.weight_groups, dim, d_model), torch.float32, dev),
+                   empty((plan.weight_groups, dim), torch.float32, dev) if need_b else H)
+    index = None
+    if plan.winner_index:
+        index = _winner_index_buffers(Q, chunk, cdiv(Ld, cfg.block_t), plan.index_row_dtype)
+    for c0 in range(0, Ncols, chunk):
+        n = min(chunk, Ncols - c0)
+        rows, counts = _winner_index(plan, argmax, c0, n, index) if index else (None, None)
+        lead = (groups, n, Ld) if per_query else (n, Ld)
+        won, grad_p, P, p_inv = (_rows_view(t, lead, width)
+                                 for t, width in zip(buffers, (0, dim, dim, 0)))
+        _launch_hidden_rows(plan, fp32_precision, grad_scores, Q, argmax, rows, counts, H, W, b,
+                            grad_h, won, grad_p, P, p_inv, c0, n, normalize, need_q, need_h)
+        if need_q:
+            args = argmax if n == Ncols else argmax[:, c0:c0 + n].contiguous()
+            part = grad_q if n_chunks == 1 else empty(Q.shape, torch.float32, dev)
+            _launch_gather(cfg, grad_scores[:, c0:c0 + n], Q, P, args, q_inv, p_inv, per_query,
+                           0, n, 1, part, None, plan.gather_step)
+            if n_chunks > 1:
+                grad_q += part
+        if weights is not None:
+            _launch_hidden_weight(plan, fp32_precision, won, grad_p, H, *weights, c0, n, need_b)
+    if need_q and grad_q.dtype != Q.dtype:
+        grad_q = grad_q.to(Q.dtype)
+    if weights is not None:
+        part_w, part_b = weights
+        grad_w = (part_w[0] if plan.weight_groups == 1 else part_w.sum(0)).to(W.dtype)
+        if need_b:
+            grad_b = (part_b[0] if plan.weight_groups == 1 else part_b.sum(0)).to(b.dtype)
+    return grad_q, grad_h if need_h else None, grad_w if need_w else None, grad_b
+
+
+def _rows_view(flat: Tensor | None, lead: tuple, width: int) -> Tensor | None:
+    """The first rows of a flat buffer, viewed ``[*lead, width]`` (``width`` 0: ``lead``)."""
+    if flat is None:
+        return None
+    numel = math.prod(lead) * max(width, 1)
+    return flat[:numel].view(*lead, width) if width else flat[:numel].view(lead)
+
+
+def _launch_hidden_rows(plan, fp32_precision, grad_scores, Q, argmax, rows, counts, H, W, b,
+                        grad_h, won, grad_p, P, p_inv, col_base, n_cols, normalize, need_q,
+                        need_h) -> None:
+    cfg = plan.tiles
+    Nq, Lq, dim = Q.shape
+    Ncols, Ld, d_model = H.shape[-3], H.shape[-2], H.shape[-1]
+    per_query = H.dim() == 4
+    groups = Nq if per_query else 1
+    tiles_per_program = plan.dd_tiles_per_program
+    gh = grad_h if grad_h is not None else H
+    launcher(_hidden_bwd_rows_kernel)(
+        (groups * n_cols if rows is None else n_cols,
+         cdiv(cdiv(Ld, cfg.block_t), tiles_per_program)),
+        (
+            grad_scores, Q, argmax, argmax if rows is None else rows,
+            argmax if counts is None else counts, H, W, H if b is None else b, gh, won, grad_p,
+            H if P is None else P, H if p_inv is None else p_inv, Nq, Ncols, n_cols, Lq, Ld,
+            dim, d_model, tiles_per_program, col_base,
+            *grad_scores.stride(), *Q.stride(), *doc_strides(H, per_query)[:3],
+            H.stride(-1), *W.stride(), *doc_strides(gh, per_query)[:3],
+        ),
+        _hidden_rows_constants(cfg, per_query, plan.rows_in_one_block, rows is not None,
+                               normalize, need_q, need_h, b is not None, plan.hidden_block,
+                               Q.dtype, fp32_precision, plan.dd_scan_stages, plan.index_scan),
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _hidden_rows_constants(cfg, per_query, rows_in_one_block, winner_index, normalize, need_q,
+                           need_h, bias, hidden_block, dtype, fp32_precision, scan_stages,
+                           index_scan) -> Constants:
+    return constants(
+        PER_QUERY_DOCS=per_query, ROWS_IN_ONE_BLOCK=rows_in_one_block,
+        WINNER_INDEX=winner_index, NORMALIZE=normalize, NEED_Q=need_q, NEED_H=need_h,
+        HIDDEN_BIAS=bias, HIDDEN_BLOCK=hidden_block, BLOCK_R=cfg.block_r,
+        INDEX_SCAN=index_scan,
+        **owned_tile_meta(cfg, dtype, fp32_precision, None if rows_in_one_block else scan_stages),
+    )
+
+
+def _launch_hidden_weight(plan, fp32_precision, won, grad_p, H, part_w, part_b, col_base,
+                          n_cols, need_b) -> None:
+    Ld, dim, d_model = H.shape[-2], grad_p.shape[-1], H.shape[-1]
+    groups = grad_p.shape[0] if H.dim() == 4 else 1
+    block_t, block_c, warps = plan.weight_tiles
+    per_query = H.dim() == 4
+    launcher(_hidden_bwd_weight_kernel)(
+        (cdiv(d_model, block_c), plan.weight_groups),
+        (won, grad_p, H, part_w, part_b, groups * n_cols * Ld, n_cols, Ld, dim, d_model, col_base,
+         *doc_strides(H, per_query)[:3], H.stride(-1)),
+        _hidden_weight_constants(need_b, col_base > 0, block_t, block_c, plan.tiles.block_k,
+                                 warps, H.dtype, fp32_precision),
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _hidden_weight_constants(bias, accumulate, block_t, block_c, block_k, warps, dtype,
+                             fp32_precision) -> Constants:
+    return constants(
+        HAS_BIAS=bias, ACCUMULATE=accumulate, BLOCK_T=block_t, BLOCK_C=block_c, BLOCK_K=block_k,
+        DOT_PRECISION=dot_precision(dtype, fp32_precision), UPCAST=upcast(dtype),
+        num_warps=warps, num_stages=2,
+    )

@@ -334,6 +334,106 @@ def _g_scales(Grad, q_lo, q_hi, i_col, stride_g_seq, stride_g_col, BLOCK: tl.con
         (biased << 23).to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def _dd_program(
+    Grad, Nq, n_cols, Lq, Ld, tiles_per_program, col_base, stride_g_seq, stride_g_col,
+    PER_QUERY_DOCS: tl.constexpr, WINNER_INDEX: tl.constexpr, G_SCALED: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """What a document-owned program holds: its group and column (of ``n_cols`` a group from
+    ``col_base``; one group with ``WINNER_INDEX``, the cross product), its token tiles
+    ``[tb_lo, tb_hi)``, its (query, query token) rows ``[r_lo, r_hi)`` and its weights' scales
+    (:func:`_g_scales` where ``G_SCALED``, else 1)."""
+    pid = tl.program_id(0).to(tl.int64)
+    i_grp = pid // n_cols
+    i_col = col_base + pid % n_cols
+    if WINNER_INDEX:
+        i_grp = 0
+    tb_lo = tl.program_id(1).to(tl.int64) * tiles_per_program
+    tb_hi = tl.minimum(tb_lo + tiles_per_program, tl.cdiv(Ld, BLOCK_T))
+    if PER_QUERY_DOCS:
+        r_lo = i_grp * Lq
+        r_hi = r_lo + Lq
+    else:
+        r_lo = 0
+        r_hi = Nq * Lq
+    g_down, g_up = 1.0, 1.0
+    if G_SCALED:
+        g_down, g_up = _g_scales(Grad, r_lo // Lq, tl.cdiv(r_hi, Lq), i_col, stride_g_seq,
+                                 stride_g_col, BLOCK_R)
+    return pid, i_grp, i_col, tb_lo, tb_hi, r_lo, r_hi, g_down, g_up
+
+
+@triton.jit
+def _dd_tile(
+    i_tb, pid, i_col, r_lo, r_hi, rows, g_down, Grad, Q, QInv, Argmax, Rows, Counts, Nq, Ncols,
+    Lq, Ld, o_k, m_k, stride_g_seq, stride_g_col, stride_q_seq, stride_q_tok, stride_q_dim,
+    stride_qinv_seq, stride_qinv_tok,
+    ROWS_IN_ONE_BLOCK: tl.constexpr, WINNER_INDEX: tl.constexpr, NORMALIZE: tl.constexpr,
+    G_SCALED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    INDEX_SCAN: tl.constexpr,
+):
+    """``onehot(A == t)ᵀ @ (g · Q)`` for token tile ``i_tb`` (fp32, ``[BLOCK_T, BLOCK_K]``, still
+    to be multiplied by ``g_up``): from ``rows`` = ``(idx, g, b_q)`` loaded once for every tile
+    (``ROWS_IN_ONE_BLOCK``), else block by block over the program's rows, or with
+    ``WINNER_INDEX`` over the rows that won one of the tile's tokens, in the index's order."""
+    o_t = i_tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    o_block = tl.arange(0, BLOCK_R)
+    if ROWS_IN_ONE_BLOCK:
+        idx, g, b_q = rows
+        acc = _dd_product(o_t, idx, g, b_q, DOT_PRECISION, UPCAST, G_SCALED)
+    else:
+        if WINNER_INDEX:
+            p_rows = Rows + pid * Nq * Lq
+            p_counts = Counts + pid * tl.cdiv(Ld, BLOCK_T)
+            e_lo = tile_start(p_counts, i_tb, INDEX_SCAN)
+            e_hi = e_lo + tl.load(p_counts + i_tb)
+            # The next block's row numbers are requested a block ahead, so that each block
+            # waits on one load's latency (its rows) instead of two in a chain.
+            o_r_next = tl.load(p_rows + e_lo + o_block, mask=e_lo + o_block < e_hi,
+                               other=0).to(tl.int32)
+        else:
+            e_lo, e_hi = r_lo, r_hi
+        acc = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
+        for e0 in range(e_lo, e_hi, BLOCK_R):
+            o_e = e0 + o_block
+            m_e = o_e < e_hi
+            if WINNER_INDEX:
+                o_r = o_r_next
+                o_r_next = tl.load(p_rows + o_e + BLOCK_R, mask=o_e + BLOCK_R < e_hi,
+                                   other=0).to(tl.int32)
+            else:
+                o_r = o_e
+            idx, g, b_q = _dd_rows(
+                Grad, Q, QInv, Argmax, o_r, m_e, i_col, Ncols, Lq, o_k, m_k,
+                stride_g_seq, stride_g_col, stride_q_seq, stride_q_tok, stride_q_dim,
+                stride_qinv_seq, stride_qinv_tok, NORMALIZE, WINNER_INDEX,
+            )
+            acc += _dd_product(o_t, idx, g * g_down, b_q, DOT_PRECISION, UPCAST, G_SCALED)
+    return acc
+
+
+@triton.jit
+def _dd_rows_once(
+    Grad, Q, QInv, Argmax, r_lo, r_hi, g_down, i_col, Ncols, Lq, o_k, m_k, stride_g_seq,
+    stride_g_col, stride_q_seq, stride_q_tok, stride_q_dim, stride_qinv_seq, stride_qinv_tok,
+    ROWS_IN_ONE_BLOCK: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """The rows ``(idx, g · g_down, b_q)`` that every tile of the program uses, loaded once
+    (``ROWS_IN_ONE_BLOCK``: per-query candidates, ``Lq <= BLOCK_R``); else placeholders."""
+    o_block = tl.arange(0, BLOCK_R)
+    idx, g, b_q = o_block, g_down, o_block
+    if ROWS_IN_ONE_BLOCK:
+        idx, g, b_q = _dd_rows(
+            Grad, Q, QInv, Argmax, r_lo + o_block, r_lo + o_block < r_hi, i_col, Ncols, Lq, o_k,
+            m_k, stride_g_seq, stride_g_col, stride_q_seq, stride_q_tok, stride_q_dim,
+            stride_qinv_seq, stride_qinv_tok, NORMALIZE, False,
+        )
+        g = g * g_down
+    return idx, g, b_q
+
+
 @triton.jit(do_not_specialize=["Nq", "Ncols", "Lq", "Ld", "tiles_per_program", "col_base"])
 def _maxsim_bwd_dd_kernel(
     Grad,
@@ -382,73 +482,30 @@ def _maxsim_bwd_dd_kernel(
     reads only the rows that won one of its tokens, in the index's order (``winner_index``):
     program column 0 is column ``col_base``, and ``Rows``/``Counts`` hold that chunk's index.
     """
-    pid = tl.program_id(0).to(tl.int64)
-    i_grp = pid // Ncols
-    i_col = pid % Ncols
-    if WINNER_INDEX:
-        i_grp = 0
-        i_col = col_base + pid
-    tb_lo = tl.program_id(1).to(tl.int64) * tiles_per_program
-    tb_hi = tl.minimum(tb_lo + tiles_per_program, tl.cdiv(Ld, BLOCK_T))
-
-    o_k = tl.arange(0, BLOCK_K)
-    m_k = o_k < dim
-    o_block = tl.arange(0, BLOCK_R)
-    if PER_QUERY_DOCS:
-        r_lo = i_grp * Lq
-        r_hi = r_lo + Lq
-    else:
-        r_lo = 0
-        r_hi = Nq * Lq
-    p_out = GradD + i_grp * stride_gd_grp + i_col * stride_gd_col + o_k[None, :] * stride_gd_dim
     # fp16 without normalize: the column's g divided by a power of two of its largest |g| before
     # the one-hot (and the tile multiplied back at the store), so that g itself fits fp16's range
     # and the rows skip bf16's pass over them in fp32 (the longer part of fp16's block).
     G_SCALED: tl.constexpr = Q.dtype.element_ty == tl.float16 and not NORMALIZE
-    g_down, g_up = 1.0, 1.0
-    if G_SCALED:
-        g_down, g_up = _g_scales(Grad, r_lo // Lq, tl.cdiv(r_hi, Lq), i_col, stride_g_seq,
-                                 stride_g_col, BLOCK_R)
-
-    if ROWS_IN_ONE_BLOCK:  # loaded once, for every tile of the program
-        idx, g, b_q = _dd_rows(
-            Grad, Q, QInv, Argmax, r_lo + o_block, r_lo + o_block < r_hi, i_col, Ncols, Lq, o_k,
-            m_k, stride_g_seq, stride_g_col, stride_q_seq, stride_q_tok, stride_q_dim,
-            stride_qinv_seq, stride_qinv_tok, NORMALIZE, False,
-        )
-        g = g * g_down
+    pid, i_grp, i_col, tb_lo, tb_hi, r_lo, r_hi, g_down, g_up = _dd_program(
+        Grad, Nq, Ncols, Lq, Ld, tiles_per_program, col_base, stride_g_seq, stride_g_col,
+        PER_QUERY_DOCS, WINNER_INDEX, G_SCALED, BLOCK_T, BLOCK_R,
+    )
+    o_k = tl.arange(0, BLOCK_K)
+    m_k = o_k < dim
+    p_out = GradD + i_grp * stride_gd_grp + i_col * stride_gd_col + o_k[None, :] * stride_gd_dim
+    rows = _dd_rows_once(
+        Grad, Q, QInv, Argmax, r_lo, r_hi, g_down, i_col, Ncols, Lq, o_k, m_k, stride_g_seq,
+        stride_g_col, stride_q_seq, stride_q_tok, stride_q_dim, stride_qinv_seq, stride_qinv_tok,
+        ROWS_IN_ONE_BLOCK, NORMALIZE, BLOCK_R,
+    )
     for i_tb in range(tb_lo, tb_hi):
+        acc = _dd_tile(
+            i_tb, pid, i_col, r_lo, r_hi, rows, g_down, Grad, Q, QInv, Argmax, Rows, Counts, Nq,
+            Ncols, Lq, Ld, o_k, m_k, stride_g_seq, stride_g_col, stride_q_seq, stride_q_tok,
+            stride_q_dim, stride_qinv_seq, stride_qinv_tok, ROWS_IN_ONE_BLOCK, WINNER_INDEX,
+            NORMALIZE, G_SCALED, BLOCK_T, BLOCK_R, BLOCK_K, DOT_PRECISION, UPCAST, INDEX_SCAN,
+        )
         o_t = i_tb * BLOCK_T + tl.arange(0, BLOCK_T)
-        if ROWS_IN_ONE_BLOCK:
-            acc = _dd_product(o_t, idx, g, b_q, DOT_PRECISION, UPCAST, G_SCALED)
-        else:
-            if WINNER_INDEX:
-                p_rows = Rows + pid * Nq * Lq
-                p_counts = Counts + pid * tl.cdiv(Ld, BLOCK_T)
-                e_lo = tile_start(p_counts, i_tb, INDEX_SCAN)
-                e_hi = e_lo + tl.load(p_counts + i_tb)
-                # The next block's row numbers are requested a block ahead, so that each block
-                # waits on one load's latency (its rows) instead of two in a chain.
-                o_r_next = tl.load(p_rows + e_lo + o_block, mask=e_lo + o_block < e_hi,
-                                   other=0).to(tl.int32)
-            else:
-                e_lo, e_hi = r_lo, r_hi
-            acc = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
-            for e0 in range(e_lo, e_hi, BLOCK_R):
-                o_e = e0 + o_block
-                m_e = o_e < e_hi
-                if WINNER_INDEX:
-                    o_r = o_r_next
-                    o_r_next = tl.load(p_rows + o_e + BLOCK_R, mask=o_e + BLOCK_R < e_hi,
-                                       other=0).to(tl.int32)
-                else:
-                    o_r = o_e
-                idx, g, b_q = _dd_rows(
-                    Grad, Q, QInv, Argmax, o_r, m_e, i_col, Ncols, Lq, o_k, m_k,
-                    stride_g_seq, stride_g_col, stride_q_seq, stride_q_tok, stride_q_dim,
-                    stride_qinv_seq, stride_qinv_tok, NORMALIZE, WINNER_INDEX,
-                )
-                acc += _dd_product(o_t, idx, g * g_down, b_q, DOT_PRECISION, UPCAST, G_SCALED)
         tl.store(p_out + o_t[:, None] * stride_gd_tok, (acc * g_up).to(GradD.dtype.element_ty),
                  mask=(o_t < Ld)[:, None] & m_k[None, :])
 
