@@ -69,6 +69,7 @@ SECTIONS = {
     "cpu_orientation": ("host", "cpu_orientation"),
     "hidden_tiles": ("hidden", "hidden_tiles"),
     "hidden_step": ("hidden", "hidden_step_profile"),
+    "head_backward": ("hidden", "head_backward"),
     "residual_tiles": ("plaid", "residual_tiles"),
     "residual_profile": ("plaid", "residual_profile"),
     "approx_tiles": ("plaid", "approx_tiles"),

@@ -91,3 +91,50 @@ def hidden_step_profile():
                                             max_name_column_width=60), flush=True)
         del leaves
         torch.cuda.empty_cache()
+
+
+def head_backward():
+    """The head's Triton backward alone (``torch.autograd.grad`` of a saved forward, ms) by the
+    rows kernel's tiles (token tile, warps) and the weight kernel's (rows a step, d_model a
+    program, warps), beside the closed form; then the default's kernels by GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    shapes = {"lateon-B8-Ld1k": (8, 32, 32, 1024, 768, 128),
+              "lateon-code-Nd256-Ld1k": SHAPES["lateon-code-Nd256-Ld1k"],
+              "lateon-code-Nd1024-Ld2k": SHAPES["lateon-code-Nd1024-Ld2k"],
+              "lateon-code-edge-Nd256-Ld4k": (2, 256, 32, 4096, 384, 96)}
+    for name, shape in shapes.items():
+        leaves = _inputs(*shape, grad=True)
+        scores = maxsim_from_hidden(*leaves)
+        g = torch.randn_like(scores)
+
+        def backward(**decisions):
+            with forced_plan(**decisions):
+                return torch.autograd.grad(scores, leaves, g, retain_graph=True)
+
+        rows = [(do_bench(lambda: backward(hidden_bwd_kernel="torch")), "closed form")]
+        for rows_tiles, weight in itertools.product(
+                ((32, 4, 3), (32, 8, 3), (64, 4, 3), (64, 8, 3), (64, 8, 2), (128, 8, 3)),
+                ((64, 128, 8), (32, 128, 4))):
+            label = f"rows {rows_tiles}, weight {weight}"
+            try:
+                ms = do_bench(lambda: backward(HIDDEN_BWD_TILES=rows_tiles,
+                                               HIDDEN_WEIGHT_TILES=weight))
+            except Exception as exc:  # noqa: BLE001 - e.g. out of resources: reported
+                print(f"  {label}: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
+                continue
+            rows.append((ms, label))
+        rows.sort()
+        print(f"{name}: plan's backward {do_bench(lambda: backward()):.3f} ms", flush=True)
+        for ms, label in rows[:6] + rows[-2:] + [r for r in rows if r[1] == "closed form"]:
+            print(f"  {label}: {ms:.3f}", flush=True)
+        backward()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                backward()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10,
+                                        max_name_column_width=50), flush=True)
+        del leaves, scores
+        torch.cuda.empty_cache()

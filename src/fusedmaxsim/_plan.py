@@ -118,6 +118,8 @@ MEASURED: dict[str, object] = dict(
     HIDDEN_WEIGHT_PARTIAL_SHARE=2,
     HIDDEN_WEIGHT_WAVES=2,
     HIDDEN_WEIGHT_TILES=(16, 16, 4) if INTERPRETER else (64, 128, 8),
+    # The rows kernel's (token tile, warps, stages).
+    HIDDEN_BWD_TILES=(16, 4, 1) if INTERPRETER else (64, 8, 3),
     # PLAID residual documents (design.md "PLAID"; NOTES §63, §66): the kernel's tiles (d <=
     # 128: document tile, warps, stages, register cap) on the cross product and on per-query
     # candidates, and the query rows a block on the cross product (16-bit; half for fp32).
@@ -996,7 +998,7 @@ def dd_tiles_per_program(Ld: int, block_t: int, documents: int, sms: int,
 
 
 def _plan_backward(p: Problem, o: Options, need_q: bool, need_d: bool, strategy: str,
-                   deterministic: bool) -> BackwardPlan:
+                   deterministic: bool, tiles: BwdConfig | None = None) -> BackwardPlan:
     strategy, why = resolve_strategy(p, strategy, deterministic)
     reasons = [why]
     if o.backend == "torch" or p.layout in RESIDUAL_LAYOUTS:
@@ -1007,7 +1009,8 @@ def _plan_backward(p: Problem, o: Options, need_q: bool, need_d: bool, strategy:
         tiles = _forced.get("bwd_tiles") or smooth_bwd_heuristic(Lq, p.dim)
         return BackwardPlan("smooth", strategy, tiles,
                             reasons=(*reasons, "kernel: the smooth max's recomputing backward"))
-    tiles = _forced.get("bwd_tiles") or bwd_heuristic(Lq, p.dim, p.dtype.itemsize, per_query_docs)
+    tiles = _forced.get("bwd_tiles") or tiles or bwd_heuristic(Lq, p.dim, p.dtype.itemsize,
+                                                                per_query_docs)
     sms = sm_count(p.device)
     max_grid_y = _forced.get("max_grid_y", MAX_GRID_Y)
     unified = strategy == "unified"
@@ -1121,7 +1124,13 @@ def _plan_hidden_backward(p: Problem, o: Options, need_q: bool, mixed: bool) -> 
     per_query = p.layout == HIDDEN_CANDIDATES
     dense = p._replace(layout=CANDIDATES if per_query else CROSS, d_model=0, has_bias=False,
                        normalize=False, norm_from_tiles=False)
-    base = _plan_backward(dense, o, need_q, True, "lowmem", True)
+    # The rows kernel projects a token tile and writes its grad_H rows: the document-owned
+    # backward's tiles with the head's token tile, warps and pipeline stages.
+    block_t, warps, stages = _measured("HIDDEN_BWD_TILES")
+    tiles = dataclasses.replace(
+        bwd_heuristic(max(p.Lq, 1), p.dim, p.dtype.itemsize, per_query), block_t=block_t,
+        num_warps=warps, num_stages=stages)
+    base = _plan_backward(dense, o, need_q, True, "lowmem", True, tiles)
     groups = p.Nq if per_query else 1
     hidden_bytes = groups * p.Ncols * p.Ld * p.d_model * p.dtype.itemsize
     # A column's row buffers: grad_P, and for grad_Q the projection and its inverse norms.

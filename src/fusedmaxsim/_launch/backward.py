@@ -538,20 +538,20 @@ def _launch_hidden_rows(plan, fp32_precision, grad_scores, Q, argmax, rows, coun
         ),
         _hidden_rows_constants(cfg, per_query, plan.rows_in_one_block, rows is not None,
                                normalize, need_q, need_h, b is not None, plan.hidden_block,
-                               Q.dtype, fp32_precision, plan.dd_scan_stages, plan.index_scan),
+                               Q.dtype, fp32_precision, plan.index_scan),
     )
 
 
 @functools.lru_cache(maxsize=256)
 def _hidden_rows_constants(cfg, per_query, rows_in_one_block, winner_index, normalize, need_q,
-                           need_h, bias, hidden_block, dtype, fp32_precision, scan_stages,
+                           need_h, bias, hidden_block, dtype, fp32_precision,
                            index_scan) -> Constants:
     return constants(
         PER_QUERY_DOCS=per_query, ROWS_IN_ONE_BLOCK=rows_in_one_block,
         WINNER_INDEX=winner_index, NORMALIZE=normalize, NEED_Q=need_q, NEED_H=need_h,
         HIDDEN_BIAS=bias, HIDDEN_BLOCK=hidden_block, BLOCK_R=cfg.block_r,
         INDEX_SCAN=index_scan,
-        **owned_tile_meta(cfg, dtype, fp32_precision, None if rows_in_one_block else scan_stages),
+        **owned_tile_meta(cfg, dtype, fp32_precision),
     )
 
 

@@ -198,16 +198,18 @@ def _hidden_bwd_weight_kernel(
         o_r = (i_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
         m_r = o_r < n_rows
         m_used = tl.load(Won + o_r, mask=m_r, other=0) != 0
-        gp = tl.load(GradP + o_r[:, None] * dim + o_k[None, :],
-                     mask=m_used[:, None] & m_k[None, :], other=0.0)
-        grp = o_r // (n_cols * Ld)
-        col = col_base + o_r // Ld % n_cols
-        tok = o_r % Ld
-        h = tl.load(H + (grp * stride_h_grp + col * stride_h_col + tok * stride_h_tok)[:, None]
-                    + o_c[None, :] * stride_h_dim, mask=m_used[:, None] & m_c[None, :], other=0.0)
-        acc += _dot(tl.trans(gp), h, DOT_PRECISION, UPCAST)
-        if HAS_BIAS:
-            acc_b += tl.sum(gp.to(tl.float32), axis=0)
+        if tl.max(m_used.to(tl.int32), axis=0) > 0:  # a tile no token won adds nothing
+            gp = tl.load(GradP + o_r[:, None] * dim + o_k[None, :],
+                         mask=m_used[:, None] & m_k[None, :], other=0.0)
+            grp = o_r // (n_cols * Ld)
+            col = col_base + o_r // Ld % n_cols
+            tok = o_r % Ld
+            h = tl.load(H + (grp * stride_h_grp + col * stride_h_col + tok * stride_h_tok)[:, None]
+                        + o_c[None, :] * stride_h_dim, mask=m_used[:, None] & m_c[None, :],
+                        other=0.0)
+            acc += _dot(tl.trans(gp), h, DOT_PRECISION, UPCAST)
+            if HAS_BIAS:
+                acc_b += tl.sum(gp.to(tl.float32), axis=0)
     p_w = PartW + i_g * dim * d_model + o_k[:, None] * d_model + o_c[None, :]
     m_w = m_k[:, None] & m_c[None, :]
     if ACCUMULATE:
