@@ -196,8 +196,10 @@ def test_triton_backward_computes_only_what_is_asked(layout):
 
 
 def test_the_backward_rule_and_its_errors():
-    """The Triton backward on the Triton backend for fp16/bf16/fp32 with Q and H_d of one dtype;
-    the closed form on the PyTorch backend, for float64 and mixed dtypes; forcing checked."""
+    """The Triton backward on the Triton backend for fp16/bf16/fp32 with Q and H_d of one dtype
+    where the query tokens are at least 1/HIDDEN_BWD_MIN_ENTRY_SHARE of the document's; the
+    closed form on the PyTorch backend, for float64, mixed dtypes and longer documents; forcing
+    checked."""
     def kernel(Q, H, backend, **decisions):
         W = torch.randn(8, 16, dtype=H.dtype)
         with settings.use_backend(backend), forced_plan(**decisions), recording() as plans:
@@ -209,6 +211,10 @@ def test_the_backward_rule_and_its_errors():
     assert kernel(Q, H, "torch") == "torch"
     assert kernel(Q.double(), H.double(), "triton") == "torch"
     assert kernel(Q, H.half(), "triton") == "torch"  # mixed: the query promoted
+    long_docs = torch.randn(3, 4 * 16 + 1, 16)  # 4 query tokens under 1/16 of the tokens
+    assert kernel(Q, long_docs, "triton") == "torch"
+    assert kernel(Q, long_docs, "triton", HIDDEN_BWD_MIN_ENTRY_SHARE=17) == "triton"
+    assert kernel(Q, long_docs, "triton", hidden_bwd_kernel="triton") == "triton"
     assert kernel(Q, H, "triton", hidden_bwd_kernel="torch") == "torch"
     with pytest.raises(ValueError, match="hidden_bwd_kernel must be 'triton' or 'torch'"):
         kernel(Q, H, "triton", hidden_bwd_kernel="gpu")

@@ -107,19 +107,23 @@ MEASURED: dict[str, object] = dict(
     HIDDEN_FUSED_MAX_PASSES=2,
     HIDDEN_FUSED_MAX_BYTES=400 << 20,
     HIDDEN_TILES=(128, 64, 8, 3),
-    # The head's Triton backward (design.md "Fused projection head"): its row buffers (grad_P,
-    # and P with its inverse norms for grad_Q) hold at most 1 / HIDDEN_BWD_BUFFER_SHARE of the
-    # hidden states' bytes (and at least HIDDEN_BWD_MIN_BUFFER_BYTES: one chunk of columns at
-    # small sizes, where launches cost more than memory); grad_W's fp32 partials at most
-    # 1 / HIDDEN_WEIGHT_PARTIAL_SHARE, and about HIDDEN_WEIGHT_WAVES programs an SM. The weight
-    # kernel's tiles: (buffer rows a step, d_model columns a program, warps).
-    HIDDEN_BWD_BUFFER_SHARE=16,
-    HIDDEN_BWD_MIN_BUFFER_BYTES=4 << 20,
-    HIDDEN_WEIGHT_PARTIAL_SHARE=2,
+    # The head's Triton backward (design.md "Fused projection head"; NOTES §70): taken where a
+    # document's query tokens are at least 1 / HIDDEN_BWD_MIN_ENTRY_SHARE of its tokens (it
+    # projects every token tile that holds a winner; the closed form projects each winner once).
+    # Its row buffers (grad_P, and P with its inverse norms for grad_Q) hold at most
+    # 1 / HIDDEN_BWD_BUFFER_SHARE of the hidden states' bytes, and at least
+    # HIDDEN_BWD_MIN_BUFFER_BYTES (one chunk of columns at small sizes, where each chunk's
+    # launches cost more than the memory); grad_W's fp32 partials at most
+    # 1 / HIDDEN_WEIGHT_PARTIAL_SHARE, about HIDDEN_WEIGHT_WAVES programs an SM. Tiles: the rows
+    # kernel's (token tile, warps, stages), the weight kernel's (buffer rows a step, d_model
+    # columns a program, warps).
+    HIDDEN_BWD_MIN_ENTRY_SHARE=16,
+    HIDDEN_BWD_BUFFER_SHARE=8,
+    HIDDEN_BWD_MIN_BUFFER_BYTES=24 << 20,
+    HIDDEN_WEIGHT_PARTIAL_SHARE=4,
     HIDDEN_WEIGHT_WAVES=2,
+    HIDDEN_BWD_TILES=(16, 4, 1) if INTERPRETER else (64, 8, 2),
     HIDDEN_WEIGHT_TILES=(16, 16, 4) if INTERPRETER else (64, 128, 8),
-    # The rows kernel's (token tile, warps, stages).
-    HIDDEN_BWD_TILES=(16, 4, 1) if INTERPRETER else (64, 8, 3),
     # PLAID residual documents (design.md "PLAID"; NOTES §63, §66): the kernel's tiles (d <=
     # 128: document tile, warps, stages, register cap) on the cross product and on per-query
     # candidates, and the query rows a block on the cross product (16-bit; half for fp32).
@@ -1110,13 +1114,17 @@ def plan_backward(p: Problem, o: Options, need_q: bool, need_d: bool,
 def _plan_hidden_backward(p: Problem, o: Options, need_q: bool, mixed: bool) -> BackwardPlan:
     kernel = _forced.get("hidden_bwd_kernel")
     forced = kernel is not None
+    sparse = p.Lq * _measured("HIDDEN_BWD_MIN_ENTRY_SHARE") < p.Ld
     if not forced:
-        kernel = "torch" if o.backend == "torch" or p.dtype == torch.float64 or mixed else "triton"
+        kernel = "torch" if (o.backend == "torch" or p.dtype == torch.float64 or mixed
+                             or sparse) else "triton"
     if kernel not in ("triton", "torch"):
         raise ValueError(f"hidden_bwd_kernel must be 'triton' or 'torch', got {kernel!r}")
     if kernel == "torch":
-        why = "forced" if forced else ("Q and H_d of different dtypes" if mixed else
-                                       f"backend {o.backend}, {p.dtype}")
+        why = ("forced" if forced else "Q and H_d of different dtypes" if mixed else
+               f"backend {o.backend}, {p.dtype}" if o.backend == "torch" or
+               p.dtype == torch.float64 else
+               f"{p.Lq} query tokens under 1/HIDDEN_BWD_MIN_ENTRY_SHARE of {p.Ld}")
         return _plan_hidden_closed_form(p, o.torch_block_bytes, why)
     if o.backend != "triton" or p.dtype == torch.float64 or mixed:
         raise ValueError("hidden_bwd_kernel='triton' needs the Triton backend, fp16, bf16 or "
@@ -1134,7 +1142,7 @@ def _plan_hidden_backward(p: Problem, o: Options, need_q: bool, mixed: bool) -> 
     groups = p.Nq if per_query else 1
     hidden_bytes = groups * p.Ncols * p.Ld * p.d_model * p.dtype.itemsize
     # A column's row buffers: grad_P, and for grad_Q the projection and its inverse norms.
-    column_bytes = groups * p.Ld * (p.dim * p.dtype.itemsize * (2 if need_q else 1)
+    column_bytes = groups * p.Ld * (1 + p.dim * p.dtype.itemsize * (2 if need_q else 1)
                                     + (4 if need_q and p.normalize else 0))
     budget = max(hidden_bytes // _measured("HIDDEN_BWD_BUFFER_SHARE"),
                  _measured("HIDDEN_BWD_MIN_BUFFER_BYTES"))
@@ -1180,12 +1188,13 @@ def _plan_hidden_closed_form(p: Problem, block_bytes: int, why: str) -> Backward
 
 def plan_hidden_backward(p: Problem, o: Options, need_q: bool, mixed: bool) -> BackwardPlan:
     """The projection head's backward: the Triton kernels (``_launch.backward.backward_hidden``:
-    the document-owned backward's plan for the projected documents, columns a chunk within
-    the row buffers' budget, grad_W's partials) where the backend is Triton and Q and H_d share
-    a 16-bit or fp32 dtype, else the PyTorch closed form (``_torch_path.hidden_bwd_torch``: a
-    chunk of documents with fewer (query, token) entries than document rows recomputes each
-    entry's winner, otherwise every row; chunks within ``o.torch_block_bytes``). Cached;
-    design.md "Fused projection head"."""
+    the document-owned backward's plan for the projected documents with the head's tiles,
+    columns a chunk within the row buffers' budget, grad_W's partials) where the backend is
+    Triton, Q and H_d share a 16-bit or fp32 dtype and the query tokens are at least
+    ``1 / HIDDEN_BWD_MIN_ENTRY_SHARE`` of the document's; else the PyTorch closed form
+    (``_torch_path.hidden_bwd_torch``: a chunk of documents with fewer (query, token) entries
+    than document rows recomputes each entry's winner, otherwise every row; chunks within
+    ``o.torch_block_bytes``). Cached; design.md "Fused projection head"."""
     return _cached(_backward_plans, ("hidden", p, o, need_q, mixed), p, _plan_hidden_backward,
                    p, o, need_q, mixed)
 
