@@ -107,8 +107,8 @@ MEASURED: dict[str, object] = dict(
     HIDDEN_FUSED_MAX_PASSES=2,
     HIDDEN_FUSED_MAX_BYTES=400 << 20,
     HIDDEN_TILES=(128, 64, 8, 3),
-    # The head's Triton backward (design.md "Fused projection head"; NOTES §70): taken where a
-    # document's query tokens are at least 1 / HIDDEN_BWD_MIN_ENTRY_SHARE of its tokens (it
+    # The head's Triton backward (design.md "Fused projection head"; NOTES §70): taken where the
+    # query tokens a document meets are at least 1 / HIDDEN_BWD_MIN_ENTRY_SHARE of its tokens (it
     # projects every token tile that holds a winner; the closed form projects each winner once).
     # Its row buffers (grad_P, and P with its inverse norms for grad_Q) hold at most
     # 1 / HIDDEN_BWD_BUFFER_SHARE of the hidden states' bytes, and at least
@@ -117,7 +117,7 @@ MEASURED: dict[str, object] = dict(
     # 1 / HIDDEN_WEIGHT_PARTIAL_SHARE, about HIDDEN_WEIGHT_WAVES programs an SM. Tiles: the rows
     # kernel's (token tile, warps, stages), the weight kernel's (buffer rows a step, d_model
     # columns a program, warps).
-    HIDDEN_BWD_MIN_ENTRY_SHARE=16,
+    HIDDEN_BWD_MIN_ENTRY_SHARE=8,
     HIDDEN_BWD_BUFFER_SHARE=8,
     HIDDEN_BWD_MIN_BUFFER_BYTES=24 << 20,
     HIDDEN_WEIGHT_PARTIAL_SHARE=4,
@@ -1114,7 +1114,10 @@ def plan_backward(p: Problem, o: Options, need_q: bool, need_d: bool,
 def _plan_hidden_backward(p: Problem, o: Options, need_q: bool, mixed: bool) -> BackwardPlan:
     kernel = _forced.get("hidden_bwd_kernel")
     forced = kernel is not None
-    sparse = p.Lq * _measured("HIDDEN_BWD_MIN_ENTRY_SHARE") < p.Ld
+    # A document's (query, query token) entries and its tokens (per-query candidates: a
+    # document meets its own query only).
+    entries = (1 if p.layout == HIDDEN_CANDIDATES else p.Nq) * p.Lq
+    sparse = entries * _measured("HIDDEN_BWD_MIN_ENTRY_SHARE") < p.Ld
     if not forced:
         kernel = "torch" if (o.backend == "torch" or p.dtype == torch.float64 or mixed
                              or sparse) else "triton"
@@ -1124,7 +1127,8 @@ def _plan_hidden_backward(p: Problem, o: Options, need_q: bool, mixed: bool) -> 
         why = ("forced" if forced else "Q and H_d of different dtypes" if mixed else
                f"backend {o.backend}, {p.dtype}" if o.backend == "torch" or
                p.dtype == torch.float64 else
-               f"{p.Lq} query tokens under 1/HIDDEN_BWD_MIN_ENTRY_SHARE of {p.Ld}")
+               f"{entries} query tokens a document, under 1/HIDDEN_BWD_MIN_ENTRY_SHARE of "
+               f"its {p.Ld}")
         return _plan_hidden_closed_form(p, o.torch_block_bytes, why)
     if o.backend != "triton" or p.dtype == torch.float64 or mixed:
         raise ValueError("hidden_bwd_kernel='triton' needs the Triton backend, fp16, bf16 or "

@@ -487,7 +487,7 @@ def backward_hidden(plan: BackwardPlan, fp32_precision: str, grad_scores: Tensor
         won, grad_p, P, p_inv = (_rows_view(t, lead, width)
                                  for t, width in zip(buffers, (0, dim, dim, 0)))
         _launch_hidden_rows(plan, fp32_precision, grad_scores, Q, argmax, rows, counts, H, W, b,
-                            won, grad_p, P, p_inv, c0, n, normalize, need_q)
+                            grad_h, won, grad_p, P, p_inv, c0, n, normalize, need_q, need_h)
         if need_q:
             args = argmax if n == Ncols else argmax[:, c0:c0 + n].contiguous()
             part = grad_q if n_chunks == 1 else empty(Q.shape, torch.float32, dev)
@@ -495,9 +495,8 @@ def backward_hidden(plan: BackwardPlan, fp32_precision: str, grad_scores: Tensor
                            0, n, 1, part, None, plan.gather_step)
             if n_chunks > 1:
                 grad_q += part
-        if need_h or weights is not None:
-            _launch_hidden_weight(plan, fp32_precision, won, grad_p, H, W, grad_h, weights, c0, n,
-                                  need_b)
+        if weights is not None:
+            _launch_hidden_weight(plan, fp32_precision, won, grad_p, H, *weights, c0, n, need_b)
     if need_q and grad_q.dtype != Q.dtype:
         grad_q = grad_q.to(Q.dtype)
     if weights is not None:
@@ -517,67 +516,65 @@ def _rows_view(flat: Tensor | None, lead: tuple, width: int) -> Tensor | None:
 
 
 def _launch_hidden_rows(plan, fp32_precision, grad_scores, Q, argmax, rows, counts, H, W, b,
-                        won, grad_p, P, p_inv, col_base, n_cols, normalize, need_q) -> None:
+                        grad_h, won, grad_p, P, p_inv, col_base, n_cols, normalize, need_q,
+                        need_h) -> None:
     cfg = plan.tiles
     Nq, Lq, dim = Q.shape
     Ncols, Ld, d_model = H.shape[-3], H.shape[-2], H.shape[-1]
     per_query = H.dim() == 4
     groups = Nq if per_query else 1
     tiles_per_program = plan.dd_tiles_per_program
+    gh = grad_h if grad_h is not None else H
     launcher(_hidden_bwd_rows_kernel)(
         (groups * n_cols if rows is None else n_cols,
          cdiv(cdiv(Ld, cfg.block_t), tiles_per_program)),
         (
             grad_scores, Q, argmax, argmax if rows is None else rows,
-            argmax if counts is None else counts, H, W, H if b is None else b, won, grad_p,
+            argmax if counts is None else counts, H, W, H if b is None else b, gh, won, grad_p,
             H if P is None else P, H if p_inv is None else p_inv, Nq, Ncols, n_cols, Lq, Ld,
             dim, d_model, tiles_per_program, col_base,
             *grad_scores.stride(), *Q.stride(), *doc_strides(H, per_query)[:3],
-            H.stride(-1), *W.stride(),
+            H.stride(-1), *W.stride(), *doc_strides(gh, per_query)[:3],
         ),
         _hidden_rows_constants(cfg, per_query, plan.rows_in_one_block, rows is not None,
-                               normalize, need_q, b is not None, plan.hidden_block,
+                               normalize, need_q, need_h, b is not None, plan.hidden_block,
                                Q.dtype, fp32_precision, plan.index_scan),
     )
 
 
 @functools.lru_cache(maxsize=256)
 def _hidden_rows_constants(cfg, per_query, rows_in_one_block, winner_index, normalize, need_q,
-                           bias, hidden_block, dtype, fp32_precision, index_scan) -> Constants:
+                           need_h, bias, hidden_block, dtype, fp32_precision,
+                           index_scan) -> Constants:
     return constants(
         PER_QUERY_DOCS=per_query, ROWS_IN_ONE_BLOCK=rows_in_one_block,
-        WINNER_INDEX=winner_index, NORMALIZE=normalize, NEED_Q=need_q,
+        WINNER_INDEX=winner_index, NORMALIZE=normalize, NEED_Q=need_q, NEED_H=need_h,
         HIDDEN_BIAS=bias, HIDDEN_BLOCK=hidden_block, BLOCK_R=cfg.block_r,
         INDEX_SCAN=index_scan,
         **owned_tile_meta(cfg, dtype, fp32_precision),
     )
 
 
-def _launch_hidden_weight(plan, fp32_precision, won, grad_p, H, W, grad_h, weights, col_base,
+def _launch_hidden_weight(plan, fp32_precision, won, grad_p, H, part_w, part_b, col_base,
                           n_cols, need_b) -> None:
-    """``grad_H``'s rows of the chunk (where ``grad_h`` is given) and its part of ``grad_W`` and
-    ``grad_b`` (where ``weights``, the fp32 partials, are)."""
-    Ncols, Ld, d_model = H.shape[-3], H.shape[-2], H.shape[-1]
-    dim = grad_p.shape[-1]
+    Ld, dim, d_model = H.shape[-2], grad_p.shape[-1], H.shape[-1]
     groups = grad_p.shape[0] if H.dim() == 4 else 1
     block_t, block_c, warps = plan.weight_tiles
-    part_w, part_b = (H, H) if weights is None else weights
+    per_query = H.dim() == 4
     launcher(_hidden_bwd_weight_kernel)(
         (cdiv(d_model, block_c), plan.weight_groups),
-        (won, grad_p, H, W, H if grad_h is None else grad_h, part_w, part_b,
-         groups * n_cols * Ld, n_cols, Ncols, Ld, dim, d_model, col_base,
-         *doc_strides(H, H.dim() == 4)[:3], H.stride(-1), *W.stride()),
-        _hidden_weight_constants(grad_h is not None, weights is not None, need_b, col_base > 0,
-                                 block_t, block_c, plan.tiles.block_k, warps, H.dtype,
-                                 fp32_precision),
+        (won, grad_p, H, part_w, part_b, groups * n_cols * Ld, n_cols, Ld, dim, d_model, col_base,
+         *doc_strides(H, per_query)[:3], H.stride(-1)),
+        _hidden_weight_constants(need_b, col_base > 0, block_t, block_c, plan.tiles.block_k,
+                                 warps, H.dtype, fp32_precision),
     )
 
 
 @functools.lru_cache(maxsize=64)
-def _hidden_weight_constants(need_h, need_w, bias, accumulate, block_t, block_c, block_k, warps,
-                             dtype, fp32_precision) -> Constants:
+def _hidden_weight_constants(bias, accumulate, block_t, block_c, block_k, warps, dtype,
+                             fp32_precision) -> Constants:
     return constants(
-        NEED_H=need_h, NEED_W=need_w, HAS_BIAS=bias, ACCUMULATE=accumulate, BLOCK_T=block_t,
-        BLOCK_C=block_c, BLOCK_K=block_k, DOT_PRECISION=dot_precision(dtype, fp32_precision),
-        UPCAST=upcast(dtype), num_warps=warps, num_stages=2,
+        HAS_BIAS=bias, ACCUMULATE=accumulate, BLOCK_T=block_t, BLOCK_C=block_c, BLOCK_K=block_k,
+        DOT_PRECISION=dot_precision(dtype, fp32_precision), UPCAST=upcast(dtype),
+        num_warps=warps, num_stages=2,
     )

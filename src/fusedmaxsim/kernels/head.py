@@ -26,19 +26,18 @@ Grid mapping
   and column, ``tiles_per_program`` token tiles; through the winner index on the cross
   product), which builds ``G`` for a ``BLOCK_T``-token tile with :func:`backward._dd_tile`; then,
   on chip, the tile's winning rows projected again (``_hidden_tile``, ``HIDDEN_BLOCK`` of
-  ``d_model`` a step, only those rows' hidden states read; a tile no token won skips it) and
-  the normalization's Jacobian. It writes a byte a row (won or not) and the winning rows of
+  ``d_model`` a step, only those rows' hidden states read), the normalization's Jacobian, and
+  ``grad_H``'s rows ``grad_P · W`` in ``HIDDEN_BLOCK``-wide steps; a tile no token won only
+  writes zeros to ``grad_H``. It writes a byte a row (won or not) and the winning rows of
   ``grad_P`` (the inputs' dtype: ``F.linear``'s backward multiplies it so) and, for
   ``grad_Q``, of ``P`` and its inverse norms, into buffers of the launched columns (column 0
   is ``col_base``).
-* ``_hidden_bwd_weight_kernel``: program ``(c, g)`` owns columns ``c-block`` of ``d_model`` for
-  row group ``g`` (every ``groups``-th tile of ``BLOCK_T`` buffer rows, so that the groups stay
-  even). For each tile it writes ``grad_H``'s block ``grad_P · W[:, c-block]`` (zeros, with
-  nothing read, where no token of the tile won) and adds ``grad_Pᵀ · H[:, c-block]`` in fp32,
-  reading ``grad_P`` and the hidden states of the winning rows only; the programs of block 0
-  also sum ``grad_b``. Each group writes its own fp32 partial of ``grad_W`` (``ACCUMULATE``:
-  added to what an earlier launch wrote), which the launcher sums: no atomics, bitwise
-  reproducible.
+* ``_hidden_bwd_weight_kernel``: program ``(c, g)`` owns ``grad_W[:, c-block]`` of row group
+  ``g`` (every ``groups``-th tile of ``BLOCK_T`` buffer rows, so that the groups stay even) and
+  adds ``grad_Pᵀ · H`` over them in fp32, reading the hidden states of the rows with a nonzero
+  ``grad_P`` only; the programs of block 0 also sum ``grad_b``. Each group writes its own fp32
+  partial (``ACCUMULATE``: added to what an earlier launch wrote), which the launcher sums: no
+  atomics, bitwise reproducible.
 
 Caveats
 -------
@@ -60,15 +59,17 @@ from .common import NORM_EPS, _dot, _hidden_tile
 @triton.jit(do_not_specialize=["Nq", "Ncols", "n_cols", "Lq", "Ld", "d_model",
                                "tiles_per_program", "col_base"])
 def _hidden_bwd_rows_kernel(
-    Grad, Q, Argmax, Rows, Counts, H, W, Bias, Won, GradP, P, PInv,
+    Grad, Q, Argmax, Rows, Counts, H, W, Bias, GradH, Won, GradP, P, PInv,
     Nq, Ncols, n_cols, Lq, Ld, dim, d_model, tiles_per_program, col_base,
     stride_g_seq, stride_g_col, stride_q_seq, stride_q_tok, stride_q_dim,
     stride_h_grp, stride_h_col, stride_h_tok, stride_h_dim, stride_w_out, stride_w_in,
+    stride_gh_grp, stride_gh_col, stride_gh_tok,
     PER_QUERY_DOCS: tl.constexpr,
     ROWS_IN_ONE_BLOCK: tl.constexpr,
     WINNER_INDEX: tl.constexpr,
     NORMALIZE: tl.constexpr,
     NEED_Q: tl.constexpr,
+    NEED_H: tl.constexpr,
     HIDDEN_BIAS: tl.constexpr,
     HIDDEN_BLOCK: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -81,7 +82,8 @@ def _hidden_bwd_rows_kernel(
     """For the program's token tiles, over the ``n_cols`` columns from ``col_base``: which rows
     won (``Won``, one byte a row) and their rows of ``grad_P`` (``GradP``) and, with ``NEED_Q``,
     of ``P`` and its inverse norms, in buffers ``[groups, n_cols, Ld, ..]`` (contiguous; the
-    rows no token won are left unwritten)."""
+    rows no token won are left unwritten); with ``NEED_H`` every row of ``grad_H`` (indexed as
+    ``H``, contiguous in ``d_model``)."""
     G_SCALED: tl.constexpr = Q.dtype.element_ty == tl.float16
     pid, i_grp, i_col, tb_lo, tb_hi, r_lo, r_hi, g_down, g_up = _dd_program(
         Grad, Nq, n_cols, Lq, Ld, tiles_per_program, col_base, stride_g_seq, stride_g_col,
@@ -110,7 +112,8 @@ def _hidden_bwd_rows_kernel(
         m_won = m_t & (tl.sum((acc != 0.0).to(tl.int32), axis=1) > 0)
         o_row = (buf_row + o_t).to(tl.int64)
         tl.store(Won + o_row, m_won.to(tl.int8), mask=m_t)
-        if tl.max(m_won.to(tl.int32), axis=0) > 0:  # else nothing of the tile is written
+        p_gh = GradH + i_grp * stride_gh_grp + i_col * stride_gh_col
+        if tl.max(m_won.to(tl.int32), axis=0) > 0:
             p = _hidden_tile(p_h, stride_h_tok, hid, o_t, m_won, o_k, m_k, HIDDEN_BLOCK,
                              HIDDEN_BIAS, DOT_PRECISION, UPCAST)
             grad_p = acc
@@ -121,21 +124,56 @@ def _hidden_bwd_rows_kernel(
                 radial = tl.sum(p_hat * acc, axis=1)
                 radial = tl.where(inv >= 1.0 / NORM_EPS, 0.0, radial)  # at or under eps: none
                 grad_p = (acc - p_hat * radial[:, None]) * inv[:, None]
+                grad_p = tl.where(m_won[:, None], grad_p, 0.0)
                 if NEED_Q:
                     tl.store(PInv + o_row, inv, mask=m_won)
+            grad_p = grad_p.to(GradP.dtype.element_ty)
             m_rows = m_won[:, None] & m_k[None, :]
-            tl.store(GradP + o_row[:, None] * dim + o_k[None, :],
-                     grad_p.to(GradP.dtype.element_ty), mask=m_rows)
+            tl.store(GradP + o_row[:, None] * dim + o_k[None, :], grad_p, mask=m_rows)
             if NEED_Q:
                 tl.store(P + o_row[:, None] * dim + o_k[None, :], p, mask=m_rows)
+            if NEED_H:
+                _grad_h_rows(grad_p.to(H.dtype.element_ty), W, stride_w_out, stride_w_in, p_gh,
+                             stride_gh_tok, o_t, m_t, o_k, m_k, d_model, HIDDEN_BLOCK,
+                             DOT_PRECISION, UPCAST)
+        else:  # no token of the tile won: its grad_H rows are zero, nothing is read
+            if NEED_H:
+                _zero_rows(p_gh, stride_gh_tok, o_t, m_t, d_model, HIDDEN_BLOCK)
 
 
-@triton.jit(do_not_specialize=["n_rows", "n_cols", "Ncols", "Ld", "d_model", "col_base"])
+@triton.jit
+def _zero_rows(p_out, stride_tok, o_t, m_t, width, BLOCK: tl.constexpr):
+    """Rows ``o_t`` (where ``m_t``) of a tensor contiguous in its last dim set to zero."""
+    o_c = tl.arange(0, BLOCK)
+    p = p_out + o_t.to(tl.int64)[:, None] * stride_tok + o_c[None, :]
+    zero = tl.zeros([o_t.shape[0], BLOCK], p_out.dtype.element_ty)
+    for c0 in range(0, width, BLOCK):
+        tl.store(p, zero, mask=m_t[:, None] & (c0 + o_c < width)[None, :])
+        p += BLOCK
+
+
+@triton.jit
+def _grad_h_rows(grad_p, W, stride_w_out, stride_w_in, p_gh, stride_gh_tok, o_t, m_t, o_k, m_k,
+                 d_model, HIDDEN_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 UPCAST: tl.constexpr):
+    """``grad_H[o_t] = grad_P · W`` (``grad_H`` contiguous in ``d_model``), ``HIDDEN_BLOCK``
+    columns a step, rounded to grad_H's dtype."""
+    o_c = tl.arange(0, HIDDEN_BLOCK)
+    p_w = W + o_k[:, None] * stride_w_out + o_c[None, :] * stride_w_in  # [BLOCK_K, HIDDEN_BLOCK]
+    p_out = p_gh + o_t.to(tl.int64)[:, None] * stride_gh_tok + o_c[None, :]
+    for c0 in range(0, d_model, HIDDEN_BLOCK):
+        m_c = c0 + o_c < d_model
+        w = tl.load(p_w, mask=m_k[:, None] & m_c[None, :], other=0.0)
+        rows = _dot(grad_p, w, DOT_PRECISION, UPCAST)
+        tl.store(p_out, rows.to(p_gh.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
+        p_w += HIDDEN_BLOCK * stride_w_in
+        p_out += HIDDEN_BLOCK
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_cols", "Ld", "d_model", "col_base"])
 def _hidden_bwd_weight_kernel(
-    Won, GradP, H, W, GradH, PartW, PartB, n_rows, n_cols, Ncols, Ld, dim, d_model, col_base,
-    stride_h_grp, stride_h_col, stride_h_tok, stride_h_dim, stride_w_out, stride_w_in,
-    NEED_H: tl.constexpr,
-    NEED_W: tl.constexpr,
+    Won, GradP, H, PartW, PartB, n_rows, n_cols, Ld, dim, d_model, col_base,
+    stride_h_grp, stride_h_col, stride_h_tok, stride_h_dim,
     HAS_BIAS: tl.constexpr,
     ACCUMULATE: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -144,11 +182,9 @@ def _hidden_bwd_weight_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """Over the tiles ``g, g + groups, …`` of the buffer's ``n_rows`` rows (buffer row ``r``:
-    group ``r // (n_cols · Ld)``, column ``col_base + r // Ld % n_cols``, token ``r % Ld``):
-    ``grad_H[rows, c-block] = grad_P · W[:, c-block]`` (``NEED_H``; ``grad_H`` contiguous, zero
-    where no token won), ``PartW[g, :, c-block] (+)= Σ grad_Pᵀ · H`` (``NEED_W``) and, in block
-    0, ``PartB[g] (+)= Σ grad_P`` (``HAS_BIAS``)."""
+    """``PartW[g, :, c-block] (+)= Σ grad_Pᵀ · H`` and, in block 0, ``PartB[g] (+)= Σ grad_P``
+    over the tiles ``g, g + groups, …`` of the buffer's ``n_rows`` rows (buffer row ``r``:
+    group ``r // (n_cols · Ld)``, column ``col_base + r // Ld % n_cols``, token ``r % Ld``)."""
     i_c = tl.program_id(0)
     i_g = tl.program_id(1)
     groups = tl.num_programs(1)
@@ -156,42 +192,29 @@ def _hidden_bwd_weight_kernel(
     m_k = o_k < dim
     o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
     m_c = o_c < d_model
-    w = tl.zeros([BLOCK_K, BLOCK_C], W.dtype.element_ty)
-    if NEED_H:  # the program's block of W, for every tile
-        w = tl.load(W + o_k[:, None] * stride_w_out + o_c[None, :] * stride_w_in,
-                    mask=m_k[:, None] & m_c[None, :], other=0.0)
     acc = tl.zeros([BLOCK_K, BLOCK_C], tl.float32)
     acc_b = tl.zeros([BLOCK_K], tl.float32)
     for i_t in range(i_g, tl.cdiv(n_rows, BLOCK_T), groups):
         o_r = (i_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
         m_r = o_r < n_rows
-        grp = o_r // (n_cols * Ld)
-        col = col_base + o_r // Ld % n_cols
-        tok = o_r % Ld
-        p_gh = GradH + ((grp * Ncols + col) * Ld + tok)[:, None] * d_model + o_c[None, :]
         m_used = tl.load(Won + o_r, mask=m_r, other=0) != 0
-        if tl.max(m_used.to(tl.int32), axis=0) > 0:
+        if tl.max(m_used.to(tl.int32), axis=0) > 0:  # a tile no token won adds nothing
             gp = tl.load(GradP + o_r[:, None] * dim + o_k[None, :],
                          mask=m_used[:, None] & m_k[None, :], other=0.0)
-            if NEED_H:
-                rows = _dot(gp, w, DOT_PRECISION, UPCAST)
-                tl.store(p_gh, rows.to(GradH.dtype.element_ty), mask=m_r[:, None] & m_c[None, :])
-            if NEED_W:
-                h = tl.load(H + (grp * stride_h_grp + col * stride_h_col
-                                 + tok * stride_h_tok)[:, None] + o_c[None, :] * stride_h_dim,
-                            mask=m_used[:, None] & m_c[None, :], other=0.0)
-                acc += _dot(tl.trans(gp), h, DOT_PRECISION, UPCAST)
+            grp = o_r // (n_cols * Ld)
+            col = col_base + o_r // Ld % n_cols
+            tok = o_r % Ld
+            h = tl.load(H + (grp * stride_h_grp + col * stride_h_col + tok * stride_h_tok)[:, None]
+                        + o_c[None, :] * stride_h_dim, mask=m_used[:, None] & m_c[None, :],
+                        other=0.0)
+            acc += _dot(tl.trans(gp), h, DOT_PRECISION, UPCAST)
             if HAS_BIAS:
                 acc_b += tl.sum(gp.to(tl.float32), axis=0)
-        elif NEED_H:  # a tile no token won: zeros, nothing read
-            tl.store(p_gh, tl.zeros([BLOCK_T, BLOCK_C], GradH.dtype.element_ty),
-                     mask=m_r[:, None] & m_c[None, :])
-    if NEED_W:
-        p_w = PartW + i_g * dim * d_model + o_k[:, None] * d_model + o_c[None, :]
-        m_w = m_k[:, None] & m_c[None, :]
-        if ACCUMULATE:
-            acc += tl.load(p_w, mask=m_w, other=0.0)
-        tl.store(p_w, acc, mask=m_w)
+    p_w = PartW + i_g * dim * d_model + o_k[:, None] * d_model + o_c[None, :]
+    m_w = m_k[:, None] & m_c[None, :]
+    if ACCUMULATE:
+        acc += tl.load(p_w, mask=m_w, other=0.0)
+    tl.store(p_w, acc, mask=m_w)
     if HAS_BIAS and i_c == 0:
         p_b = PartB + i_g * dim + o_k
         if ACCUMULATE:
