@@ -117,7 +117,7 @@ MEASURED: dict[str, object] = dict(
     # 1 / HIDDEN_WEIGHT_PARTIAL_SHARE, about HIDDEN_WEIGHT_WAVES programs an SM. Tiles: the rows
     # kernel's (token tile, warps, stages), the weight kernel's (buffer rows a step, d_model
     # columns a program, warps).
-    HIDDEN_BWD_MIN_ENTRY_SHARE=8,
+    HIDDEN_BWD_MIN_ENTRY_SHARE=16,
     HIDDEN_BWD_BUFFER_SHARE=8,
     HIDDEN_BWD_MIN_BUFFER_BYTES=24 << 20,
     HIDDEN_WEIGHT_PARTIAL_SHARE=4,

@@ -267,7 +267,8 @@ def run_check(device: str, as_json: bool = False, triton: bool = False,
     cases += [("residual", dtype, "-", normalize) for dtype in dtypes for normalize in (False,
                                                                                        True)]
     cases += [("approx", dtype, "-", False) for dtype in dtypes]
-    # The projection head: one backward (closed form from the argmax).
+    # The projection head: the plan's backward (its Triton kernels at this shape on the GPU,
+    # the closed form on the PyTorch path).
     cases += [("hidden", dtype, "-", normalize) for dtype in dtypes for normalize in (False, True)]
     interpreted = triton and not on_gpu
     if interpreted and not every_case:

@@ -7,9 +7,10 @@ MaxSim. :func:`maxsim_from_hidden` computes exactly
 without the caller writing the projected documents: where the planner finds it cheaper, the
 Triton kernel projects each document tile on chip and never writes the projection at all;
 elsewhere the projection is written once (``d / d_model`` of the hidden states' bytes) and
-scored by the dense kernels. The backward is closed form from the saved argmax: only the
-(document, token) rows that won a max receive gradient, and their projection is recomputed, not
-saved. ``docs/design.md`` ("Fused projection head") says which route runs where.
+scored by the dense kernels. The backward works from the saved argmax: only the (document,
+token) rows that won a max receive gradient, and their projection is recomputed, not saved: by
+two Triton kernels where the queries meet many of a document's tokens, by a PyTorch closed form
+elsewhere. ``docs/design.md`` ("Fused projection head") says which route runs where.
 
 Semantics are ``maxsim``'s (``fusedmaxsim.api``): masks, ties (lowest token wins), empty
 documents, NaN, fp32 scores accumulated in fp32. The projection is rounded to ``H_d``'s dtype as
@@ -55,7 +56,8 @@ def maxsim_from_hidden(
         normalize (bool): L2-normalize the projected document tokens (the model's
             ``F.normalize``). Default: ``True``. ``Q`` is never normalized here.
         backward (str, optional): accepted as ``maxsim``'s (``"auto"``/``None``, ``"unified"``,
-            ``"lowmem"``); the head's backward is one deterministic closed form whichever.
+            ``"lowmem"``); the head's backward is deterministic whichever (the plan's
+            ``hidden_bwd_kernel`` decides how it runs).
 
     Returns:
         torch.Tensor: float32 scores (float64 for float64 inputs); a 2-D Q drops the query axis.
