@@ -116,14 +116,14 @@ MEASURED: dict[str, object] = dict(
     # launches cost more than the memory); grad_W's fp32 partials at most
     # 1 / HIDDEN_WEIGHT_PARTIAL_SHARE, about HIDDEN_WEIGHT_WAVES programs an SM. Tiles: the rows
     # kernel's (token tile, warps, stages), the weight kernel's (buffer rows a step, d_model
-    # columns a program, warps).
+    # columns a program, warps, stages).
     HIDDEN_BWD_MIN_ENTRY_SHARE=16,
     HIDDEN_BWD_BUFFER_SHARE=8,
     HIDDEN_BWD_MIN_BUFFER_BYTES=24 << 20,
     HIDDEN_WEIGHT_PARTIAL_SHARE=4,
     HIDDEN_WEIGHT_WAVES=2,
     HIDDEN_BWD_TILES=(16, 4, 1) if INTERPRETER else (64, 8, 2),
-    HIDDEN_WEIGHT_TILES=(16, 16, 4) if INTERPRETER else (64, 128, 8),
+    HIDDEN_WEIGHT_TILES=(16, 16, 4, 1) if INTERPRETER else (64, 128, 8, 2),
     # PLAID residual documents (design.md "PLAID"; NOTES §63, §66): the kernel's tiles (d <=
     # 128: document tile, warps, stages, register cap) on the cross product and on per-query
     # candidates, and the query rows a block on the cross product (16-bit; half for fp32).
@@ -864,7 +864,8 @@ class BackwardPlan:
     block_r: int = 0  # the packed layouts' one-hot rows
     # The projection head: columns a chunk; the closed form (PyTorch) recomputes a chunk's
     # winners one row an entry or every row; the Triton rows kernel's d_model a step, the
-    # weight kernel's tiles (buffer rows a step, d_model columns a program, warps) and groups.
+    # weight kernel's tiles (buffer rows a step, d_model columns a program, warps, stages) and
+    # its groups.
     hidden_cols: int = 0
     hidden_by_entry: bool = False
     hidden_block: int = 0
@@ -1154,7 +1155,8 @@ def _plan_hidden_backward(p: Problem, o: Options, need_q: bool, mixed: bool) -> 
     if base.winner_index:
         cols = min(cols, base.index_cols)
     cols = cdiv(max(p.Ncols, 1), cdiv(max(p.Ncols, 1), cols))  # chunks as even as they go
-    block_t, block_c, warps = _measured("HIDDEN_WEIGHT_TILES")
+    weight_tiles = _measured("HIDDEN_WEIGHT_TILES")
+    block_t, block_c = weight_tiles[:2]
     row_tiles = cdiv(groups * cols * p.Ld, block_t)
     partial_bytes = p.dim * p.d_model * 4
     weight_groups = max(1, min(
@@ -1165,7 +1167,7 @@ def _plan_hidden_backward(p: Problem, o: Options, need_q: bool, mixed: bool) -> 
                f"grad_W in {weight_groups} fp32 partial(s)")
     return dataclasses.replace(
         base, strategy="lowmem", index_cols=cols, hidden_cols=cols,
-        hidden_block=_measured("HIDDEN_TILES")[1], weight_tiles=(block_t, block_c, warps),
+        hidden_block=_measured("HIDDEN_TILES")[1], weight_tiles=weight_tiles,
         weight_groups=weight_groups, reasons=reasons)
 
 

@@ -559,22 +559,22 @@ def _launch_hidden_weight(plan, fp32_precision, won, grad_p, H, part_w, part_b, 
                           n_cols, need_b) -> None:
     Ld, dim, d_model = H.shape[-2], grad_p.shape[-1], H.shape[-1]
     groups = grad_p.shape[0] if H.dim() == 4 else 1
-    block_t, block_c, warps = plan.weight_tiles
+    block_t, block_c, warps, stages = plan.weight_tiles
     per_query = H.dim() == 4
     launcher(_hidden_bwd_weight_kernel)(
         (cdiv(d_model, block_c), plan.weight_groups),
         (won, grad_p, H, part_w, part_b, groups * n_cols * Ld, n_cols, Ld, dim, d_model, col_base,
          *doc_strides(H, per_query)[:3], H.stride(-1)),
         _hidden_weight_constants(need_b, col_base > 0, block_t, block_c, plan.tiles.block_k,
-                                 warps, H.dtype, fp32_precision),
+                                 warps, stages, H.dtype, fp32_precision),
     )
 
 
 @functools.lru_cache(maxsize=64)
-def _hidden_weight_constants(bias, accumulate, block_t, block_c, block_k, warps, dtype,
+def _hidden_weight_constants(bias, accumulate, block_t, block_c, block_k, warps, stages, dtype,
                              fp32_precision) -> Constants:
     return constants(
         HAS_BIAS=bias, ACCUMULATE=accumulate, BLOCK_T=block_t, BLOCK_C=block_c, BLOCK_K=block_k,
         DOT_PRECISION=dot_precision(dtype, fp32_precision), UPCAST=upcast(dtype),
-        num_warps=warps, num_stages=2,
+        num_warps=warps, num_stages=stages,
     )

@@ -35,9 +35,9 @@ Grid mapping
 * ``_hidden_bwd_weight_kernel``: program ``(c, g)`` owns ``grad_W[:, c-block]`` of row group
   ``g`` (every ``groups``-th tile of ``BLOCK_T`` buffer rows, so that the groups stay even) and
   adds ``grad_Pᵀ · H`` over them in fp32, reading ``grad_P`` and the hidden states of the rows
-  that won only (a tile with none is skipped); the programs of block 0 also sum ``grad_b``. Each group writes its own fp32
-  partial (``ACCUMULATE``: added to what an earlier launch wrote), which the launcher sums: no
-  atomics, bitwise reproducible.
+  that won only (a tile with none is skipped); the programs of block 0 also sum ``grad_b``.
+  Each group writes its own fp32 partial (``ACCUMULATE``: added to what an earlier launch
+  wrote), which the launcher sums: no atomics, bitwise reproducible.
 
 Caveats
 -------
