@@ -1125,11 +1125,15 @@ def _plan_hidden_backward(p: Problem, o: Options, need_q: bool, mixed: bool) -> 
     if kernel not in ("triton", "torch"):
         raise ValueError(f"hidden_bwd_kernel must be 'triton' or 'torch', got {kernel!r}")
     if kernel == "torch":
-        why = ("forced" if forced else "Q and H_d of different dtypes" if mixed else
-               f"backend {o.backend}, {p.dtype}" if o.backend == "torch" or
-               p.dtype == torch.float64 else
-               f"{entries} query tokens a document, under 1/HIDDEN_BWD_MIN_ENTRY_SHARE of "
-               f"its {p.Ld}")
+        if forced:
+            why = "forced"
+        elif mixed:
+            why = "Q and H_d of different dtypes"
+        elif o.backend == "torch" or p.dtype == torch.float64:
+            why = f"backend {o.backend}, {p.dtype}"
+        else:
+            why = (f"{entries} query tokens a document, under 1/HIDDEN_BWD_MIN_ENTRY_SHARE of "
+                   f"its {p.Ld}")
         return _plan_hidden_closed_form(p, o.torch_block_bytes, why)
     if o.backend != "triton" or p.dtype == torch.float64 or mixed:
         raise ValueError("hidden_bwd_kernel='triton' needs the Triton backend, fp16, bf16 or "
