@@ -2,12 +2,23 @@
 
 ``TRITON_INTERPRET`` must be set before any kernel is decorated, so it is set here, before the
 package is imported. Outputs of the Triton launchers are poisoned with NaN (and -7 for integer
-buffers) so that an element the kernels forget to write fails the comparison.
+buffers) so that an element the kernels forget to write fails the comparison. ``torch.compile``
+caches into a directory of this run's own: a compiled graph cached by an earlier build of the
+package would call its registered ops with their old schemas (the cache's key does not cover
+them).
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
-import torch
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    _inductor_cache = tempfile.mkdtemp(prefix="fusedmaxsim-inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _inductor_cache
+    atexit.register(shutil.rmtree, _inductor_cache, ignore_errors=True)
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
