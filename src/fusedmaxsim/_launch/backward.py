@@ -504,7 +504,7 @@ def backward_hidden(plan: BackwardPlan, fp32_precision: str, grad_scores: Tensor
         grad_w = (part_w[0] if plan.weight_groups == 1 else part_w.sum(0)).to(W.dtype)
         if need_b:
             grad_b = (part_b[0] if plan.weight_groups == 1 else part_b.sum(0)).to(b.dtype)
-    return grad_q, grad_h if need_h else None, grad_w if need_w else None, grad_b
+    return grad_q, grad_h, grad_w if need_w else None, grad_b
 
 
 def _rows_view(flat: Tensor | None, lead: tuple, width: int) -> Tensor | None:
