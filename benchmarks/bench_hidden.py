@@ -5,9 +5,10 @@ inputs (queries normalized, ``W`` scaled by ``1/√d_model``, a small bias), pro
 
 * ``fusedmaxsim``: ``fusedmaxsim.maxsim_from_hidden``, the route the plan picks;
 * ``fused`` and ``unfused``: the same call with the route forced (``forced_plan(hidden_route=)``);
-* ``closed form`` and ``Triton backward`` (training only): the plan's forward with the
-  backward's PyTorch closed form or its Triton kernels forced (``forced_plan(hidden_bwd_kernel=
-  "torch" | "triton")``), against the plan's choice;
+* ``closed form``, ``tiles backward`` and ``entries backward`` (training only): the plan's
+  forward with the backward's PyTorch closed form, its token tile kernels or its entries kernel
+  forced (``forced_plan(hidden_bwd_kernel="torch" | "tiles" | "entries")``), against the
+  plan's choice;
 * ``chain``: our unfused chain, ``F.linear`` → ``F.normalize`` → ``fusedmaxsim.maxsim``;
 * ``lik``: late-interaction-kernels 0.4.5 ``fused_head.maxsim_from_hidden`` where importable.
 
@@ -97,15 +98,18 @@ def _providers(device, train):
     def chain(Q, H, W, b):
         return maxsim(Q, F.normalize(F.linear(H, W, b), dim=-1))
 
+    def backward(kernel):
+        def fn(Q, H, W, b):
+            return maxsim_from_hidden(Q, H, W, b)
+
+        fn.step_decisions = {"hidden_bwd_kernel": kernel}
+        return fn
+
     found = {"fusedmaxsim": ours, "unfused": forced("unfused"), "chain": chain}
-    def triton_backward(Q, H, W, b):
-        return maxsim_from_hidden(Q, H, W, b)
-
-    triton_backward.step_decisions = {"hidden_bwd_kernel": "triton"}
-
     if train:
         found["closed form"] = closed_form
-        found["Triton backward"] = triton_backward
+        found["tiles backward"] = backward("tiles")
+        found["entries backward"] = backward("entries")
     if device.type == "cuda":
         found["fused"] = forced("fused")
     lik = _lik()
@@ -200,7 +204,8 @@ def run_case(case, device, rounds, train, dtype):
     for name, ms in times.items():
         row["providers"][name]["ms"] = statistics.median(ms)
     ours = row["providers"]["fusedmaxsim"].get("ms")
-    for other in ("lik", "chain", "unfused", "fused", "closed form", "Triton backward"):
+    for other in ("lik", "chain", "unfused", "fused", "closed form", "tiles backward",
+                  "entries backward"):
         theirs = row["providers"].get(other, {}).get("ms")
         row[f"speedup_vs_{other}"] = theirs / ours if ours and theirs else None
     del Q, H, W, b, leaves, ref, ref_grads
@@ -238,9 +243,9 @@ def _markdown(record) -> str:
             continue
         lines += ["", f"## {title}", "",
                   ("| shape | Nq × Nd, Ld, d_model→d | fusedmaxsim (route) | fused | unfused | "
-                   "closed form | Triton backward | chain | LIK | × LIK | × chain | "
-                   "MiB ours / chain / LIK |"),
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                   "closed form | tiles backward | entries backward | chain | LIK | × LIK | "
+                   "× chain | MiB ours / chain / LIK |"),
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for row in rows:
             c, p = row["case"], row["providers"]
             route = p["fusedmaxsim"].get("route", "")
@@ -248,7 +253,8 @@ def _markdown(record) -> str:
                 f"| {c['label']} | {c['Nq']} × {c['Nd']}, {c['Ld']}, {c['d_model']}→{c['d']} | "
                 f"{_cell(p, 'fusedmaxsim')}{f' ({route})' if route else ''} | "
                 f"{_cell(p, 'fused')} | {_cell(p, 'unfused')} | {_cell(p, 'closed form')} | "
-                f"{_cell(p, 'Triton backward')} | {_cell(p, 'chain')} | "
+                f"{_cell(p, 'tiles backward')} | {_cell(p, 'entries backward')} | "
+                f"{_cell(p, 'chain')} | "
                 f"{_cell(p, 'lik')} | {_x(row, 'lik')} | {_x(row, 'chain')} | "
                 f"{_cell(p, 'fusedmaxsim', 'peak_mib', '.0f')} / "
                 f"{_cell(p, 'chain', 'peak_mib', '.0f')} / {_cell(p, 'lik', 'peak_mib', '.0f')} |")
@@ -289,7 +295,7 @@ def main(argv=None) -> int:
                 leaves = [t.detach().requires_grad_() for t in (Q, H, W, b)]
                 with recording() as plans:
                     maxsim_from_hidden(*leaves).sum().backward()
-                routes += [{"triton": "Triton backward", "torch": "closed form"}[plan.kernel]
+                routes += [{"torch": "closed form"}.get(plan.kernel, f"{plan.kernel} backward")
                            for _, plan in plans if getattr(plan, "hidden_cols", 0)][:1]
             row["providers"]["fusedmaxsim"]["route"] = ", ".join(r for r in routes if r) or None
             record[section].append(row)

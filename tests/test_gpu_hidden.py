@@ -38,9 +38,10 @@ def _inputs(layout, dtype, Nq=3, Lq=37, K=4, Nd=9, Ld=300, d=128, d_model=384, b
     return Q, H, W, b
 
 
-# The Triton backward on every case; the PyTorch closed form on bf16 only (the slower one).
+# Both Triton backwards on every case; the PyTorch closed form on bf16 only (the slower one).
 PARITY = [(dtype, layout, route, masked, backward)
-          for backward, dtypes in (("triton", (torch.bfloat16, torch.float16, torch.float32)),
+          for backward, dtypes in (("entries", (torch.bfloat16, torch.float16, torch.float32)),
+                                   ("tiles", (torch.bfloat16, torch.float16, torch.float32)),
                                    ("torch", (torch.bfloat16,)))
           for dtype in dtypes for layout in ("cross", "candidates")
           for route in ("fused", "unfused") for masked in (False, True)]
@@ -69,20 +70,21 @@ def test_hidden_parity_on_cuda(dtype, layout, route, masked, backward):
         assert relative_error_fro(a.grad, r.grad) <= tg, (name, relative_error_fro(a.grad, r.grad))
 
 
+@pytest.mark.parametrize("kernel", ["entries", "tiles"])
 @pytest.mark.parametrize("layout", ["cross", "candidates"])
-def test_triton_backward_in_chunks_through_the_index_on_cuda(layout):
-    """The Triton backward in one-column chunks (through the winner index on the cross
-    product) and in one chunk, bf16 with a stride-0 upstream gradient: every gradient within
-    the bound of the float64 chain; no host synchronization."""
+def test_triton_backward_in_chunks_through_the_index_on_cuda(layout, kernel):
+    """Each Triton backward in one-column chunks (the token tiles through the winner index on
+    the cross product) and in one chunk, bf16 with a stride-0 upstream gradient: every
+    gradient within the bound of the float64 chain; no host synchronization."""
     Q, H, W, b = _inputs(layout, torch.bfloat16, Nq=4, Lq=32, K=3, Nd=7, Ld=260)
     grads = {}
     for name, decisions in (("one chunk", {}),
                             ("columns", dict(HIDDEN_BWD_MIN_BUFFER_BYTES=0,
                                              HIDDEN_BWD_BUFFER_SHARE=2**40, winner_index=True))):
-        if layout == "candidates":
+        if layout == "candidates" or kernel == "entries":
             decisions.pop("winner_index", None)
         leaves = [t.detach().requires_grad_() for t in (Q, H, W, b)]
-        with forced_plan(hidden_bwd_kernel="triton", **decisions):
+        with forced_plan(hidden_bwd_kernel=kernel, **decisions):
             out = maxsim_from_hidden(*leaves)
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
@@ -122,7 +124,7 @@ def test_hidden_ops_pass_opcheck_and_compile_on_cuda():
                 args = (Q, H, W, b, None, None, True, save, "triton", "ieee")
                 torch.library.opcheck(maxsim_hidden_fwd, args)
     scores, argmax = maxsim_hidden_fwd(Q, H, W, b, None, None, True, True, "triton", "ieee")
-    for backward in ("triton", "torch"):
+    for backward in ("entries", "tiles", "torch"):
         with forced_plan(hidden_bwd_kernel=backward):
             torch.library.opcheck(maxsim_hidden_bwd, (torch.randn_like(scores), Q, H, W, b,
                                                       argmax, True, True, True, True, True,

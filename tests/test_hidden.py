@@ -30,28 +30,30 @@ def leaves(*tensors):
 
 
 def check(Q, H, W, b, q_mask=None, d_mask=None, normalize=True, sum_loss=False, route=None,
-          H_ref=None):
-    """Scores and every gradient against the chain, under a forced route (or the plan's).
-    ``H_ref``: the chain's hidden states where ``H`` holds NaN in masked tokens."""
+          H_ref=None, backward=None):
+    """Scores and every gradient against the chain, under a forced route and backward (or the
+    plan's). ``H_ref``: the chain's hidden states where ``H`` holds NaN in masked tokens."""
     dtype = H.dtype
     ts, tg = TOL[dtype]
     Qg, Hg, Wg, bg = leaves(Q, H, W, b)
     Qr, Hr, Wr, br = leaves(Q, H if H_ref is None else H_ref, W, b)
     decisions = {} if route is None else {"hidden_route": route}
+    if backward is not None:
+        decisions["hidden_bwd_kernel"] = backward
     with forced_plan(**decisions):
         out = maxsim_from_hidden(Qg, Hg, Wg, bg, q_mask, d_mask, normalize=normalize)
-    ref = chain_ref(Qr, Hr, Wr, br, q_mask, d_mask, normalize)
-    assert out.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
-    assert relative_error(out, ref) <= ts, relative_error(out, ref)
-    if out.numel() == 0:
-        return
-    if sum_loss:
-        out.sum().backward()
-        ref.sum().backward()
-    else:
-        g = torch.randn_like(ref)
-        out.backward(g.to(out.dtype))
-        ref.backward(g)
+        ref = chain_ref(Qr, Hr, Wr, br, q_mask, d_mask, normalize)
+        assert out.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        assert relative_error(out, ref) <= ts, relative_error(out, ref)
+        if out.numel() == 0:
+            return
+        if sum_loss:
+            out.sum().backward()
+            ref.sum().backward()
+        else:
+            g = torch.randn_like(ref)
+            out.backward(g.to(out.dtype))
+            ref.backward(g)
     for name, a, r in (("Q", Qg, Qr), ("H", Hg, Hr), ("W", Wg, Wr), ("b", bg, br)):
         if a is None:
             continue
@@ -88,10 +90,12 @@ def test_float64_matches_the_chain_and_gradcheck(layout, normalize, bias):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("layout", ["cross", "candidates"])
 @pytest.mark.parametrize("case", ["plain", "masked", "sum", "odd", "strided", "one_token"])
-@pytest.mark.parametrize("route", ["fused", "unfused", "torch"])
-def test_every_route_matches_the_chain(dtype, layout, case, route):
+@pytest.mark.parametrize("route, backward", [("fused", "entries"), ("fused", "tiles"),
+                                             ("unfused", "entries"), ("unfused", "tiles"),
+                                             ("torch", None)])
+def test_every_route_matches_the_chain(dtype, layout, case, route, backward):
     """The fused Triton kernel (under the interpreter here) and the route that writes the
-    projection once, on the Triton kernels and on the PyTorch path."""
+    projection once, each with both Triton backwards, and the PyTorch path."""
     kw = {}
     if case == "odd":
         kw = dict(Nq=1, Lq=3, K=1, Nd=1, Ld=7, d=3, d_model=5)
@@ -110,7 +114,7 @@ def test_every_route_matches_the_chain(dtype, layout, case, route):
         Q = Q.transpose(0, 1).contiguous().transpose(0, 1)
     with settings.use_backend("torch" if route == "torch" else "triton"):
         check(Q, H, W, b, q_mask, d_mask, sum_loss=case == "sum",
-              route="unfused" if route == "torch" else route, H_ref=H_ref)
+              route="unfused" if route == "torch" else route, H_ref=H_ref, backward=backward)
 
 
 @pytest.mark.parametrize("layout", ["cross", "candidates"])
@@ -148,21 +152,25 @@ def _head_plans(plans):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("layout", ["cross", "candidates"])
-def test_triton_backward_chunks_index_and_partials(dtype, layout):
-    """The head's Triton backward (the interpreter here): one column a chunk of its row
-    buffers, grad_W in one fp32 partial or many, through the winner index or not (the cross
-    product); each agrees with the chain."""
-    Q, H, W, b = problem(layout, dtype, Nq=2, Lq=5, K=3, Nd=5, Ld=23)
+@pytest.mark.parametrize("kernel", ["entries", "tiles"])
+def test_triton_backward_chunks_index_and_partials(dtype, layout, kernel):
+    """Each of the head's Triton backwards (the interpreter here): one column a chunk of its
+    buffers, grad_W in one fp32 partial or many, the token tiles through the winner index or
+    not (the cross product); the entries in blocks, entries of one row in different blocks
+    (17 on the cross product, 16 a block here); each agrees with the chain."""
+    Q, H, W, b = problem(layout, dtype, Nq=2, Lq=17 if kernel == "entries" else 5, K=3, Nd=5,
+                         Ld=23)
     one_column = dict(HIDDEN_BWD_MIN_BUFFER_BYTES=0, HIDDEN_BWD_BUFFER_SHARE=2**40)
     cases = [({}, None), (one_column, 1), (dict(HIDDEN_WEIGHT_PARTIAL_SHARE=2**40), None),
              (dict(HIDDEN_WEIGHT_PARTIAL_SHARE=1, HIDDEN_WEIGHT_WAVES=64), None)]
-    if layout == "cross":
+    if layout == "cross" and kernel == "tiles":
         cases += [(dict(winner_index=True, **one_column), 1), (dict(winner_index=False), None)]
     for decisions, cols in cases:
+        decisions = dict(decisions, hidden_bwd_kernel=kernel)
         with settings.use_backend("triton"), forced_plan(**decisions), recording() as plans:
             check(Q, H, W, b)
         (plan,) = _head_plans(plans)
-        assert plan.kernel == "triton" and plan.strategy == "lowmem"
+        assert plan.kernel == kernel and plan.strategy == "lowmem"
         if cols is not None:
             assert plan.hidden_cols == cols
         if "HIDDEN_WEIGHT_PARTIAL_SHARE" in decisions:
@@ -177,7 +185,7 @@ def test_triton_backward_computes_only_what_is_asked(layout):
     all four are asked for, on both backwards."""
     Q, H, W, b = problem(layout, torch.float32, Ld=11)
     g = torch.randn(Q.shape[0], H.shape[-3])
-    for kernel in ("triton", "torch"):
+    for kernel in ("entries", "tiles", "torch"):
         with settings.use_backend("triton"), forced_plan(hidden_bwd_kernel=kernel):
             every = leaves(Q, H, W, b)
             maxsim_from_hidden(*every).backward(g)
@@ -196,32 +204,38 @@ def test_triton_backward_computes_only_what_is_asked(layout):
 
 
 def test_the_backward_rule_and_its_errors():
-    """The Triton backward on the Triton backend for fp16/bf16/fp32 with Q and H_d of one dtype
-    where the query tokens are at least 1/HIDDEN_BWD_MIN_ENTRY_SHARE of the document's; the
-    closed form on the PyTorch backend, for float64, mixed dtypes and longer documents; forcing
-    checked."""
+    """On the Triton backend for fp16/bf16/fp32 with Q and H_d of one dtype: the entries kernel
+    where a document's query tokens are fewer than its tokens / HIDDEN_BWD_ENTRY_SHARE, the
+    token tiles elsewhere; the closed form on the PyTorch backend, for float64 and mixed dtypes;
+    forcing checked."""
     def kernel(Q, H, backend, **decisions):
         W = torch.randn(8, 16, dtype=H.dtype)
         with settings.use_backend(backend), forced_plan(**decisions), recording() as plans:
             maxsim_from_hidden(Q.requires_grad_(), H, W).sum().backward()
         return _head_plans(plans)[0].kernel
 
-    Q, H = torch.randn(2, 4, 8), torch.randn(3, 5, 16)
-    assert kernel(Q, H, "triton") == "triton"
+    Q, H = torch.randn(2, 4, 8), torch.randn(3, 5, 16)  # 2 · 4 query tokens, 5 tokens
+    assert kernel(Q, H, "triton") == "tiles"
     assert kernel(Q, H, "torch") == "torch"
     assert kernel(Q.double(), H.double(), "triton") == "torch"
     assert kernel(Q, H.half(), "triton") == "torch"  # mixed: the query promoted
-    long_docs = torch.randn(3, 2 * 4 * 16 + 1, 16)  # 2 · 4 query tokens, under 1/16 of 129
-    assert kernel(Q, long_docs, "triton") == "torch"
-    assert kernel(Q, long_docs, "triton", HIDDEN_BWD_MIN_ENTRY_SHARE=17) == "triton"
-    assert kernel(Q, long_docs, "triton", hidden_bwd_kernel="triton") == "triton"
-    assert kernel(Q, H, "triton", hidden_bwd_kernel="torch") == "torch"
-    with pytest.raises(ValueError, match="hidden_bwd_kernel must be 'triton' or 'torch'"):
+    long_docs = torch.randn(3, 2 * 4 * 3 + 1, 16)  # 8 query tokens, 25 tokens
+    assert kernel(Q, long_docs, "triton") == "entries"
+    assert kernel(Q, long_docs, "triton", HIDDEN_BWD_ENTRY_SHARE=3) == "entries"
+    assert kernel(Q, long_docs, "triton", HIDDEN_BWD_ENTRY_SHARE=4) == "tiles"
+    candidates = torch.randn(2, 3, 5, 16)  # per-query candidates: 4 query tokens a document
+    assert kernel(Q, candidates, "triton") == "entries"
+    for forced in ("entries", "tiles", "torch"):
+        assert kernel(Q, H, "triton", hidden_bwd_kernel=forced) == forced
+    with pytest.raises(ValueError, match="hidden_bwd_kernel must be 'entries', 'tiles' or "
+                                         "'torch', got 'gpu'"):
         kernel(Q, H, "triton", hidden_bwd_kernel="gpu")
     for Qx, Hx, backend in ((Q, H, "torch"), (Q.double(), H.double(), "triton"),
                             (Q, H.half(), "triton")):
-        with pytest.raises(ValueError, match="hidden_bwd_kernel='triton' needs the Triton "):
-            kernel(Qx, Hx, backend, hidden_bwd_kernel="triton")
+        for forced in ("entries", "tiles"):
+            with pytest.raises(ValueError, match=f"hidden_bwd_kernel='{forced}' needs the "
+                                                 "Triton backend, fp16, bf16 or fp32 inputs"):
+                kernel(Qx, Hx, backend, hidden_bwd_kernel=forced)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -94,18 +94,20 @@ def hidden_step_profile():
 
 
 def head_backward():
-    """The head's Triton backward alone (``torch.autograd.grad`` of a saved forward, ms) by the
-    rows kernel's tiles (token tile, warps, stages) and the weight kernel's (rows a step, d_model
-    a program, warps, stages), beside the closed form; then the plan's kernels by GPU time."""
+    """The head's backwards alone (``torch.autograd.grad`` of a saved forward, ms): the closed
+    form, the token tile kernels, the entries kernel by its tiles (entries a program at most,
+    warps, stages); then the plan's kernels by GPU time."""
     from torch.profiler import ProfilerActivity, profile
 
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     do_bench(lambda: a @ a)  # the clocks up before the first timing
     del a
-    shapes = {"lateon-B8-Ld1k": (8, 32, 32, 1024, 768, 128),
+    shapes = {"lateon-B4-Ld300": (4, 16, 32, 300, 768, 128),
+              "lateon-B8-Ld1k": (8, 32, 32, 1024, 768, 128),
               "lateon-code-Nd256-Ld1k": SHAPES["lateon-code-Nd256-Ld1k"],
               "lateon-code-Nd1024-Ld2k": SHAPES["lateon-code-Nd1024-Ld2k"],
-              "lateon-code-edge-Nd256-Ld4k": (2, 256, 32, 4096, 384, 96)}
+              "lateon-code-edge-Nd256-Ld4k": (2, 256, 32, 4096, 384, 96),
+              "inbatch-32x32-Ld300": (32, 32, 32, 300, 768, 128)}
     for name, shape in shapes.items():
         leaves = _inputs(*shape, grad=True)
         scores = maxsim_from_hidden(*leaves)
@@ -115,21 +117,20 @@ def head_backward():
             with forced_plan(**decisions):
                 return torch.autograd.grad(scores, leaves, g, retain_graph=True)
 
-        rows = [(do_bench(lambda: backward(hidden_bwd_kernel="torch")), "closed form")]
-        for rows_tiles, weight in itertools.product(
-                ((32, 4, 3), (32, 8, 3), (64, 4, 3), (64, 8, 3), (64, 8, 2), (128, 8, 3)),
-                ((64, 128, 8, 2), (32, 128, 4, 2))):
-            label = f"rows {rows_tiles}, weight {weight}"
+        rows = [(do_bench(lambda: backward(hidden_bwd_kernel="torch")), "closed form"),
+                (do_bench(lambda: backward(hidden_bwd_kernel="tiles")), "tiles")]
+        for tiles in itertools.product((16, 32, 64, 128), (4, 8), (1, 2)):
+            label = f"entries {tiles}"
             try:
-                ms = do_bench(lambda: backward(HIDDEN_BWD_TILES=rows_tiles,
-                                               HIDDEN_WEIGHT_TILES=weight))
+                ms = do_bench(lambda: backward(hidden_bwd_kernel="entries",
+                                               HIDDEN_ENTRY_TILES=tiles))
             except Exception as exc:  # noqa: BLE001 - e.g. out of resources: reported
                 print(f"  {label}: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
                 continue
             rows.append((ms, label))
         rows.sort()
         print(f"{name}: plan's backward {do_bench(lambda: backward()):.3f} ms", flush=True)
-        for ms, label in rows[:6] + rows[-2:] + [r for r in rows if r[1] == "closed form"]:
+        for ms, label in rows[:6] + rows[-2:] + [r for r in rows if "entries" not in r[1]]:
             print(f"  {label}: {ms:.3f}", flush=True)
         backward()
         torch.cuda.synchronize()
@@ -137,7 +138,7 @@ def head_backward():
             for _ in range(3):
                 backward()
             torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10,
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8,
                                         max_name_column_width=50), flush=True)
         del leaves, scores
         torch.cuda.empty_cache()

@@ -424,11 +424,12 @@ def maxsim_hidden_bwd(
 
 
 def _hidden_grads(grad_scores, Q, H, W, b, argmax, normalize: bool, needs, o: Options):
-    """The projection head's gradients as planned (``plan_hidden_backward``: the Triton kernels
-    or the PyTorch closed form), each in its input's dtype; None where not needed."""
+    """The projection head's gradients as planned (``plan_hidden_backward``: the Triton kernels,
+    by entry or by token tile, or the PyTorch closed form), each in its input's dtype; None
+    where not needed."""
     p = hidden_problem(Q, H, W, b, None, None, normalize=normalize, save_argmax=True)
     plan = plan_hidden_backward(p, o, needs[0], Q.dtype != H.dtype)
-    if plan.kernel == "triton":
+    if plan.kernel != "torch":
         return list(_launch()[1].backward_hidden(plan, o.fp32_precision, grad_scores, Q, H, W, b,
                                                  argmax, normalize, needs))
     grads = _torch_path.hidden_bwd_torch(grad_scores, Q, H, W, b, argmax, normalize, *needs,

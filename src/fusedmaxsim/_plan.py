@@ -107,17 +107,20 @@ MEASURED: dict[str, object] = dict(
     HIDDEN_FUSED_MAX_PASSES=2,
     HIDDEN_FUSED_MAX_BYTES=400 << 20,
     HIDDEN_TILES=(128, 64, 8, 3),
-    # The head's Triton backward (design.md "Fused projection head"; NOTES §70): taken where the
-    # query tokens a document meets are at least 1 / HIDDEN_BWD_MIN_ENTRY_SHARE of its tokens (it
-    # projects every token tile that holds a winner; the closed form projects each winner once).
-    # Its row buffers (grad_P, and P with its inverse norms for grad_Q) hold at most
+    # The head's Triton backwards (design.md "Fused projection head"; NOTES §70, §71): the
+    # entries kernel (each (query, query token) entry's winning row projected) where a
+    # document's query tokens are fewer than its tokens / HIDDEN_BWD_ENTRY_SHARE, else the token
+    # tile kernels (every token tile that holds a winner projected). HIDDEN_ENTRY_TILES: the
+    # entries kernel's (entries a program at most, warps, stages).
+    # Their buffers (grad_P, and for grad_Q P with its inverse norms or g · P̂) hold at most
     # 1 / HIDDEN_BWD_BUFFER_SHARE of the hidden states' bytes, and at least
     # HIDDEN_BWD_MIN_BUFFER_BYTES (one chunk of columns at small sizes, where each chunk's
     # launches cost more than the memory); grad_W's fp32 partials at most
     # 1 / HIDDEN_WEIGHT_PARTIAL_SHARE, about HIDDEN_WEIGHT_WAVES programs an SM. Tiles: the rows
     # kernel's (token tile, warps, stages), the weight kernel's (buffer rows a step, d_model
     # columns a program, warps, stages).
-    HIDDEN_BWD_MIN_ENTRY_SHARE=16,
+    HIDDEN_BWD_ENTRY_SHARE=1,
+    HIDDEN_ENTRY_TILES=(16, 4, 1) if INTERPRETER else (64, 8, 2),
     HIDDEN_BWD_BUFFER_SHARE=8,
     HIDDEN_BWD_MIN_BUFFER_BYTES=24 << 20,
     HIDDEN_WEIGHT_PARTIAL_SHARE=4,
@@ -170,7 +173,7 @@ FORCIBLE = frozenset({
     "bf16_product",       # PyTorch path: bf16 inputs multiplied in bf16 (inference)
     "hidden_route",       # fused projection head: "fused" or "unfused"
     "hidden_by_entry",    # projection head backward: winners one row an entry, or every row
-    "hidden_bwd_kernel",  # projection head backward: "triton" or "torch" (the closed form)
+    "hidden_bwd_kernel",  # projection head backward: "entries", "tiles" or "torch" (closed form)
 })
 
 
@@ -836,7 +839,8 @@ def plan_forward(p: Problem, o: Options) -> ForwardPlan:
 @dataclasses.dataclass(frozen=True)
 class BackwardPlan:
     """How a backward runs. ``kernel``: ``"torch"``, ``"triton"`` or ``"smooth"`` (the smooth
-    max's recomputing kernel). ``strategy``: ``"unified"`` (gather + fp32 atomics for grad_D) or
+    max's recomputing kernel); the projection head's: ``"entries"``, ``"tiles"`` or
+    ``"torch"`` (``plan_hidden_backward``). ``strategy``: ``"unified"`` (gather + fp32 atomics for grad_D) or
     ``"lowmem"`` (row-owned grad_Q, document-owned grad_D). The rest says how the Triton
     backward is split and chunked; see :func:`plan_backward`."""
 
@@ -1115,44 +1119,62 @@ def plan_backward(p: Problem, o: Options, need_q: bool, need_d: bool,
 def _plan_hidden_backward(p: Problem, o: Options, need_q: bool, mixed: bool) -> BackwardPlan:
     kernel = _forced.get("hidden_bwd_kernel")
     forced = kernel is not None
-    # A document's (query, query token) entries and its tokens (per-query candidates: a
-    # document meets its own query only).
+    # A document's (query, query token) entries (per-query candidates: a document meets its own
+    # query only) against its tokens.
     entries = (1 if p.layout == HIDDEN_CANDIDATES else p.Nq) * p.Lq
-    sparse = entries * _measured("HIDDEN_BWD_MIN_ENTRY_SHARE") < p.Ld
     if not forced:
-        kernel = "torch" if (o.backend == "torch" or p.dtype == torch.float64 or mixed
-                             or sparse) else "triton"
-    if kernel not in ("triton", "torch"):
-        raise ValueError(f"hidden_bwd_kernel must be 'triton' or 'torch', got {kernel!r}")
+        kernel = ("torch" if (o.backend == "torch" or p.dtype == torch.float64 or mixed)
+                  else "entries" if entries * _measured("HIDDEN_BWD_ENTRY_SHARE") < p.Ld
+                  else "tiles")
+    if kernel not in ("entries", "tiles", "torch"):
+        raise ValueError(f"hidden_bwd_kernel must be 'entries', 'tiles' or 'torch', got "
+                         f"{kernel!r}")
     if kernel == "torch":
         if forced:
             why = "forced"
         elif mixed:
             why = "Q and H_d of different dtypes"
-        elif o.backend == "torch" or p.dtype == torch.float64:
-            why = f"backend {o.backend}, {p.dtype}"
         else:
-            why = (f"{entries} query tokens a document, under 1/HIDDEN_BWD_MIN_ENTRY_SHARE of "
-                   f"its {p.Ld}")
+            why = f"backend {o.backend}, {p.dtype}"
         return _plan_hidden_closed_form(p, o.torch_block_bytes, why)
     if o.backend != "triton" or p.dtype == torch.float64 or mixed:
-        raise ValueError("hidden_bwd_kernel='triton' needs the Triton backend, fp16, bf16 or "
-                         "fp32 inputs, and Q and H_d of one dtype")
+        raise ValueError(f"hidden_bwd_kernel={kernel!r} needs the Triton backend, fp16, bf16 "
+                         "or fp32 inputs, and Q and H_d of one dtype")
     per_query = p.layout == HIDDEN_CANDIDATES
-    dense = p._replace(layout=CANDIDATES if per_query else CROSS, d_model=0, has_bias=False,
-                       normalize=False, norm_from_tiles=False)
-    # The rows kernel projects a token tile and writes its grad_H rows: the document-owned
-    # backward's tiles with the head's token tile, warps and pipeline stages.
-    block_t, warps, stages = _measured("HIDDEN_BWD_TILES")
-    tiles = dataclasses.replace(
-        bwd_heuristic(max(p.Lq, 1), p.dim, p.dtype.itemsize, per_query), block_t=block_t,
-        num_warps=warps, num_stages=stages)
-    base = _plan_backward(dense, o, need_q, True, "lowmem", True, tiles)
+    why = "forced" if forced else (
+        f"{entries} query tokens a document "
+        f"{'<' if kernel == 'entries' else '>='} its {p.Ld} / HIDDEN_BWD_ENTRY_SHARE")
     groups = p.Nq if per_query else 1
+    if kernel == "entries":
+        # One program a document's block of entries; the buffers hold an entry's token and
+        # grad_P, and for grad_Q its g · P̂ in fp32.
+        block_e, warps, stages = _measured("HIDDEN_ENTRY_TILES")
+        tiles = BwdConfig(0, min(block_e, max(16, pow2(entries))), 0, block_k_for(p.dim),
+                          warps, stages)
+        base = BackwardPlan("entries", "lowmem", tiles)
+        col_rows = entries
+        column_bytes = groups * entries * (4 + p.dim * (p.dtype.itemsize + (4 if need_q else 0)))
+        reasons = [f"projection head: one program a block of {tiles.block_t} of a document's "
+                   f"entries ({why})"]
+    else:
+        dense = p._replace(layout=CANDIDATES if per_query else CROSS, d_model=0, has_bias=False,
+                           normalize=False, norm_from_tiles=False)
+        # The rows kernel projects a token tile and writes its grad_H rows: the document-owned
+        # backward's tiles with the head's token tile, warps and pipeline stages.
+        block_t, warps, stages = _measured("HIDDEN_BWD_TILES")
+        tiles = dataclasses.replace(
+            bwd_heuristic(max(p.Lq, 1), p.dim, p.dtype.itemsize, per_query), block_t=block_t,
+            num_warps=warps, num_stages=stages)
+        base = dataclasses.replace(_plan_backward(dense, o, need_q, True, "lowmem", True, tiles),
+                                   kernel="tiles")
+        col_rows = p.Ld
+        # A column's row buffers: token and grad_P, and for grad_Q the projection and its
+        # inverse norms.
+        column_bytes = groups * p.Ld * (4 + p.dim * p.dtype.itemsize * (2 if need_q else 1)
+                                        + (4 if need_q and p.normalize else 0))
+        reasons = [f"projection head: token tiles that hold a winner projected ({why})",
+                   *base.reasons[1:]]
     hidden_bytes = groups * p.Ncols * p.Ld * p.d_model * p.dtype.itemsize
-    # A column's row buffers: grad_P, and for grad_Q the projection and its inverse norms.
-    column_bytes = groups * p.Ld * (1 + p.dim * p.dtype.itemsize * (2 if need_q else 1)
-                                    + (4 if need_q and p.normalize else 0))
     budget = max(hidden_bytes // _measured("HIDDEN_BWD_BUFFER_SHARE"),
                  _measured("HIDDEN_BWD_MIN_BUFFER_BYTES"))
     cols = max(1, min(max(p.Ncols, 1), budget // max(1, column_bytes)))
@@ -1161,18 +1183,17 @@ def _plan_hidden_backward(p: Problem, o: Options, need_q: bool, mixed: bool) -> 
     cols = cdiv(max(p.Ncols, 1), cdiv(max(p.Ncols, 1), cols))  # chunks as even as they go
     weight_tiles = _measured("HIDDEN_WEIGHT_TILES")
     block_t, block_c = weight_tiles[:2]
-    row_tiles = cdiv(groups * cols * p.Ld, block_t)
+    row_tiles = cdiv(groups * cols * col_rows, block_t)
     partial_bytes = p.dim * p.d_model * 4
     weight_groups = max(1, min(
         row_tiles,
         cdiv(_measured("HIDDEN_WEIGHT_WAVES") * sm_count(p.device), cdiv(p.d_model, block_c)),
         hidden_bytes // _measured("HIDDEN_WEIGHT_PARTIAL_SHARE") // partial_bytes))
-    reasons = (*base.reasons[1:], f"projection head: {cols} column(s) a chunk of row buffers, "
-               f"grad_W in {weight_groups} fp32 partial(s)")
+    reasons.append(f"{cols} column(s) a chunk of buffers, grad_W in {weight_groups} fp32 "
+                   f"partial(s)")
     return dataclasses.replace(
-        base, strategy="lowmem", index_cols=cols, hidden_cols=cols,
-        hidden_block=_measured("HIDDEN_TILES")[1], weight_tiles=weight_tiles,
-        weight_groups=weight_groups, reasons=reasons)
+        base, index_cols=cols, hidden_cols=cols, hidden_block=_measured("HIDDEN_TILES")[1],
+        weight_tiles=weight_tiles, weight_groups=weight_groups, reasons=tuple(reasons))
 
 
 def _plan_hidden_closed_form(p: Problem, block_bytes: int, why: str) -> BackwardPlan:
@@ -1197,12 +1218,13 @@ def _plan_hidden_closed_form(p: Problem, block_bytes: int, why: str) -> Backward
 
 
 def plan_hidden_backward(p: Problem, o: Options, need_q: bool, mixed: bool) -> BackwardPlan:
-    """The projection head's backward: the Triton kernels (``_launch.backward.backward_hidden``:
-    the document-owned backward's plan for the projected documents with the head's tiles,
-    columns a chunk within the row buffers' budget, grad_W's partials) where the backend is
-    Triton, Q and H_d share a 16-bit or fp32 dtype and the query tokens are at least
-    ``1 / HIDDEN_BWD_MIN_ENTRY_SHARE`` of the document's; else the PyTorch closed form
-    (``_torch_path.hidden_bwd_torch``: a chunk of documents with fewer (query, token) entries
+    """The projection head's backward. Where the backend is Triton and Q and H_d share a 16-bit
+    or fp32 dtype, the Triton kernels (``_launch.backward.backward_hidden``): ``"entries"``
+    (one program a block of a document's (query, query token) entries) where a document's
+    query tokens are fewer than its tokens / ``HIDDEN_BWD_ENTRY_SHARE``, else ``"tiles"`` (the
+    document-owned backward's plan for the projected documents with the head's tiles); both
+    with columns a chunk within the buffers' budget and grad_W's partials. Otherwise the
+    PyTorch closed form (``_torch_path.hidden_bwd_torch``: a chunk of documents with fewer (query, token) entries
     than document rows recomputes each entry's winner, otherwise every row; chunks within
     ``o.torch_block_bytes``). Cached; design.md "Fused projection head"."""
     return _cached(_backward_plans, ("hidden", p, o, need_q, mixed), p, _plan_hidden_backward,

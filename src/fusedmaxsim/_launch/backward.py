@@ -23,7 +23,11 @@ from ..kernels.backward import (
     _maxsim_ragged_bwd_dd_kernel,
     _maxsim_ragged_bwd_dq_kernel,
 )
-from ..kernels.head import _hidden_bwd_rows_kernel, _hidden_bwd_weight_kernel
+from ..kernels.head import (
+    _hidden_bwd_entries_kernel,
+    _hidden_bwd_rows_kernel,
+    _hidden_bwd_weight_kernel,
+)
 from ..kernels.smooth import _smooth_bwd_kernel
 from ..kernels.winner_index import _tile_counts_kernel, _tile_rows_kernel
 from .runtime import (
@@ -441,13 +445,20 @@ def backward_hidden(plan: BackwardPlan, fp32_precision: str, grad_scores: Tensor
     """``(grad_Q, grad_H, grad_W, grad_b)`` of ``maxsim(Q, normalize?(F.linear(H, W, b)))`` from
     the forward's argmax, each in its input's dtype (None where not needed).
 
-    ``plan.hidden_cols`` columns at a time: the rows kernel (through the chunk's winner index
-    where the plan says so) writes ``grad_H`` and the chunk's winning rows and their ``grad_P``
-    (and ``P`` with its inverse norms for ``grad_Q``); the gather kernel adds the chunk's
-    ``grad_Q``; the weight kernel adds its ``grad_W``/``grad_b`` into ``plan.weight_groups``
+    ``plan.hidden_cols`` columns at a time, by the plan's kernel:
+
+    * ``"entries"``: the entries kernel writes the winning rows of ``grad_H`` (zeroed first),
+      each entry's ``g · P̂`` (summed over the chunk's columns into ``grad_Q``) and the leading
+      entries' ``grad_P`` and tokens;
+    * ``"tiles"``: the rows kernel (through the chunk's winner index where the plan says so)
+      writes every row of ``grad_H`` and the chunk's winning rows with their ``grad_P`` (and
+      ``P`` with its inverse norms, from which the gather kernel adds the chunk's ``grad_Q``).
+
+    Then the weight kernel adds the chunk's ``grad_W``/``grad_b`` into ``plan.weight_groups``
     fp32 partials, summed at the end. No atomics: bitwise reproducible."""
     need_q, need_h, need_w, need_b = needs
     need_b = need_b and b is not None
+    need_w_or_b = need_w or need_b
     per_query = H.dim() == 4
     Nq, Lq, dim = Q.shape
     Ncols, Ld, d_model = H.shape[-3], H.shape[-2], H.shape[-1]
@@ -456,55 +467,124 @@ def backward_hidden(plan: BackwardPlan, fp32_precision: str, grad_scores: Tensor
     if not (Nq * Ncols * Lq * Ld * dim):  # nothing scored: every gradient is zero
         return tuple(torch.zeros_like(t) if need else None
                      for t, need in zip((Q, H, W, b), (need_q, need_h, need_w, need_b)))
-    cfg = plan.tiles
-    chunk = plan.hidden_cols
-    grad_q = grad_w = grad_b = None
-    grad_h = empty(H.shape, dtype, dev) if need_h else None
-    # Flat buffers of a chunk's rows, viewed [groups, n, Ld, ..] for each chunk of n columns:
-    # which rows won, their grad_P, and for grad_Q the projection P and its inverse norms.
-    rows_numel = groups * min(chunk, Ncols) * Ld
-    buffers = (empty((rows_numel,), torch.int8, dev),
-               empty((rows_numel * dim,), dtype, dev),
-               empty((rows_numel * dim,), dtype, dev) if need_q else None,
-               empty((rows_numel,), torch.float32, dev) if need_q and normalize else None)
+    by_entry = plan.kernel == "entries"
+    chunk = min(plan.hidden_cols, Ncols)
     n_chunks = cdiv(Ncols, chunk)
-    q_inv = None
+    grad_h = None
+    if need_h:  # the entries kernel writes the winning rows only
+        grad_h = (torch.zeros if by_entry else empty)(H.shape, dtype=dtype, device=dev)
+    # A chunk's buffer rows: a token tile kernel's every row of its columns, the entries
+    # kernel's (query, query token) entries of each column.
+    col_rows = (Lq if per_query else Nq * Lq) if by_entry else Ld
+    rows_numel = groups * chunk * col_rows
+    tok = empty((rows_numel,), torch.int32, dev)
+    grad_p = empty((rows_numel * dim,), dtype, dev)
+    grad_q = None
     if need_q:
         grad_q = (torch.zeros(Q.shape, dtype=torch.float32, device=dev) if n_chunks > 1
-                  else empty(Q.shape, Q.dtype, dev))
-        q_inv = torch.ones((Nq, Lq), dtype=torch.float32, device=dev) if normalize else None
+                  else None)
     weights = None
-    if need_w or need_b:
+    if need_w_or_b:
         weights = (empty((plan.weight_groups, dim, d_model), torch.float32, dev),
                    empty((plan.weight_groups, dim), torch.float32, dev) if need_b else H)
-    index = None
-    if plan.winner_index:
-        index = _winner_index_buffers(Q, chunk, cdiv(Ld, cfg.block_t), plan.index_row_dtype)
+    run = _hidden_entries if by_entry else _hidden_tiles(plan, Q, H, chunk, need_q, normalize)
     for c0 in range(0, Ncols, chunk):
         n = min(chunk, Ncols - c0)
-        rows, counts = _winner_index(plan, argmax, c0, n, index) if index else (None, None)
-        lead = (groups, n, Ld) if per_query else (n, Ld)
-        won, grad_p, P, p_inv = (_rows_view(t, lead, width)
-                                 for t, width in zip(buffers, (0, dim, dim, 0)))
-        _launch_hidden_rows(plan, fp32_precision, grad_scores, Q, argmax, rows, counts, H, W, b,
-                            grad_h, won, grad_p, P, p_inv, c0, n, normalize, need_q, need_h)
+        lead = (groups, n, col_rows) if per_query else (n, col_rows)
+        tok_c, grad_p_c = _rows_view(tok, lead, 0), _rows_view(grad_p, lead, dim)
+        part = run(plan, fp32_precision, grad_scores, Q, argmax, H, W, b, grad_h, tok_c,
+                   grad_p_c, c0, n, normalize, need_q, need_h, need_w_or_b)
         if need_q:
-            args = argmax if n == Ncols else argmax[:, c0:c0 + n].contiguous()
-            part = grad_q if n_chunks == 1 else empty(Q.shape, torch.float32, dev)
-            _launch_gather(cfg, grad_scores[:, c0:c0 + n], Q, P, args, q_inv, p_inv, per_query,
-                           0, n, 1, part, None, plan.gather_step)
-            if n_chunks > 1:
+            if grad_q is None:
+                grad_q = part
+            else:
                 grad_q += part
         if weights is not None:
-            _launch_hidden_weight(plan, fp32_precision, won, grad_p, H, *weights, c0, n, need_b)
+            _launch_hidden_weight(plan, fp32_precision, tok_c, grad_p_c, H, *weights, c0, n,
+                                  need_b)
     if need_q and grad_q.dtype != Q.dtype:
         grad_q = grad_q.to(Q.dtype)
+    grad_w = grad_b = None
     if weights is not None:
         part_w, part_b = weights
         grad_w = (part_w[0] if plan.weight_groups == 1 else part_w.sum(0)).to(W.dtype)
         if need_b:
             grad_b = (part_b[0] if plan.weight_groups == 1 else part_b.sum(0)).to(b.dtype)
     return grad_q, grad_h, grad_w if need_w else None, grad_b
+
+
+def _hidden_entries(plan, fp32_precision, grad_scores, Q, argmax, H, W, b, grad_h, tok, grad_p,
+                    col_base, n_cols, normalize, need_q, need_h, need_w) -> Tensor | None:
+    """One chunk of columns through the entries kernel; its ``grad_Q`` (fp32) where needed."""
+    cfg = plan.tiles
+    Nq, Lq, dim = Q.shape
+    d_model = H.shape[-1]
+    per_query = H.dim() == 4
+    groups = Nq if per_query else 1
+    n_entries = Lq if per_query else Nq * Lq
+    # Each entry's g · P̂, [Nq, n_cols, Lq, dim]: grad_Q is its sum over the columns.
+    shares = empty((Nq, n_cols, Lq, dim), torch.float32, Q.device) if need_q else None
+    gh = grad_h if grad_h is not None else H
+    launcher(_hidden_bwd_entries_kernel)(
+        (groups * n_cols, cdiv(n_entries, cfg.block_t)),
+        (
+            grad_scores, Q, argmax, H, W, H if b is None else b, gh,
+            tok, grad_p, shares if need_q else H, n_cols, Lq, dim, d_model, n_entries, col_base,
+            *grad_scores.stride(), *Q.stride(), *argmax.stride(),
+            *doc_strides(H, per_query)[:3], H.stride(-1), *W.stride(),
+            *doc_strides(gh, per_query)[:3],
+        ),
+        _hidden_entries_constants(cfg, per_query, normalize, need_q, need_h, need_w,
+                                  b is not None, plan.hidden_block, Q.dtype, fp32_precision),
+    )
+    return shares.sum(1) if need_q else None
+
+
+@functools.lru_cache(maxsize=256)
+def _hidden_entries_constants(cfg, per_query, normalize, need_q, need_h, need_w, bias,
+                              hidden_block, dtype, fp32_precision) -> Constants:
+    meta = owned_tile_meta(cfg, dtype, fp32_precision)
+    meta["BLOCK_E"] = meta.pop("BLOCK_T")
+    return constants(
+        PER_QUERY_DOCS=per_query, NORMALIZE=normalize, NEED_Q=need_q, NEED_H=need_h,
+        NEED_W=need_w, HIDDEN_BIAS=bias, HIDDEN_BLOCK=hidden_block, **meta,
+    )
+
+
+def _hidden_tiles(plan, Q, H, chunk, need_q, normalize):
+    """The token tile kernels' run of one chunk of columns (its ``grad_Q``, fp32, where
+    needed), with the buffers they share across chunks: ``P`` and its inverse norms for the
+    gather, the winner index."""
+    Nq, Lq, dim = Q.shape
+    Ncols, Ld = H.shape[-3], H.shape[-2]
+    per_query = H.dim() == 4
+    groups = Nq if per_query else 1
+    dev, dtype = Q.device, H.dtype
+    rows_numel = groups * chunk * Ld
+    P_flat = empty((rows_numel * dim,), dtype, dev) if need_q else None
+    inv_flat = empty((rows_numel,), torch.float32, dev) if need_q and normalize else None
+    q_inv = torch.ones((Nq, Lq), dtype=torch.float32, device=dev) if need_q and normalize else None
+    index = None
+    if plan.winner_index:
+        index = _winner_index_buffers(Q, chunk, cdiv(Ld, plan.tiles.block_t),
+                                      plan.index_row_dtype)
+
+    def run(plan, fp32_precision, grad_scores, Q, argmax, H, W, b, grad_h, tok, grad_p, c0, n,
+            normalize, need_q, need_h, need_w):
+        rows, counts = _winner_index(plan, argmax, c0, n, index) if index else (None, None)
+        lead = (groups, n, Ld) if per_query else (n, Ld)
+        P, p_inv = _rows_view(P_flat, lead, dim), _rows_view(inv_flat, lead, 0)
+        _launch_hidden_rows(plan, fp32_precision, grad_scores, Q, argmax, rows, counts, H, W, b,
+                            grad_h, tok, grad_p, P, p_inv, c0, n, normalize, need_q, need_h)
+        if not need_q:
+            return None
+        args = argmax if n == Ncols else argmax[:, c0:c0 + n].contiguous()
+        part = empty(Q.shape, torch.float32, dev)
+        _launch_gather(plan.tiles, grad_scores[:, c0:c0 + n], Q, P, args, q_inv, p_inv,
+                       per_query, 0, n, 1, part, None, plan.gather_step)
+        return part
+
+    return run
 
 
 def _rows_view(flat: Tensor | None, lead: tuple, width: int) -> Tensor | None:
@@ -516,7 +596,7 @@ def _rows_view(flat: Tensor | None, lead: tuple, width: int) -> Tensor | None:
 
 
 def _launch_hidden_rows(plan, fp32_precision, grad_scores, Q, argmax, rows, counts, H, W, b,
-                        grad_h, won, grad_p, P, p_inv, col_base, n_cols, normalize, need_q,
+                        grad_h, tok, grad_p, P, p_inv, col_base, n_cols, normalize, need_q,
                         need_h) -> None:
     cfg = plan.tiles
     Nq, Lq, dim = Q.shape
@@ -530,7 +610,7 @@ def _launch_hidden_rows(plan, fp32_precision, grad_scores, Q, argmax, rows, coun
          cdiv(cdiv(Ld, cfg.block_t), tiles_per_program)),
         (
             grad_scores, Q, argmax, argmax if rows is None else rows,
-            argmax if counts is None else counts, H, W, H if b is None else b, gh, won, grad_p,
+            argmax if counts is None else counts, H, W, H if b is None else b, gh, tok, grad_p,
             H if P is None else P, H if p_inv is None else p_inv, Nq, Ncols, n_cols, Lq, Ld,
             dim, d_model, tiles_per_program, col_base,
             *grad_scores.stride(), *Q.stride(), *doc_strides(H, per_query)[:3],
@@ -555,15 +635,14 @@ def _hidden_rows_constants(cfg, per_query, rows_in_one_block, winner_index, norm
     )
 
 
-def _launch_hidden_weight(plan, fp32_precision, won, grad_p, H, part_w, part_b, col_base,
+def _launch_hidden_weight(plan, fp32_precision, tok, grad_p, H, part_w, part_b, col_base,
                           n_cols, need_b) -> None:
-    Ld, dim, d_model = H.shape[-2], grad_p.shape[-1], H.shape[-1]
-    groups = grad_p.shape[0] if H.dim() == 4 else 1
+    col_rows, dim, d_model = grad_p.shape[-2], grad_p.shape[-1], H.shape[-1]
     block_t, block_c, warps, stages = plan.weight_tiles
     per_query = H.dim() == 4
     launcher(_hidden_bwd_weight_kernel)(
         (cdiv(d_model, block_c), plan.weight_groups),
-        (won, grad_p, H, part_w, part_b, groups * n_cols * Ld, n_cols, Ld, dim, d_model, col_base,
+        (tok, grad_p, H, part_w, part_b, tok.numel(), n_cols, col_rows, dim, d_model, col_base,
          *doc_strides(H, per_query)[:3], H.stride(-1)),
         _hidden_weight_constants(need_b, col_base > 0, block_t, block_c, plan.tiles.block_k,
                                  warps, stages, H.dtype, fp32_precision),
