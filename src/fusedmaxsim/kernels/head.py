@@ -192,7 +192,7 @@ def _hidden_bwd_entries_kernel(
     o_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     ent = (Grad, Q, Argmax, i_grp, i_col, Lq, n_entries, stride_g_seq, stride_g_col,
            stride_q_seq, stride_q_tok, stride_q_dim, stride_a_seq, stride_a_col, stride_a_tok)
-    tok, g, i_q, i_s, _ = _entries(ent, o_e, o_k, m_k, PER_QUERY_DOCS)
+    tok, g, i_q, i_s, _own = _entries(ent, o_e, o_k, m_k, PER_QUERY_DOCS)
     won = tok >= 0
     # The upstream gradient of each entry's row: the g · Q of every entry of the document that
     # won the same row, summed (a one-hot product, fp32); the row's first entry leads it.
@@ -200,7 +200,7 @@ def _hidden_bwd_entries_kernel(
     lead = won
     for e0 in range(0, n_entries, BLOCK_E):
         o_f = e0 + tl.arange(0, BLOCK_E)
-        tok_f, _, _, _, u_f = _entries(ent, o_f, o_k, m_k, PER_QUERY_DOCS)
+        tok_f, _g, _q, _s, u_f = _entries(ent, o_f, o_k, m_k, PER_QUERY_DOCS)
         same = (tok[:, None] == tok_f[None, :]) & (tok_f >= 0)[None, :]
         up += tl.dot(same.to(tl.float32), u_f, input_precision="ieee")
         lead &= tl.sum((same & (o_f[None, :] < o_e[:, None])).to(tl.int32), axis=1) == 0
