@@ -447,9 +447,9 @@ def backward_hidden(plan: BackwardPlan, fp32_precision: str, grad_scores: Tensor
 
     ``plan.hidden_cols`` columns at a time, by the plan's kernel:
 
-    * ``"entries"``: the entries kernel writes every row of ``grad_H`` (zeros where no entry
-      won), each entry's ``g · P̂`` (summed over the chunk's columns into ``grad_Q``) and the
-      leading entries' ``grad_P`` and tokens;
+    * ``"entries"``: the entries kernel writes the winning rows of ``grad_H`` (zeroed first),
+      each entry's ``g · P̂`` (summed over the chunk's columns into ``grad_Q``) and the leading
+      entries' ``grad_P`` and tokens;
     * ``"tiles"``: the rows kernel (through the chunk's winner index where the plan says so)
       writes every row of ``grad_H`` and the chunk's winning rows with their ``grad_P`` (and
       ``P`` with its inverse norms, from which the gather kernel adds the chunk's ``grad_Q``).
@@ -470,7 +470,9 @@ def backward_hidden(plan: BackwardPlan, fp32_precision: str, grad_scores: Tensor
     by_entry = plan.kernel == "entries"
     chunk = min(plan.hidden_cols, Ncols)
     n_chunks = cdiv(Ncols, chunk)
-    grad_h = empty(H.shape, dtype, dev) if need_h else None  # every row written once
+    grad_h = None
+    if need_h:  # the entries kernel writes the winning rows only
+        grad_h = (torch.zeros if by_entry else empty)(H.shape, dtype=dtype, device=dev)
     # A chunk's buffer rows: a token tile kernel's every row of its columns, the entries
     # kernel's (query, query token) entries of each column.
     col_rows = (Lq if per_query else Nq * Lq) if by_entry else Ld
@@ -527,8 +529,7 @@ def _hidden_entries(plan, fp32_precision, grad_scores, Q, argmax, H, W, b, grad_
         (groups * n_cols, cdiv(n_entries, cfg.block_t)),
         (
             grad_scores, Q, argmax, H, W, H if b is None else b, gh,
-            tok, grad_p, shares if need_q else H, n_cols, Lq, H.shape[-2], dim, d_model,
-            n_entries, col_base,
+            tok, grad_p, shares if need_q else H, n_cols, Lq, dim, d_model, n_entries, col_base,
             *grad_scores.stride(), *Q.stride(), *argmax.stride(),
             *doc_strides(H, per_query)[:3], H.stride(-1), *W.stride(),
             *doc_strides(gh, per_query)[:3],

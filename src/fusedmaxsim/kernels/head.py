@@ -30,9 +30,9 @@ Grid mapping
   the document's entry blocks, fp32) and marks the first such entry the row's leader; projects
   the entries' winning rows (``_hidden_tile`` over the argmax), applies the Jacobian, and
   writes: each entry's ``g · P̂`` (fp32, ``[Nq, n_cols, Lq, dim]``, summed over the columns
-  for ``grad_Q`` by the launcher), the leaders' rows of ``grad_H`` and zeros in the rows no
-  entry won (each row has one writer), and the leaders' ``grad_P`` and token (-1 for the
-  others) into the entries' buffers for the weight kernel.
+  for ``grad_Q`` by the launcher), the leaders' rows of ``grad_H`` (zeroed by the launcher:
+  each row has one writer) and their ``grad_P`` and token (-1 for the others) into the
+  entries' buffers for the weight kernel.
 * ``_hidden_bwd_rows_kernel``: the document-owned ``grad_D`` kernel's mapping (program = group
   and column, ``tiles_per_program`` token tiles; through the winner index on the cross
   product), which builds ``G`` for a ``BLOCK_T``-token tile with :func:`backward._dd_tile`; then,
@@ -157,10 +157,10 @@ def _hidden_bwd_rows_kernel(
                 _zero_rows(p_gh, stride_gh_tok, o_t, m_t, d_model, HIDDEN_BLOCK)
 
 
-@triton.jit(do_not_specialize=["n_cols", "Lq", "Ld", "d_model", "n_entries", "col_base"])
+@triton.jit(do_not_specialize=["n_cols", "Lq", "d_model", "n_entries", "col_base"])
 def _hidden_bwd_entries_kernel(
     Grad, Q, Argmax, H, W, Bias, GradH, Tok, GradP, GradQ,
-    n_cols, Lq, Ld, dim, d_model, n_entries, col_base,
+    n_cols, Lq, dim, d_model, n_entries, col_base,
     stride_g_seq, stride_g_col, stride_q_seq, stride_q_tok, stride_q_dim,
     stride_a_seq, stride_a_col, stride_a_tok,
     stride_h_grp, stride_h_col, stride_h_tok, stride_h_dim, stride_w_out, stride_w_in,
@@ -180,11 +180,9 @@ def _hidden_bwd_entries_kernel(
     """For ``BLOCK_E`` of a document's ``n_entries`` (query, query token) entries (column
     ``col_base + pid % n_cols``): with ``NEED_Q`` every entry's ``g · P̂`` of its winning row
     into ``GradQ [Nq, n_cols, Lq, dim]`` (fp32, 0 where it won nothing); for the first entry of
-    each winning row (its leader) with ``NEED_H`` the row of ``grad_H``, with ``NEED_W`` its
-    ``grad_P`` and token into the entries' buffers ``[groups, n_cols, n_entries, ..]`` (``Tok``
-    -1 where the entry leads nothing). With ``NEED_H`` the document's rows that no entry won
-    are set to zero, ``BLOCK_E`` tokens a tile, the tiles dealt to its entry blocks' programs:
-    every row of ``grad_H`` is written once."""
+    each winning row (its leader) with ``NEED_H`` the row of ``grad_H`` (zero elsewhere: the
+    launcher's), with ``NEED_W`` its ``grad_P`` and token into the entries' buffers
+    ``[groups, n_cols, n_entries, ..]`` (``Tok`` -1 where the entry leads nothing)."""
     pid = tl.program_id(0)
     i_loc = pid % n_cols
     i_grp = (pid // n_cols).to(tl.int64) if PER_QUERY_DOCS else 0
@@ -228,14 +226,6 @@ def _hidden_bwd_entries_kernel(
         p_gh = GradH + i_grp * stride_gh_grp + i_col * stride_gh_col
         _grad_h_rows(grad_p, W, stride_w_out, stride_w_in, p_gh, stride_gh_tok, row, lead, o_k,
                      m_k, d_model, HIDDEN_BLOCK, DOT_PRECISION, UPCAST)
-        for i_z in range(tl.program_id(1), tl.cdiv(Ld, BLOCK_E), tl.num_programs(1)):
-            o_t = i_z * BLOCK_E + tl.arange(0, BLOCK_E)
-            hits = tl.zeros([BLOCK_E], tl.int32)
-            for e0 in range(0, n_entries, BLOCK_E):
-                tok_z = _entry_tokens(ent, e0 + tl.arange(0, BLOCK_E), PER_QUERY_DOCS)
-                hits += tl.sum((o_t[:, None] == tok_z[None, :]).to(tl.int32), axis=1)
-            _zero_rows(p_gh, stride_gh_tok, o_t, (o_t < Ld) & (hits == 0), d_model,
-                       HIDDEN_BLOCK)
     if NEED_W:
         o_row = ((i_grp * n_cols + i_loc) * n_entries + o_e).to(tl.int64)
         tl.store(Tok + o_row, tl.where(lead, tok, -1).to(tl.int32), mask=m_e)
@@ -251,26 +241,17 @@ def _entries(ent, o_e, o_k, m_k, PER_QUERY_DOCS: tl.constexpr):
     group's query's token ``e``."""
     (Grad, Q, Argmax, i_grp, i_col, Lq, n_entries, stride_g_seq, stride_g_col, stride_q_seq,
      stride_q_tok, stride_q_dim, stride_a_seq, stride_a_col, stride_a_tok) = ent
-    tok = _entry_tokens(ent, o_e, PER_QUERY_DOCS)
+    m_e = o_e < n_entries
     i_q = o_e * 0 + i_grp if PER_QUERY_DOCS else o_e // Lq
     i_s = o_e % Lq
+    tok = tl.load(Argmax + i_q * stride_a_seq + i_col * stride_a_col + i_s * stride_a_tok,
+                  mask=m_e, other=-1).to(tl.int32)
     won = tok >= 0
     g = tl.load(Grad + i_q * stride_g_seq + i_col * stride_g_col, mask=won, other=0.0)
     g = g.to(tl.float32)
     p_q = Q + (i_q * stride_q_seq + i_s * stride_q_tok)[:, None] + o_k[None, :] * stride_q_dim
     q = tl.load(p_q, mask=won[:, None] & m_k[None, :], other=0.0)
     return tok, g, i_q, i_s, g[:, None] * q.to(tl.float32)
-
-
-@triton.jit
-def _entry_tokens(ent, o_e, PER_QUERY_DOCS: tl.constexpr):
-    """The tokens that entries ``o_e`` of a document won (-1: none, or past ``n_entries``)."""
-    (Grad, Q, Argmax, i_grp, i_col, Lq, n_entries, stride_g_seq, stride_g_col, stride_q_seq,
-     stride_q_tok, stride_q_dim, stride_a_seq, stride_a_col, stride_a_tok) = ent
-    i_q = o_e * 0 + i_grp if PER_QUERY_DOCS else o_e // Lq
-    i_s = o_e % Lq
-    return tl.load(Argmax + i_q * stride_a_seq + i_col * stride_a_col + i_s * stride_a_tok,
-                   mask=o_e < n_entries, other=-1).to(tl.int32)
 
 
 @triton.jit
