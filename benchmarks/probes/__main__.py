@@ -70,6 +70,7 @@ SECTIONS = {
     "hidden_tiles": ("hidden", "hidden_tiles"),
     "hidden_step": ("hidden", "hidden_step_profile"),
     "head_backward": ("hidden", "head_backward"),
+    "head_host": ("hidden", "head_host"),
     "residual_tiles": ("plaid", "residual_tiles"),
     "residual_profile": ("plaid", "residual_profile"),
     "approx_tiles": ("plaid", "approx_tiles"),

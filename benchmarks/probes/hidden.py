@@ -142,3 +142,34 @@ def head_backward():
                                         max_name_column_width=50), flush=True)
         del leaves, scores
         torch.cuda.empty_cache()
+
+
+def head_host():
+    """Where a training step's host time goes at two host-bound shapes: wall ms of the step
+    and of its forward, then ``cProfile`` of 200 steps (the functions by own time)."""
+    import cProfile
+    import pstats
+
+    for name, shape in (("lateon-B4-Ld300", (4, 16, 32, 300, 768, 128)),
+                        ("lateon-code-Nd256-Ld1k", SHAPES["lateon-code-Nd256-Ld1k"])):
+        leaves = _inputs(*shape, grad=True)
+
+        def step():
+            for t in leaves:
+                t.grad = None
+            maxsim_from_hidden(*leaves).sum().backward()
+
+        fwd = do_bench(lambda: maxsim_from_hidden(*leaves))
+        print(f"{name}: step {do_bench(step):.3f} ms, forward {fwd:.3f} ms", flush=True)
+        for _ in range(20):
+            step()
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(200):
+            step()
+        torch.cuda.synchronize()
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(28)
+        del leaves
+        torch.cuda.empty_cache()
