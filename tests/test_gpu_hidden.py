@@ -101,6 +101,25 @@ def test_triton_backward_in_chunks_through_the_index_on_cuda(layout, kernel):
             assert err <= BOUNDS[torch.bfloat16][1], (name, which, err)
 
 
+@pytest.mark.parametrize("kernel", ["entries", "tiles"])
+def test_triton_backwards_with_wide_rows_on_cuda(kernel):
+    """d = 256 and 512 (the entries kernel holds fewer entries a program): bf16 gradients within
+    the bound of the float64 chain."""
+    for d in (256, 512):
+        Q, H, W, b = _inputs("cross", torch.bfloat16, Nq=3, Lq=40, Nd=4, Ld=300, d=d,
+                             d_model=384)
+        leaves = [t.detach().requires_grad_() for t in (Q, H, W, b)]
+        refs = [t.detach().double().requires_grad_() for t in (Q, H, W, b)]
+        with forced_plan(hidden_bwd_kernel=kernel):
+            out = maxsim_from_hidden(*leaves)
+            grad = torch.randn_like(out)
+            out.backward(grad)
+        _chain(*refs, None, None, True).backward(grad.double())
+        for name, a, r in zip("QHWb", leaves, refs):
+            err = relative_error_fro(a.grad, r.grad)
+            assert err <= BOUNDS[torch.bfloat16][1], (d, name, err)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_inference_matches_unfused_and_long_inputs(dtype):
     """A long query (several query chunks), d_model not a multiple of the kernel's step, no

@@ -71,6 +71,7 @@ SECTIONS = {
     "hidden_step": ("hidden", "hidden_step_profile"),
     "head_backward": ("hidden", "head_backward"),
     "head_host": ("hidden", "head_host"),
+    "zero_fill": ("hidden", "zero_fill"),
     "residual_tiles": ("plaid", "residual_tiles"),
     "residual_profile": ("plaid", "residual_profile"),
     "approx_tiles": ("plaid", "approx_tiles"),

@@ -173,3 +173,20 @@ def head_host():
         pstats.Stats(prof).sort_stats("tottime").print_stats(28)
         del leaves
         torch.cuda.empty_cache()
+
+
+def zero_fill():
+    """``grad_H``'s zeros (bf16, the long-document shapes' sizes): ``torch.zeros`` against the
+    same bytes zeroed through a 4- or 8-byte view (wider stores a thread), ms and TB/s."""
+    for name, (Nq, Nd, Lq, Ld, d_model, d) in SHAPES.items():
+        shape = (Nd, Ld, d_model)
+        numel = Nd * Ld * d_model
+        ways = {"torch.zeros": lambda: torch.zeros(shape, dtype=torch.bfloat16, device="cuda"),
+                "int32 view": lambda: torch.empty(shape, dtype=torch.bfloat16, device="cuda")
+                .view(torch.int32).zero_(),
+                "int64 view": lambda: torch.empty(shape, dtype=torch.bfloat16, device="cuda")
+                .view(torch.int64).zero_()}
+        for way, fn in ways.items():
+            ms = do_bench(fn)
+            print(f"{name} ({numel * 2 / 1e9:.2f} GB) {way}: {ms:.3f} ms, "
+                  f"{numel * 2 / ms / 1e9:.2f} TB/s", flush=True)

@@ -1148,9 +1148,12 @@ def _plan_hidden_backward(p: Problem, o: Options, need_q: bool, mixed: bool) -> 
     if kernel == "entries":
         # One program a document's block of entries; the buffers hold an entry's token and
         # grad_P, and for grad_Q its g · P̂ in fp32.
+        # Wider rows than 128 hold proportionally fewer entries (the fp32 sums of a block's
+        # rows stay within the registers of d = 128).
         block_e, warps, stages = _measured("HIDDEN_ENTRY_TILES")
-        tiles = BwdConfig(0, min(block_e, max(16, pow2(entries))), 0, block_k_for(p.dim),
-                          warps, stages)
+        block_k = block_k_for(p.dim)
+        block_e = max(16, block_e * 128 // max(block_k, 128))
+        tiles = BwdConfig(0, min(block_e, max(16, pow2(entries))), 0, block_k, warps, stages)
         base = BackwardPlan("entries", "lowmem", tiles)
         col_rows = entries
         column_bytes = groups * entries * (4 + p.dim * (p.dtype.itemsize + (4 if need_q else 0)))

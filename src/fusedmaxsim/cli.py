@@ -155,7 +155,7 @@ def _check_hidden(dtype, normalize, device):
     from .head import maxsim_from_hidden
     from .reference import maxsim_ref
 
-    Nq, Lq, Nd, Ld, dim, d_model = 3, 37, 5, 53, 96, 200
+    Nq, Lq, Nd, Ld, dim, d_model = 3, 37, 5, 131, 96, 200  # entries fewer than tokens
     inputs = [torch.randn(Nq, Lq, dim), torch.randn(Nd, Ld, d_model),
               torch.randn(dim, d_model) / d_model**0.5, torch.randn(dim) * 0.1]
     leaves = [t.to(device=device, dtype=dtype).requires_grad_() for t in inputs]
@@ -267,7 +267,7 @@ def run_check(device: str, as_json: bool = False, triton: bool = False,
     cases += [("residual", dtype, "-", normalize) for dtype in dtypes for normalize in (False,
                                                                                        True)]
     cases += [("approx", dtype, "-", False) for dtype in dtypes]
-    # The projection head: the plan's backward (its Triton kernels at this shape on the GPU,
+    # The projection head: the plan's backward (its entries kernel at this shape on the GPU,
     # the closed form on the PyTorch path).
     cases += [("hidden", dtype, "-", normalize) for dtype in dtypes for normalize in (False, True)]
     interpreted = triton and not on_gpu

@@ -8,9 +8,11 @@ without the caller writing the projected documents: where the planner finds it c
 Triton kernel projects each document tile on chip and never writes the projection at all;
 elsewhere the projection is written once (``d / d_model`` of the hidden states' bytes) and
 scored by the dense kernels. The backward works from the saved argmax: only the (document,
-token) rows that won a max receive gradient, and their projection is recomputed, not saved: by
-two Triton kernels where the queries meet many of a document's tokens, by a PyTorch closed form
-elsewhere. ``docs/design.md`` ("Fused projection head") says which route runs where.
+token) rows that won a max receive gradient, and their projection is recomputed, not saved: on
+the Triton backend by one program a document's (query, query token) entries where those are
+fewer than its tokens, by token tiles where the queries meet most of them; by a PyTorch closed
+form on the PyTorch path. ``docs/design.md`` ("Fused projection head") says which route runs
+where.
 
 Semantics are ``maxsim``'s (``fusedmaxsim.api``): masks, ties (lowest token wins), empty
 documents, NaN, fp32 scores accumulated in fp32. The projection is rounded to ``H_d``'s dtype as
