@@ -44,6 +44,7 @@ from .runtime import (
     owned_tile_meta,
     smooth_scales,
     upcast,
+    zeros,
 )
 
 __all__ = ["backward_dense", "backward_hidden", "backward_packed", "backward_smooth",
@@ -472,7 +473,7 @@ def backward_hidden(plan: BackwardPlan, fp32_precision: str, grad_scores: Tensor
     n_chunks = cdiv(Ncols, chunk)
     grad_h = None
     if need_h:  # the entries kernel writes the winning rows only
-        grad_h = (torch.zeros if by_entry else empty)(H.shape, dtype=dtype, device=dev)
+        grad_h = (zeros if by_entry else empty)(H.shape, dtype, dev)
     # A chunk's buffer rows: a token tile kernel's every row of its columns, the entries
     # kernel's (query, query token) entries of each column.
     col_rows = (Lq if per_query else Nq * Lq) if by_entry else Ld

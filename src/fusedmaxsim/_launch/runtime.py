@@ -40,6 +40,17 @@ def empty(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
     return out
 
 
+def zeros(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``torch.zeros``, its bytes zeroed through an int32 view where their count allows: 16-bit
+    zeros filled at 3.3-3.4 TB/s on the H200, the same bytes as int32 at 4.5-4.7 (probe
+    ``zero_fill``, NOTES §71)."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if out.numel() * out.element_size() % 4:
+        return out.zero_()
+    out.view(-1).view(torch.int32).zero_()
+    return out
+
+
 _NO_ARGMAX: dict = {}
 
 
