@@ -840,9 +840,9 @@ def plan_forward(p: Problem, o: Options) -> ForwardPlan:
 class BackwardPlan:
     """How a backward runs. ``kernel``: ``"torch"``, ``"triton"`` or ``"smooth"`` (the smooth
     max's recomputing kernel); the projection head's: ``"entries"``, ``"tiles"`` or
-    ``"torch"`` (``plan_hidden_backward``). ``strategy``: ``"unified"`` (gather + fp32 atomics for grad_D) or
-    ``"lowmem"`` (row-owned grad_Q, document-owned grad_D). The rest says how the Triton
-    backward is split and chunked; see :func:`plan_backward`."""
+    ``"torch"`` (``plan_hidden_backward``). ``strategy``: ``"unified"`` (gather + fp32 atomics
+    for grad_D) or ``"lowmem"`` (row-owned grad_Q, document-owned grad_D). The rest says how
+    the Triton backward is split and chunked; see :func:`plan_backward`."""
 
     kernel: str
     strategy: str
@@ -1227,9 +1227,9 @@ def plan_hidden_backward(p: Problem, o: Options, need_q: bool, mixed: bool) -> B
     query tokens are fewer than its tokens / ``HIDDEN_BWD_ENTRY_SHARE``, else ``"tiles"`` (the
     document-owned backward's plan for the projected documents with the head's tiles); both
     with columns a chunk within the buffers' budget and grad_W's partials. Otherwise the
-    PyTorch closed form (``_torch_path.hidden_bwd_torch``: a chunk of documents with fewer (query, token) entries
-    than document rows recomputes each entry's winner, otherwise every row; chunks within
-    ``o.torch_block_bytes``). Cached; design.md "Fused projection head"."""
+    PyTorch closed form (``_torch_path.hidden_bwd_torch``: a chunk of documents with fewer
+    (query, token) entries than document rows recomputes each entry's winner, otherwise every
+    row; chunks within ``o.torch_block_bytes``). Cached; design.md "Fused projection head"."""
     return _cached(_backward_plans, ("hidden", p, o, need_q, mixed), p, _plan_hidden_backward,
                    p, o, need_q, mixed)
 

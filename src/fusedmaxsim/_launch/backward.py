@@ -553,9 +553,9 @@ def _hidden_entries_constants(cfg, per_query, normalize, need_q, need_h, need_w,
 
 
 def _hidden_tiles(plan, Q, H, chunk, need_q, normalize):
-    """The token tile kernels' run of one chunk of columns (its ``grad_Q``, fp32, where
-    needed), with the buffers they share across chunks: ``P`` and its inverse norms for the
-    gather, the winner index."""
+    """The token tile kernels' run of one chunk of columns (its ``grad_Q`` where needed: in Q's
+    dtype for a single chunk, else fp32), with the buffers they share across chunks: ``P`` and
+    its inverse norms for the gather, the winner index."""
     Nq, Lq, dim = Q.shape
     Ncols, Ld = H.shape[-3], H.shape[-2]
     per_query = H.dim() == 4
@@ -580,7 +580,8 @@ def _hidden_tiles(plan, Q, H, chunk, need_q, normalize):
         if not need_q:
             return None
         args = argmax if n == Ncols else argmax[:, c0:c0 + n].contiguous()
-        part = empty(Q.shape, torch.float32, dev)
+        # One chunk: grad_Q written in Q's dtype; several: fp32 parts to be summed.
+        part = empty(Q.shape, Q.dtype if n == Ncols else torch.float32, dev)
         _launch_gather(plan.tiles, grad_scores[:, c0:c0 + n], Q, P, args, q_inv, p_inv,
                        per_query, 0, n, 1, part, None, plan.gather_step)
         return part
