@@ -354,7 +354,6 @@ def _doc_max(
     RESIDUAL_NBITS: tl.constexpr = 0,
     HIDDEN_BLOCK: tl.constexpr = 0,
     HIDDEN_BIAS: tl.constexpr = False,
-    FLATTEN: tl.constexpr = False,
 ):
     """The MaxSim inner loop: max (and lowest argmax) of ``b_q``'s rows over document tokens
     ``[t_lo, t_hi)``. Every layout calls this one loop.
@@ -371,9 +370,7 @@ def _doc_max(
     document tiles. ``RESIDUAL_NBITS``: the document is a PLAID one, decompressed tile by tile
     (:func:`_residual_tile`, with ``res``); ``HIDDEN_BLOCK``: the document is hidden
     states, projected tile by tile (:func:`_hidden_tile`, with ``res``, the bias with
-    ``HIDDEN_BIAS``); both 0 (dense documents) leave ``res`` unread. ``FLATTEN``: the compiler
-    fuses the tile loop with the projection's loop inside it into one pipelined loop, so the
-    next tile's loads are in flight while a tile is scored.
+    ``HIDDEN_BIAS``); both 0 (dense documents) leave ``res`` unread.
     """
     if QUERY_IN_REGISTERS and not UPCAST:
         b_q = _in_product_layout(b_q)
@@ -382,14 +379,14 @@ def _doc_max(
             b_q, p_doc, stride_doc_tok, stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv,
             stride_dinv_tok, t_lo, t_hi, o_k, m_k, smooth_scale, res, EVEN_K, False, NORMALIZE,
             NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST,
-            RESIDUAL_NBITS, HIDDEN_BLOCK, HIDDEN_BIAS, FLATTEN,
+            RESIDUAL_NBITS, HIDDEN_BLOCK, HIDDEN_BIAS,
         )
     else:
         row_max, row_arg = _doc_loop(
             b_q, p_doc, stride_doc_tok, stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv,
             stride_dinv_tok, t_lo, t_hi, o_k, m_k, smooth_scale, res, EVEN_K, True, NORMALIZE,
             NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST,
-            RESIDUAL_NBITS, HIDDEN_BLOCK, HIDDEN_BIAS, FLATTEN,
+            RESIDUAL_NBITS, HIDDEN_BLOCK, HIDDEN_BIAS,
         )
     return row_max, row_arg
 
@@ -423,7 +420,6 @@ def _doc_loop(
     RESIDUAL_NBITS: tl.constexpr,
     HIDDEN_BLOCK: tl.constexpr = 0,
     HIDDEN_BIAS: tl.constexpr = False,
-    FLATTEN: tl.constexpr = False,
 ):
     """:func:`_doc_max`'s tile loop for one masking mode."""
     if SMOOTH:
@@ -433,7 +429,7 @@ def _doc_loop(
     acc_arg = tl.full([BLOCK_M, BLOCK_N], -1, tl.int32)
     run_sum = tl.zeros([BLOCK_M], tl.float32)
     t_full = t_lo + (t_hi - t_lo) // BLOCK_N * BLOCK_N
-    for start in tl.range(t_lo, t_full, BLOCK_N, flatten=FLATTEN):
+    for start in range(t_lo, t_full, BLOCK_N):
         acc_max, acc_arg, run_sum = _doc_tile(
             b_q, acc_max, acc_arg, run_sum, smooth_scale, start, t_hi, p_doc, stride_doc_tok,
             stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv, stride_dinv_tok, o_k, m_k, res,
