@@ -18,6 +18,11 @@ SHAPES = {  # name: (Nq, Nd, Lq, Ld, d_model, d)
     "lateon-code-Nd256-Ld1k": (2, 256, 32, 1024, 768, 128),
     "lateon-code-Nd1024-Ld2k": (1, 1024, 32, 2048, 768, 128),
 }
+# Shapes timed at the best tiles of the sweep only.
+MORE_SHAPES = {
+    "lateon-code-Nd512-Ld2k": (1, 512, 32, 2048, 768, 128),
+    "lateon-code-edge-Nd256-Ld4k": (2, 256, 32, 4096, 384, 96),
+}
 
 
 def _inputs(Nq, Nd, Lq, Ld, d_model, d, grad=False):
@@ -28,10 +33,31 @@ def _inputs(Nq, Nd, Lq, Ld, d_model, d, grad=False):
     return [t.requires_grad_(grad) for t in (Q, H, W, b)]
 
 
+def _fused_ms(Q, H, W, b, tiles, row_max):
+    """The fused forward's ms at these tiles, or the exception's name."""
+    try:
+        with torch.no_grad(), forced_plan(hidden_route="fused", HIDDEN_TILES=tiles,
+                                          HIDDEN_ROW_MAX=row_max):
+            return do_bench(lambda: maxsim_from_hidden(Q, H, W, b))
+    except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: reported
+        return type(exc).__name__
+
+
 def hidden_tiles():
-    """Fused inference forward (ms) by document tile, split-K step, warps and stages, beside
-    ``F.linear`` alone and the unfused route."""
-    for name, shape in SHAPES.items():
+    """Fused inference forward (ms) by document tile, split-K step, warps, stages and the
+    running max's form (a row's max per tile, or per tile slot: ``row_max`` True / False), beside
+    ``F.linear`` alone, the unfused route and late-interaction-kernels' fused head where it is
+    installed (its autotuned pick printed with ``TRITON_PRINT_AUTOTUNING=1``)."""
+    try:
+        from late_interaction_kernels.fused_head import maxsim_from_hidden as lik_head
+    except ImportError:
+        lik_head = None
+    grid = [((block_n, hb, warps, stages), True) for block_n, hb, warps, stages
+            in itertools.product((32, 64, 128), (32, 64), (4, 8), (2, 3, 4))]
+    grid += [((block_n, hb, 8, stages), False) for block_n, hb, stages
+             in itertools.product((64, 128), (32, 64), (3, 4))]
+    totals = {}
+    for name, shape in {**SHAPES, **MORE_SHAPES}.items():
         Q, H, W, b = _inputs(*shape)
         p = hidden_problem(Q, H, W, b, None, None, normalize=True, save_argmax=False)
         base = plan_forward(p, options_for(Q)).tiles
@@ -39,23 +65,33 @@ def hidden_tiles():
             linear = do_bench(lambda: F.linear(H, W, b))
             with forced_plan(hidden_route="unfused"):
                 unfused = do_bench(lambda: maxsim_from_hidden(Q, H, W, b))
-        print(f"{name}: F.linear {linear:.3f}, unfused {unfused:.3f}; plan {base}", flush=True)
+            lik = (do_bench(lambda: lik_head(Q, H, W, b=b, normalize=True)) if lik_head
+                   else float("nan"))
+        print(f"{name}: F.linear {linear:.3f}, unfused {unfused:.3f}, LIK fused {lik:.3f}; "
+              f"plan {base}", flush=True)
+        if name in SHAPES:
+            configs = grid
+        else:  # the ten best over the sweep's shapes, by their summed ratio to the best
+            configs = sorted(totals, key=totals.get)[:10]
         rows = []
-        for block_n, hb, warps, stages in itertools.product((64, 128), (64, 128), (4, 8),
-                                                            (2, 3)):
-            try:
-                with torch.no_grad(), forced_plan(hidden_route="fused",
-                                                  HIDDEN_TILES=(block_n, hb, warps, stages)):
-                    ms = do_bench(lambda: maxsim_from_hidden(Q, H, W, b))
-            except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: reported
-                print(f"  n{block_n} k{hb} w{warps} s{stages}: {type(exc).__name__}", flush=True)
+        for tiles, row_max in configs:
+            ms = _fused_ms(Q, H, W, b, tiles, row_max)
+            if isinstance(ms, str):
+                print(f"  {tiles} row_max={row_max}: {ms}", flush=True)
+                totals[(tiles, row_max)] = float("inf")
                 continue
-            rows.append((ms, block_n, hb, warps, stages))
+            rows.append((ms, tiles, row_max))
         rows.sort()
-        for ms, block_n, hb, warps, stages in rows[:8] + rows[-2:]:
-            print(f"  n{block_n} k{hb} w{warps} s{stages}: {ms:.3f}", flush=True)
+        if name in SHAPES:
+            for ms, tiles, row_max in rows:
+                totals[(tiles, row_max)] = totals.get((tiles, row_max), 0.0) + ms / rows[0][0]
+        for ms, tiles, row_max in rows[:12] + rows[-2:]:
+            print(f"  {tiles} row_max={row_max}: {ms:.3f}", flush=True)
         del Q, H, W, b
         torch.cuda.empty_cache()
+    print("best over the sweep's shapes (summed ratio to each shape's best):")
+    for key in sorted(totals, key=totals.get)[:10]:
+        print(f"  {key[0]} row_max={key[1]}: {totals[key]:.2f}")
 
 
 def hidden_step_profile():

@@ -107,6 +107,7 @@ MEASURED: dict[str, object] = dict(
     HIDDEN_FUSED_MAX_PASSES=2,
     HIDDEN_FUSED_MAX_BYTES=400 << 20,
     HIDDEN_TILES=(128, 64, 8, 3),
+    HIDDEN_ROW_MAX=False,
     # The head's Triton backwards (design.md "Fused projection head"; NOTES §70, §71): the
     # entries kernel (each (query, query token) entry's winning row projected) where a
     # document's query tokens are fewer than its tokens / HIDDEN_BWD_ENTRY_SHARE, else the token
@@ -445,6 +446,7 @@ class ForwardPlan:
     # projected once into memory, then the dense plan); the fused kernel's d_model step.
     hidden_route: str = ""
     hidden_block: int = 0
+    hidden_row_max: bool = False  # the fused kernel's running max a row's, reduced every tile
     reasons: tuple[str, ...] = ()
 
 
@@ -712,7 +714,7 @@ def _plan_hidden_forward(p: Problem, o: Options) -> ForwardPlan:
     if route == "fused" and o.backend == "torch":
         raise ValueError("hidden_route='fused' needs the Triton backend")
     return ForwardPlan("triton" if route == "fused" else "torch", cfg, hidden_route=route,
-                       hidden_block=hidden_block,
+                       hidden_block=hidden_block, hidden_row_max=_measured("HIDDEN_ROW_MAX"),
                        reasons=tuple(reasons) + (f"tiles: {cfg}",))
 
 
