@@ -68,6 +68,7 @@ SECTIONS = {
     "host_floor": ("host", "host_floor"),
     "cpu_orientation": ("host", "cpu_orientation"),
     "hidden_tiles": ("hidden", "hidden_tiles"),
+    "hidden_compiled": ("hidden", "hidden_compiled"),
     "hidden_step": ("hidden", "hidden_step_profile"),
     "head_backward": ("hidden", "head_backward"),
     "head_host": ("hidden", "head_host"),

@@ -226,3 +226,41 @@ def zero_fill():
             ms = do_bench(fn)
             print(f"{name} ({numel * 2 / 1e9:.2f} GB) {way}: {ms:.3f} ms, "
                   f"{numel * 2 / ms / 1e9:.2f} TB/s", flush=True)
+
+
+def _compiled_stats(label, compiled):
+    """One line on a compiled kernel: registers, spills, shared memory and its PTX's products
+    and copies (``wgmma``: Hopper's warp-group products; ``mma.sync``: the older ones)."""
+    ptx = compiled.asm.get("ptx", "")
+    counts = {k: ptx.count(k) for k in ("wgmma.mma_async", "mma.sync", "cp.async.cg",
+                                        "cp.async.bulk", "ld.global", "bar.sync")}
+    meta = compiled.metadata
+    print(f"  {label}: warps {meta.num_warps}, stages {meta.num_stages}, shared {meta.shared}, "
+          f"regs {compiled.n_regs}, spills {compiled.n_spills}; {counts}", flush=True)
+
+
+def hidden_compiled():
+    """The fused forward's compiled kernels beside LIK's (its autotuned pick) at 1 × 1000 ×
+    300: registers, spills, shared memory, and which products and copies their PTX holds."""
+    from fusedmaxsim._launch.runtime import launcher
+    from fusedmaxsim.kernels.forward import _maxsim_hidden_fwd_kernel
+
+    Q, H, W, b = _inputs(*SHAPES["rerank-1x1000-Ld300"])
+    with torch.no_grad():
+        for tiles, row_max in (((128, 32, 8, 4), False), ((64, 32, 4, 4), True),
+                               ((64, 64, 4, 3), True), ((64, 64, 4, 3), False)):
+            ms = _fused_ms(Q, H, W, b, tiles, row_max)
+            print(f"ours {tiles} row_max={row_max}: {ms}", flush=True)
+        for key, compiled in launcher(_maxsim_hidden_fwd_kernel).compiled.items():
+            _compiled_stats(f"ours {key[1].kwargs.get('BLOCK_N')}/"
+                            f"{key[1].kwargs.get('HIDDEN_BLOCK')}", compiled)
+        try:
+            from late_interaction_kernels import fused_head
+        except ImportError:
+            return
+        ms = do_bench(lambda: fused_head.maxsim_from_hidden(Q, H, W, b=b, normalize=True))
+        print(f"LIK: {ms:.3f}", flush=True)
+        fn = fused_head._fused_head_fwd_kernel.fn
+        for caches in getattr(fn, "device_caches", {}).values():
+            for compiled in caches[0].values():
+                _compiled_stats("LIK", compiled)
