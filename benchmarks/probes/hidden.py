@@ -52,10 +52,8 @@ def hidden_tiles():
         from late_interaction_kernels.fused_head import maxsim_from_hidden as lik_head
     except ImportError:
         lik_head = None
-    grid = [((block_n, hb, warps, stages), True) for block_n, hb, warps, stages
-            in itertools.product((32, 64, 128), (32, 64), (4, 8), (2, 3, 4))]
-    grid += [((block_n, hb, 8, stages), False) for block_n, hb, stages
-             in itertools.product((64, 128), (32, 64), (3, 4))]
+    grid = [((block_n, hb, warps, stages), row_max) for (block_n, warps), hb, stages, row_max
+            in itertools.product(((64, 4), (64, 8), (128, 8)), (32, 64), (3, 4), (True, False))]
     totals = {}
     for name, shape in {**SHAPES, **MORE_SHAPES}.items():
         Q, H, W, b = _inputs(*shape)

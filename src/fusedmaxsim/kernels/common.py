@@ -184,22 +184,26 @@ def _hidden_tile(p_h, stride_h_tok, hid, o_t, m_t, o_k, m_k, HIDDEN_BLOCK: tl.co
     dim, the tail step masked.
     """
     stride_h_dim, W, stride_w_out, stride_w_in, Bias, d_model = hid
-    o_c = tl.arange(0, HIDDEN_BLOCK)
-    # int64 token offsets: H may be a strided view with a large token stride.
-    p_hc = p_h + o_t.to(tl.int64)[:, None] * stride_h_tok + o_c[None, :] * stride_h_dim
-    p_wc = W + o_c[:, None] * stride_w_in + o_k[None, :] * stride_w_out  # Wᵀ, [HIDDEN_BLOCK, d]
+    # int64 token offsets: H may be a strided view with a large token stride. Each step's
+    # addresses come from these offsets and the step's start, not from pointer tiles carried
+    # through the loop: carried, each pipeline stage held its own [BLOCK_N, HIDDEN_BLOCK] of
+    # 64-bit pointers, and the kernel spilled (NOTES §72).
+    o_row = o_t.to(tl.int64)[:, None] * stride_h_tok
+    o_col = o_k[None, :] * stride_w_out
     acc = tl.zeros([o_t.shape[0], o_k.shape[0]], tl.float32)
     c_full = d_model // HIDDEN_BLOCK * HIDDEN_BLOCK
-    for _ in range(0, c_full, HIDDEN_BLOCK):
-        h = tl.load(p_hc, mask=m_t[:, None], other=0.0)
-        w = tl.load(p_wc, mask=m_k[None, :], other=0.0)
-        acc += _dot(h, w, DOT_PRECISION, UPCAST)
-        p_hc += HIDDEN_BLOCK * stride_h_dim
-        p_wc += HIDDEN_BLOCK * stride_w_in
+    for c in range(0, c_full, HIDDEN_BLOCK):
+        o_c = c + tl.arange(0, HIDDEN_BLOCK)
+        h = tl.load(p_h + o_row + o_c[None, :] * stride_h_dim, mask=m_t[:, None], other=0.0)
+        w = tl.load(W + o_c[:, None] * stride_w_in + o_col, mask=m_k[None, :], other=0.0)
+        acc += _dot(h, w, DOT_PRECISION, UPCAST)  # Wᵀ's [HIDDEN_BLOCK, d] step
     if c_full < d_model:
-        m_c = c_full + o_c < d_model
-        h = tl.load(p_hc, mask=m_t[:, None] & m_c[None, :], other=0.0)
-        w = tl.load(p_wc, mask=m_c[:, None] & m_k[None, :], other=0.0)
+        o_c = c_full + tl.arange(0, HIDDEN_BLOCK)
+        m_c = o_c < d_model
+        h = tl.load(p_h + o_row + o_c[None, :] * stride_h_dim, mask=m_t[:, None] & m_c[None, :],
+                    other=0.0)
+        w = tl.load(W + o_c[:, None] * stride_w_in + o_col, mask=m_c[:, None] & m_k[None, :],
+                    other=0.0)
         acc += _dot(h, w, DOT_PRECISION, UPCAST)
     if HIDDEN_BIAS:
         acc += tl.load(Bias + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
