@@ -33,27 +33,25 @@ def _inputs(Nq, Nd, Lq, Ld, d_model, d, grad=False):
     return [t.requires_grad_(grad) for t in (Q, H, W, b)]
 
 
-def _fused_ms(Q, H, W, b, tiles, row_max):
+def _fused_ms(Q, H, W, b, tiles):
     """The fused forward's ms at these tiles, or the exception's name."""
     try:
-        with torch.no_grad(), forced_plan(hidden_route="fused", HIDDEN_TILES=tiles,
-                                          HIDDEN_ROW_MAX=row_max):
+        with torch.no_grad(), forced_plan(hidden_route="fused", HIDDEN_TILES=tiles):
             return do_bench(lambda: maxsim_from_hidden(Q, H, W, b))
     except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: reported
         return type(exc).__name__
 
 
 def hidden_tiles():
-    """Fused inference forward (ms) by document tile, split-K step, warps, stages and the
-    running max's form (a row's max per tile, or per tile slot: ``row_max`` True / False), beside
+    """Fused inference forward (ms) by document tile, split-K step, warps and stages, beside
     ``F.linear`` alone, the unfused route and late-interaction-kernels' fused head where it is
     installed (its autotuned pick printed with ``TRITON_PRINT_AUTOTUNING=1``)."""
     try:
         from late_interaction_kernels.fused_head import maxsim_from_hidden as lik_head
     except ImportError:
         lik_head = None
-    grid = [((block_n, hb, warps, stages), row_max) for (block_n, warps), hb, stages, row_max
-            in itertools.product(((64, 4), (64, 8), (128, 8)), (32, 64), (3, 4), (True, False))]
+    grid = [(block_n, hb, warps, stages) for (block_n, warps), hb, stages
+            in itertools.product(((64, 4), (64, 8), (128, 8)), (32, 64), (2, 3, 4))]
     totals = {}
     for name, shape in {**SHAPES, **MORE_SHAPES}.items():
         Q, H, W, b = _inputs(*shape)
@@ -72,24 +70,24 @@ def hidden_tiles():
         else:  # the ten best over the sweep's shapes, by their summed ratio to the best
             configs = sorted(totals, key=totals.get)[:10]
         rows = []
-        for tiles, row_max in configs:
-            ms = _fused_ms(Q, H, W, b, tiles, row_max)
+        for tiles in configs:
+            ms = _fused_ms(Q, H, W, b, tiles)
             if isinstance(ms, str):
-                print(f"  {tiles} row_max={row_max}: {ms}", flush=True)
-                totals[(tiles, row_max)] = float("inf")
+                print(f"  {tiles}: {ms}", flush=True)
+                totals[tiles] = float("inf")
                 continue
-            rows.append((ms, tiles, row_max))
+            rows.append((ms, tiles))
         rows.sort()
         if name in SHAPES:
-            for ms, tiles, row_max in rows:
-                totals[(tiles, row_max)] = totals.get((tiles, row_max), 0.0) + ms / rows[0][0]
-        for ms, tiles, row_max in rows[:12] + rows[-2:]:
-            print(f"  {tiles} row_max={row_max}: {ms:.3f}", flush=True)
+            for ms, tiles in rows:
+                totals[tiles] = totals.get(tiles, 0.0) + ms / rows[0][0]
+        for ms, tiles in rows[:12] + rows[-2:]:
+            print(f"  {tiles}: {ms:.3f}", flush=True)
         del Q, H, W, b
         torch.cuda.empty_cache()
     print("best over the sweep's shapes (summed ratio to each shape's best):")
-    for key in sorted(totals, key=totals.get)[:10]:
-        print(f"  {key[0]} row_max={key[1]}: {totals[key]:.2f}")
+    for tiles in sorted(totals, key=totals.get)[:10]:
+        print(f"  {tiles}: {totals[tiles]:.2f}")
 
 
 def hidden_step_profile():
@@ -245,10 +243,8 @@ def hidden_compiled():
 
     Q, H, W, b = _inputs(*SHAPES["rerank-1x1000-Ld300"])
     with torch.no_grad():
-        for tiles, row_max in (((128, 32, 8, 4), False), ((64, 32, 4, 4), True),
-                               ((64, 64, 4, 3), True), ((64, 64, 4, 3), False)):
-            ms = _fused_ms(Q, H, W, b, tiles, row_max)
-            print(f"ours {tiles} row_max={row_max}: {ms}", flush=True)
+        for tiles in ((128, 64, 8, 4), (64, 64, 4, 4)):
+            print(f"ours {tiles}: {_fused_ms(Q, H, W, b, tiles)}", flush=True)
         for key, compiled in launcher(_maxsim_hidden_fwd_kernel).compiled.items():
             _compiled_stats(f"ours {key[1].kwargs.get('BLOCK_N')}/"
                             f"{key[1].kwargs.get('HIDDEN_BLOCK')}", compiled)

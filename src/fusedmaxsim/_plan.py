@@ -99,15 +99,15 @@ MEASURED: dict[str, object] = dict(
     # The fused projection head: fused (each document tile projected on chip) while every
     # document tile is projected at most this many times (query blocks × query chunks) and the
     # hidden states hold at most this many bytes; else the documents are projected once into
-    # memory. Up to 403 MB fused ran 1.79-3.35x faster in one run, 0.76-2.52x in another (one
-    # launch against several, whose host time varied); from 461 MB 1.3-1.6x slower (its in-loop
-    # product at about half F.linear's rate; NOTES §61). The fused kernel's
-    # tiles: the best of 16 at two of three shapes (document tile, d_model a split-K step,
-    # warps, stages). design.md "Fused projection head".
+    # memory. Inference, bf16 (NOTES §72): fused 0.157 ms against 0.186 at 403 MB (2 queries),
+    # 0.244 against 0.204 at 461 MB (1 query, 300-token documents), level at 1.6 GB, 1.32
+    # against 1.22 at 3.2 GB; 0.350 against 0.409 at 805 MB with d_model 384, which the rule
+    # leaves unfused. The fused kernel's tiles (document tile, d_model a split-K step, warps,
+    # stages): the best of 18 at three shapes summed, and at three of five alone. design.md
+    # "Fused projection head".
     HIDDEN_FUSED_MAX_PASSES=2,
     HIDDEN_FUSED_MAX_BYTES=400 << 20,
-    HIDDEN_TILES=(128, 64, 8, 3),
-    HIDDEN_ROW_MAX=False,
+    HIDDEN_TILES=(128, 64, 8, 4),
     # The head's Triton backwards (design.md "Fused projection head"; NOTES §70, §71): the
     # entries kernel (each (query, query token) entry's winning row projected) where a
     # document's query tokens are fewer than its tokens / HIDDEN_BWD_ENTRY_SHARE, else the token
@@ -446,7 +446,6 @@ class ForwardPlan:
     # projected once into memory, then the dense plan); the fused kernel's d_model step.
     hidden_route: str = ""
     hidden_block: int = 0
-    hidden_row_max: bool = False  # the fused kernel's running max a row's, reduced every tile
     reasons: tuple[str, ...] = ()
 
 
@@ -714,7 +713,7 @@ def _plan_hidden_forward(p: Problem, o: Options) -> ForwardPlan:
     if route == "fused" and o.backend == "torch":
         raise ValueError("hidden_route='fused' needs the Triton backend")
     return ForwardPlan("triton" if route == "fused" else "torch", cfg, hidden_route=route,
-                       hidden_block=hidden_block, hidden_row_max=_measured("HIDDEN_ROW_MAX"),
+                       hidden_block=hidden_block,
                        reasons=tuple(reasons) + (f"tiles: {cfg}",))
 
 

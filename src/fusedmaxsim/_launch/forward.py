@@ -264,7 +264,7 @@ def forward_hidden(plan: ForwardPlan, p: Problem, fp32_precision: str, Q: Tensor
                     normalize=p.normalize, save_argmax=save_argmax, fp32_precision=fp32_precision)
     meta["UPCAST"] = meta["UPCAST"] or upcast(H.dtype)  # the projection's products too
     consts = constants(PER_QUERY_DOCS=per_query_docs, HIDDEN_BLOCK=hb,
-                       HIDDEN_BIAS=b is not None, ROW_MAX=plan.hidden_row_max, **meta)
+                       HIDDEN_BIAS=b is not None, **meta)
     kernel = launcher(_maxsim_hidden_fwd_kernel)
     qpb = cfg.queries_per_block
 

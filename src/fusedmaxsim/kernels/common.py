@@ -88,7 +88,6 @@ NORM_EPS = tl.constexpr(1e-12)  # F.normalize's default; the launchers pass the 
 # Document-mask bytes read per step by _valid_span; small under the interpreter, so that tiny
 # test documents take several steps.
 MASK_SCAN = tl.constexpr(16 if INTERPRETER else 512)
-NO_SLOT = tl.constexpr(2147483647)  # an argmax no token reaches: no similarity equals the max
 
 
 @triton.jit
@@ -243,7 +242,6 @@ def _doc_tile(
     RESIDUAL_NBITS: tl.constexpr,
     HIDDEN_BLOCK: tl.constexpr = 0,
     HIDDEN_BIAS: tl.constexpr = False,
-    ROW_MAX: tl.constexpr = False,
 ):
     """One document tile folded into the running reduction.
 
@@ -255,9 +253,7 @@ def _doc_tile(
 
     Max: the element-wise running max ``acc_max [BLOCK_M, BLOCK_N]``; keeping the max per
     (row, slot) and reducing over slots once per document costs one max instruction per
-    similarity, against a reduction with shuffles per tile. With ``ROW_MAX`` each tile is
-    reduced to its rows' max and lowest argmax instead (``acc_max``, ``acc_arg [BLOCK_M]``): the
-    registers go to a projected tile (the fused head).
+    similarity, against a reduction with shuffles per tile.
     Smooth max (``SMOOTH``): an online log-sum-exp per row, ``acc_max [BLOCK_M]`` the running max
     and ``run_sum`` the running sum of ``exp2(y - acc_max)``, in log2 units ``y = s · smooth_scale``.
     """
@@ -305,13 +301,6 @@ def _doc_tile(
         base = tl.where(new_max == float("-inf"), 0.0, new_max)  # no valid token yet: no NaN
         run_sum = run_sum * tl.exp2(acc_max - base) + tl.sum(tl.exp2(b_y - base[:, None]), 1)
         acc_max = new_max
-    elif ROW_MAX:
-        tile_max = tl.reduce(b_s, 1, _max_propagate_nan)
-        if TRACK_ARGMAX:
-            # The tile's lowest index among its ties; strict '>' keeps the earliest tile.
-            tile_arg = tl.min(tl.where(b_s == tile_max[:, None], o_t[None, :], NO_SLOT), axis=1)
-            acc_arg = tl.where(tile_max > acc_max, tile_arg, acc_arg)
-        acc_max = tl.maximum(acc_max, tile_max, propagate_nan=tl.PropagateNan.ALL)
     else:
         if TRACK_ARGMAX:
             # Strict '>' keeps the earliest tile per slot: the lowest index among ties.
@@ -369,7 +358,6 @@ def _doc_max(
     RESIDUAL_NBITS: tl.constexpr = 0,
     HIDDEN_BLOCK: tl.constexpr = 0,
     HIDDEN_BIAS: tl.constexpr = False,
-    ROW_MAX: tl.constexpr = False,
 ):
     """The MaxSim inner loop: max (and lowest argmax) of ``b_q``'s rows over document tokens
     ``[t_lo, t_hi)``. Every layout calls this one loop.
@@ -386,8 +374,7 @@ def _doc_max(
     document tiles. ``RESIDUAL_NBITS``: the document is a PLAID one, decompressed tile by tile
     (:func:`_residual_tile`, with ``res``); ``HIDDEN_BLOCK``: the document is hidden
     states, projected tile by tile (:func:`_hidden_tile`, with ``res``, the bias with
-    ``HIDDEN_BIAS``); both 0 (dense documents) leave ``res`` unread. ``ROW_MAX``: the running
-    max a row's, reduced every tile (:func:`_doc_tile`).
+    ``HIDDEN_BIAS``); both 0 (dense documents) leave ``res`` unread.
     """
     if QUERY_IN_REGISTERS and not UPCAST:
         b_q = _in_product_layout(b_q)
@@ -396,14 +383,14 @@ def _doc_max(
             b_q, p_doc, stride_doc_tok, stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv,
             stride_dinv_tok, t_lo, t_hi, o_k, m_k, smooth_scale, res, EVEN_K, False, NORMALIZE,
             NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST,
-            RESIDUAL_NBITS, HIDDEN_BLOCK, HIDDEN_BIAS, ROW_MAX,
+            RESIDUAL_NBITS, HIDDEN_BLOCK, HIDDEN_BIAS,
         )
     else:
         row_max, row_arg = _doc_loop(
             b_q, p_doc, stride_doc_tok, stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv,
             stride_dinv_tok, t_lo, t_hi, o_k, m_k, smooth_scale, res, EVEN_K, True, NORMALIZE,
             NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST,
-            RESIDUAL_NBITS, HIDDEN_BLOCK, HIDDEN_BIAS, ROW_MAX,
+            RESIDUAL_NBITS, HIDDEN_BLOCK, HIDDEN_BIAS,
         )
     return row_max, row_arg
 
@@ -437,17 +424,13 @@ def _doc_loop(
     RESIDUAL_NBITS: tl.constexpr,
     HIDDEN_BLOCK: tl.constexpr = 0,
     HIDDEN_BIAS: tl.constexpr = False,
-    ROW_MAX: tl.constexpr = False,
 ):
     """:func:`_doc_max`'s tile loop for one masking mode."""
-    if SMOOTH or ROW_MAX:
+    if SMOOTH:
         acc_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     else:
         acc_max = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
-    if ROW_MAX:
-        acc_arg = tl.full([BLOCK_M], -1, tl.int32)
-    else:
-        acc_arg = tl.full([BLOCK_M, BLOCK_N], -1, tl.int32)
+    acc_arg = tl.full([BLOCK_M, BLOCK_N], -1, tl.int32)
     run_sum = tl.zeros([BLOCK_M], tl.float32)
     t_full = t_lo + (t_hi - t_lo) // BLOCK_N * BLOCK_N
     for start in range(t_lo, t_full, BLOCK_N):
@@ -455,27 +438,24 @@ def _doc_loop(
             b_q, acc_max, acc_arg, run_sum, smooth_scale, start, t_hi, p_doc, stride_doc_tok,
             stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv, stride_dinv_tok, o_k, m_k, res,
             False, EVEN_K, HAS_D_MASK, NORMALIZE, NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_N,
-            DOT_PRECISION, UPCAST, RESIDUAL_NBITS, HIDDEN_BLOCK, HIDDEN_BIAS, ROW_MAX,
+            DOT_PRECISION, UPCAST, RESIDUAL_NBITS, HIDDEN_BLOCK, HIDDEN_BIAS,
         )
     if t_full < t_hi:
         acc_max, acc_arg, run_sum = _doc_tile(
             b_q, acc_max, acc_arg, run_sum, smooth_scale, t_full, t_hi, p_doc, stride_doc_tok,
             stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv, stride_dinv_tok, o_k, m_k, res,
             True, EVEN_K, HAS_D_MASK, NORMALIZE, NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_N,
-            DOT_PRECISION, UPCAST, RESIDUAL_NBITS, HIDDEN_BLOCK, HIDDEN_BIAS, ROW_MAX,
+            DOT_PRECISION, UPCAST, RESIDUAL_NBITS, HIDDEN_BLOCK, HIDDEN_BIAS,
         )
     row_arg = tl.full([BLOCK_M], -1, tl.int32)
     if SMOOTH:
         row_max = acc_max + tl.log2(run_sum)
-    elif ROW_MAX:
-        row_max = acc_max
-        if TRACK_ARGMAX:  # -1 where no valid token, or NaN (no similarity equals the max)
-            row_arg = tl.where((row_max == float("-inf")) | (row_max != row_max), -1, acc_arg)
     else:
         row_max = tl.reduce(acc_max, 1, _max_propagate_nan)
         if TRACK_ARGMAX:
-            row_arg = tl.min(tl.where(acc_max == row_max[:, None], acc_arg, NO_SLOT), axis=1)
-            row_arg = tl.where((row_arg == NO_SLOT) | (row_max == float("-inf")), -1, row_arg)
+            no_slot = 2147483647
+            row_arg = tl.min(tl.where(acc_max == row_max[:, None], acc_arg, no_slot), axis=1)
+            row_arg = tl.where((row_arg == no_slot) | (row_max == float("-inf")), -1, row_arg)
     return row_max, row_arg
 
 

@@ -314,7 +314,6 @@ def _maxsim_hidden_fwd_kernel(
     QUERY_IN_REGISTERS: tl.constexpr,
     HIDDEN_BLOCK: tl.constexpr,
     HIDDEN_BIAS: tl.constexpr,
-    ROW_MAX: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = LQ_TILE * QUERIES_PER_BLOCK
     i_col = tl.program_id(0).to(tl.int64)
@@ -347,7 +346,7 @@ def _maxsim_hidden_fwd_kernel(
             b_q, p_doc, stride_h_tok, 0, p_dmask, 1, p_dmask, 1, t_lo, t_hi, all_valid, o_k,
             m_k, 1.0, hid, EVEN_K, NORMALIZE, NORMALIZE, SAVE_ARGMAX, False, BLOCK_M, BLOCK_N,
             DOT_PRECISION, UPCAST, QUERY_IN_REGISTERS, HIDDEN_BLOCK=HIDDEN_BLOCK,
-            HIDDEN_BIAS=HIDDEN_BIAS, ROW_MAX=ROW_MAX,
+            HIDDEN_BIAS=HIDDEN_BIAS,
         )
         acc += _chunk_scores(row_max, m_valid, 1.0, 1.0, QUERIES_PER_BLOCK, LQ_TILE)
         if SAVE_ARGMAX:
