@@ -265,8 +265,9 @@ def test_a_2d_query_and_no_grad():
 
 def test_the_route_rule():
     """Fused while each document tile is projected at most HIDDEN_FUSED_MAX_PASSES times and the
-    hidden states are at most HIDDEN_FUSED_MAX_BYTES; the PyTorch path always writes the
-    projection once."""
+    hidden states are at most HIDDEN_FUSED_MAX_BYTES, or beyond that where each tile is projected
+    once and the tiles pad the document by at most HIDDEN_FUSED_MAX_PADDING; the PyTorch path
+    always writes the projection once."""
     def route(Q, H, backend):
         with settings.use_backend(backend), recording() as plans:
             maxsim_from_hidden(Q, H, torch.randn(8, 16))
@@ -282,6 +283,13 @@ def test_the_route_rule():
         assert route(torch.randn(1, 32, 8), H, "triton") == "unfused"
     with forced_plan(HIDDEN_FUSED_MAX_PASSES=10**6):
         assert route(torch.randn(64, 32, 8), H, "triton") == "fused"
+    # Beyond the bytes: 16-token tiles pad 16 tokens by 0, 15 by 1/15, 13 by 3/13.
+    with forced_plan(HIDDEN_FUSED_MAX_BYTES=0, HIDDEN_TILES=(16, 16, 4, 1)):
+        for Ld, expected in ((16, "fused"), (15, "fused"), (13, "unfused")):
+            assert route(torch.randn(1, 32, 8), torch.randn(3, Ld, 16), "triton") == expected
+        with forced_plan(HIDDEN_FUSED_MAX_PADDING=0):
+            assert route(torch.randn(1, 32, 8), torch.randn(3, 15, 16), "triton") == "unfused"
+        assert route(torch.randn(64, 32, 8), torch.randn(3, 16, 16), "triton") == "unfused"
     with pytest.raises(ValueError, match="hidden_route must be 'fused' or 'unfused'"):
         with forced_plan(hidden_route="both"):
             route(torch.randn(1, 4, 8), H, "torch")

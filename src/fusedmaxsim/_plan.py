@@ -98,15 +98,17 @@ MEASURED: dict[str, object] = dict(
     TORCH_BF16_DOC_MAJOR_ROW_MULTIPLE=64,
     # The fused projection head: fused (each document tile projected on chip) while every
     # document tile is projected at most this many times (query blocks × query chunks) and the
-    # hidden states hold at most this many bytes; else the documents are projected once into
-    # memory. Inference, bf16 (NOTES §72): fused 0.157 ms against 0.186 at 403 MB (2 queries),
-    # 0.244 against 0.204 at 461 MB (1 query, 300-token documents), level at 1.6 GB, 1.32
-    # against 1.22 at 3.2 GB; 0.350 against 0.409 at 805 MB with d_model 384, which the rule
-    # leaves unfused. The fused kernel's tiles (document tile, d_model a split-K step, warps,
-    # stages): the best of 18 at three shapes summed, and at three of five alone. design.md
-    # "Fused projection head".
+    # hidden states hold at most this many bytes, or beyond that where each tile is projected
+    # once and the document tiles pad its tokens by at most HIDDEN_FUSED_MAX_PADDING (the fused
+    # kernel projects the padding too); else the documents are projected once into memory.
+    # bf16 on the H200 (NOTES §72, record b9d31a1): unpadded, fused took 0.86-0.94x the
+    # unfused route's time at 0.8-3.2 GB (inference; 0.79-0.95x a training step), and 0.84x at
+    # 403 MB; at 461 MB of 300-token documents (28% padding) 1.22x. The fused kernel's tiles
+    # (document tile, d_model a split-K step, warps, stages): the best of 18 at three shapes
+    # summed, and at three of five alone. design.md "Fused projection head".
     HIDDEN_FUSED_MAX_PASSES=2,
     HIDDEN_FUSED_MAX_BYTES=400 << 20,
+    HIDDEN_FUSED_MAX_PADDING=1 / 8,
     HIDDEN_TILES=(128, 64, 8, 4),
     # The head's Triton backwards (design.md "Fused projection head"; NOTES §70, §71): the
     # entries kernel (each (query, query token) entry's winning row projected) where a
@@ -704,10 +706,14 @@ def _plan_hidden_forward(p: Problem, o: Options) -> ForwardPlan:
         cap, most = _measured("HIDDEN_FUSED_MAX_PASSES"), _measured("HIDDEN_FUSED_MAX_BYTES")
         hidden_bytes = p.Ncols * p.Ld * p.d_model * p.dtype.itemsize * (
             p.Nq if candidates else 1)
-        route = "fused" if passes <= cap and hidden_bytes <= most else "unfused"
+        padding = (cdiv(p.Ld, cfg.block_n) * cfg.block_n - p.Ld) / max(p.Ld, 1)
+        most_padding = _measured("HIDDEN_FUSED_MAX_PADDING")
+        route = "fused" if passes <= cap and (
+            hidden_bytes <= most or (passes == 1 and padding <= most_padding)) else "unfused"
         reasons = [f"route: {route} (each document tile projected {passes} times fused, "
-                   f"{hidden_bytes / 2**20:.0f} MiB of hidden states; fused up to {cap} times "
-                   f"and {most / 2**20:.0f} MiB)"]
+                   f"{hidden_bytes / 2**20:.0f} MiB of hidden states, tiles padded by "
+                   f"{padding:.0%}; fused up to {cap} times and {most / 2**20:.0f} MiB, beyond "
+                   f"that once with at most {most_padding:.0%} padding)"]
     if route not in ("fused", "unfused"):
         raise ValueError(f"hidden_route must be 'fused' or 'unfused', got {route!r}")
     if route == "fused" and o.backend == "torch":
