@@ -1,9 +1,10 @@
 """Registers, local memory (spills) and instruction counts of the Triton kernels, compiled offline
 for sm_90 (no GPU needed): the forward under the tile variants of ``benchmarks/NOTES.md`` sections
-20 and 22, and the document-owned grad_D kernel. Prints a markdown record with the Triton version and
-git sha.
+20 and 22, the document-owned grad_D kernel, the gather, the winner index, and the projection
+head's fused forward (section 72). Prints a markdown record with the Triton version and git sha.
 
     python benchmarks/compile_report.py > benchmarks/results/offline/<date>_<sha>/compile_report.md
+    python benchmarks/compile_report.py head      (some sections: forward grad_d gather index head)
 
 Pointers are declared 16-byte aligned and the unit strides as the constant 1, as a launch on
 contiguous inputs specializes them.
@@ -24,15 +25,17 @@ from triton.compiler import ASTSource
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from fusedmaxsim._plan import MEASURED, bwd_heuristic
 from fusedmaxsim.kernels.backward import _maxsim_bwd_dd_kernel, _maxsim_bwd_gather_kernel
-from fusedmaxsim.kernels.forward import _maxsim_fwd_kernel
+from fusedmaxsim.kernels.forward import _maxsim_fwd_kernel, _maxsim_hidden_fwd_kernel
 from fusedmaxsim.kernels.winner_index import _tile_counts_kernel, _tile_rows_kernel
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 ALIGNED_INTS = ("dim", "stride_q_seq", "stride_q_tok", "stride_d_grp", "stride_d_col", "stride_d_tok",
-                "stride_gd_grp", "stride_gd_col", "stride_gd_tok")
+                "stride_gd_grp", "stride_gd_col", "stride_gd_tok", "d_model", "stride_h_grp",
+                "stride_h_col", "stride_h_tok", "stride_w_out")
 POINTER_TYPES = {"Q": "*bf16", "D": "*bf16", "GradD": "*bf16", "Grad": "*fp32", "QInv": "*fp32",
                  "DInv": "*fp32", "Out": "*fp32", "Argmax": "*i16", "QMask": "*u8", "DMask": "*u8",
-                 "Rows": "*i32", "Counts": "*i32", "GradQ": "*bf16"}
+                 "Rows": "*i32", "Counts": "*i32", "GradQ": "*bf16", "H": "*bf16", "W": "*bf16",
+                 "Bias": "*bf16"}
 
 
 def compile_sm90(kernel, constants: dict, num_warps: int, num_stages: int, maxnreg=None):
@@ -151,6 +154,30 @@ def index_rows():
         yield name, "cross", "four 64-token tiles a scan, steps of 8 queries x 128 tokens, 4 warps", None, *resources(compiled)
 
 
+def head_rows():
+    """The projection head's fused forward (d_model 768 → 128, bias, normalized) at the plan's
+    tiles and beside them: which part holds the registers (NOTES section 72)."""
+    base = dict(HAS_Q_MASK=False, HAS_D_MASK=False, NORMALIZE=True, SAVE_ARGMAX=False,
+                PER_QUERY_DOCS=False, LQ_TILE=32, QUERIES_PER_BLOCK=1, BLOCK_K=128, EVEN_K=True,
+                DOT_PRECISION="tf32", UPCAST=False, QUERY_IN_REGISTERS=False, HIDDEN_BIAS=True)
+    block_n, hidden_block, warps, stages = MEASURED["HIDDEN_TILES"]
+    variants = [("inference", {}), ("argmax", dict(SAVE_ARGMAX=True)),
+                ("no bias", dict(HIDDEN_BIAS=False)), ("not normalized", dict(NORMALIZE=False)),
+                ("2 queries a block", dict(QUERIES_PER_BLOCK=2))]
+    tiles = [(block_n, hidden_block, warps, stages), (128, 64, 8, 3), (128, 32, 8, 4),
+             (64, 64, 8, 4), (64, 64, 4, 4)]
+    for mode, extra in variants:
+        for n, hb, w, st in tiles if mode == "inference" else tiles[:1]:
+            constants = dict(base, **extra, BLOCK_N=n, HIDDEN_BLOCK=hb)
+            compiled = compile_sm90(_maxsim_hidden_fwd_kernel, constants, w, st)
+            label = f"{n}-token tiles, {hb} of d_model a step, {w} warps, {st} stages"
+            yield "head forward (fused)", mode, label, None, *resources(compiled)
+
+
+SECTIONS = {"forward": forward_rows, "grad_d": grad_d_rows, "gather": gather_rows,
+            "index": index_rows, "head": head_rows}
+
+
 def main() -> None:
     sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False,
                          cwd=Path(__file__).resolve().parent).stdout.strip() or "unknown"
@@ -159,7 +186,11 @@ def main() -> None:
     print("- command: `python benchmarks/compile_report.py`; bf16 inputs, d = 128 unless a row says\n")
     print("| kernel | mode | tiles | register cap | registers | local memory B/thread | SASS instructions |")
     print("|---|---|---|---|---|---|---|")
-    for row in (*forward_rows(), *grad_d_rows(), *gather_rows(), *index_rows()):
+    names = sys.argv[1:] or list(SECTIONS)
+    unknown = sorted(set(names) - set(SECTIONS))
+    if unknown:
+        raise SystemExit(f"unknown sections {unknown}; known: {', '.join(SECTIONS)}")
+    for row in (row for name in names for row in SECTIONS[name]()):
         kernel, mode, label, maxnreg, regs, stack, instructions = row
         print(f"| {kernel} | {mode} | {label} | {maxnreg or '–'} | {regs} | {stack} | {instructions} |",
               flush=True)
