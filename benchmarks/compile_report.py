@@ -181,15 +181,16 @@ SECTIONS = {"forward": forward_rows, "grad_d": grad_d_rows, "gather": gather_row
 def main() -> None:
     sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False,
                          cwd=Path(__file__).resolve().parent).stdout.strip() or "unknown"
-    print("# Offline compile report (sm_90)\n")
-    print(f"- triton {triton.__version__}, target sm_90 (no GPU), git: {sha}")
-    print("- command: `python benchmarks/compile_report.py`; bf16 inputs, d = 128 unless a row says\n")
-    print("| kernel | mode | tiles | register cap | registers | local memory B/thread | SASS instructions |")
-    print("|---|---|---|---|---|---|---|")
     names = sys.argv[1:] or list(SECTIONS)
     unknown = sorted(set(names) - set(SECTIONS))
     if unknown:
         raise SystemExit(f"unknown sections {unknown}; known: {', '.join(SECTIONS)}")
+    print("# Offline compile report (sm_90)\n")
+    print(f"- triton {triton.__version__}, target sm_90 (no GPU), git: {sha}")
+    command = " ".join(["python benchmarks/compile_report.py", *sys.argv[1:]])
+    print(f"- command: `{command}`; bf16 inputs, d = 128 unless a row says\n")
+    print("| kernel | mode | tiles | register cap | registers | local memory B/thread | SASS instructions |")
+    print("|---|---|---|---|---|---|---|")
     for row in (row for name in names for row in SECTIONS[name]()):
         kernel, mode, label, maxnreg, regs, stack, instructions = row
         print(f"| {kernel} | {mode} | {label} | {maxnreg or '–'} | {regs} | {stack} | {instructions} |",
