@@ -6,6 +6,9 @@ the source tree given (a tree with the planner: ``fusedmaxsim._plan`` and ``fuse
 
     python benchmarks/host_python.py [SRC_DIR]
 
+Rows for ``maxsim`` (32 × 32 queries and documents) and for the projection head
+(``maxsim_from_hidden``: its forward and each backward's launcher, a training step).
+
 The launches are stubbed in this script only: each kernel's cached launcher
 (``fusedmaxsim._launch.runtime.launcher``) is made one whose call does nothing, so every layer
 above it (the front door, the autograd layer, the planner's cached plan, the launcher's strides,
@@ -39,16 +42,75 @@ def _stub_launches() -> None:
     from triton.runtime.jit import KernelInterface
 
     from fusedmaxsim._launch import runtime
-    from fusedmaxsim.kernels import backward, forward, hopper_forward, smooth, winner_index
+    from fusedmaxsim.kernels import backward, forward, head, hopper_forward, smooth, winner_index
 
     class NoLaunch(runtime._CachedLauncher):
         def __call__(self, grid, args, constants) -> None:
             pass
 
-    for module in (forward, backward, winner_index, smooth, hopper_forward):
+    for module in (forward, backward, head, winner_index, smooth, hopper_forward):
         for name, kernel in vars(module).items():
             if name.endswith("_kernel") and isinstance(kernel, KernelInterface):
                 runtime.launcher(kernel).__class__ = NoLaunch
+
+
+def _head_rows(maxsim_from_hidden, forward_hidden, backward_hidden, plan_forward,
+               plan_hidden_backward, hidden_problem, o) -> tuple:
+    """The projection head's rows: one query of 8 tokens against 4 documents of 32 hidden
+    states (the fused forward; fewer entries than tokens: the entries backward), and the token
+    tile backward's launcher at 2 queries of 32 tokens (as many entries as tokens)."""
+    import torch
+
+    def inputs(Nq, Lq):
+        Q = torch.randn(Nq, Lq, 16, dtype=torch.bfloat16)
+        H = torch.randn(4, 32, 32, dtype=torch.bfloat16)
+        W = torch.randn(16, 32, dtype=torch.bfloat16)
+        return Q, H, W, torch.randn(16, dtype=torch.bfloat16)
+
+    Q, H, W, b = inputs(1, 8)
+    leaves = [t.clone().requires_grad_() for t in (Q, H, W, b)]
+    g = torch.randn(1, 4)
+    p = hidden_problem(Q, H, W, b, None, None, normalize=True, save_argmax=True)
+    plan = plan_forward(p, o)
+    if plan.hidden_route != "fused":
+        raise SystemExit(f"the head's rows expect the fused forward, the plan says {plan.reasons}")
+    _, argmax = forward_hidden(plan, p, o.fp32_precision, Q, H, W, b, None, None)
+    argmax.random_(0, 32)
+    by_entry = plan_hidden_backward(p, o, True, False)
+    Q2, _, _, _ = inputs(2, 32)
+    p2 = hidden_problem(Q2, H, W, b, None, None, normalize=True, save_argmax=True)
+    by_tile = plan_hidden_backward(p2, o, True, False)
+    argmax2 = torch.randint(0, 32, (2, 4, 32), dtype=argmax.dtype)
+    g2 = torch.randn(2, 4)
+    if (by_entry.kernel, by_tile.kernel) != ("entries", "tiles"):
+        raise SystemExit(f"the head's rows expect the entries and the tiles backward, the plans "
+                         f"say {by_entry.kernel} and {by_tile.kernel}")
+    needs = (True, True, True, True)
+
+    def head_forward():
+        with torch.no_grad():
+            maxsim_from_hidden(Q, H, W, b)
+
+    def head_step():
+        for t in leaves:
+            t.grad = None
+        maxsim_from_hidden(*leaves).backward(g)
+
+    return (
+        ("head: no_grad forward, 1 x 4 (fused; maxsim_from_hidden)", head_forward, 5000),
+        ("  its launcher alone (_launch.forward.forward_hidden)",
+         lambda: forward_hidden(plan, p, o.fp32_precision, Q, H, W, b, None, None), 5000),
+        ("head: backward's launcher, entries, all four gradients (backward_hidden)",
+         lambda: backward_hidden(by_entry, o.fp32_precision, g, Q, H, W, b, argmax, True, needs),
+         5000),
+        ("  the same, grad_Q only",
+         lambda: backward_hidden(by_entry, o.fp32_precision, g, Q, H, W, b, argmax, True,
+                                 (True, False, False, False)), 5000),
+        ("head: backward's launcher, token tiles, 2 x 4, all four gradients",
+         lambda: backward_hidden(by_tile, o.fp32_precision, g2, Q2, H, W, b, argmax2, True,
+                                 needs), 5000),
+        ("head: training step (forward + backward to Q, H, W and b)", head_step, 2000),
+    )
 
 
 def main() -> None:
@@ -62,13 +124,14 @@ def main() -> None:
 
     import torch
 
-    from fusedmaxsim import maxsim
+    from fusedmaxsim import maxsim, maxsim_from_hidden
     from fusedmaxsim._autograd import run_backward, run_forward
     from fusedmaxsim._launch import runtime
-    from fusedmaxsim._launch.backward import backward_dense
-    from fusedmaxsim._launch.forward import forward_dense, gluon_constexprs
-    from fusedmaxsim._plan import MEASURED, forced_plan, plan_backward, plan_forward
-    from fusedmaxsim._problem import dense_problem, options_for
+    from fusedmaxsim._launch.backward import backward_dense, backward_hidden
+    from fusedmaxsim._launch.forward import forward_dense, forward_hidden, gluon_constexprs
+    from fusedmaxsim._plan import (MEASURED, forced_plan, plan_backward, plan_forward,
+                                   plan_hidden_backward)
+    from fusedmaxsim._problem import dense_problem, hidden_problem, options_for
     from fusedmaxsim.kernels import hopper_forward
 
     _stub_launches()
@@ -131,6 +194,8 @@ def main() -> None:
         ("training step (forward + backward)", step, 2000),
         ("torch alone: (x * 2).backward(g)", trivial_graph, 2000),
     )
+    rows += _head_rows(maxsim_from_hidden, forward_hidden, backward_hidden, plan_forward,
+                       plan_hidden_backward, hidden_problem, o)
     if hopper_forward.AVAILABLE:  # the Gluon forward's launch key (NOTES.md section 33)
         items = tuple(gluon_constexprs(torch.bfloat16, 128, 1, 64, 4, 128, 4, False).items())
         consts = runtime.constants(**dict(items))

@@ -155,13 +155,24 @@ def _head_plans(plans):
 @pytest.mark.parametrize("kernel", ["entries", "tiles"])
 def test_triton_backward_chunks_index_and_partials(dtype, layout, kernel):
     """Each of the head's Triton backwards (the interpreter here): one column a chunk of its
-    buffers, grad_W in one fp32 partial or many, the token tiles through the winner index or
-    not (the cross product); the entries in blocks, entries of one row in different blocks
-    (17 on the cross product, 16 a block here); each agrees with the chain."""
+    buffers or two (the last chunk short), grad_W in one fp32 partial or many, the token tiles
+    through the winner index or not (the cross product); the entries in blocks, entries of one
+    row in different blocks (17 on the cross product, 16 a block here); each agrees with the
+    chain."""
     Q, H, W, b = problem(layout, dtype, Nq=2, Lq=17 if kernel == "entries" else 5, K=3, Nd=5,
                          Ld=23)
     one_column = dict(HIDDEN_BWD_MIN_BUFFER_BYTES=0, HIDDEN_BWD_BUFFER_SHARE=2**40)
-    cases = [({}, None), (one_column, 1), (dict(HIDDEN_WEIGHT_PARTIAL_SHARE=2**40), None),
+    # Two columns a chunk, the last chunk short (5 documents, or 3 candidates): a column's
+    # buffers as the planner counts them (entries: a token, grad_P and an fp32 g·P̂ an entry;
+    # token tiles: a token, grad_P, P and an inverse norm a row).
+    Nq, Lq, dim = Q.shape
+    groups, Ld, size = (Nq if layout == "candidates" else 1), H.shape[-2], Q.element_size()
+    column_bytes = (groups * (1 if layout == "candidates" else Nq) * Lq * (4 + dim * (size + 4))
+                    if kernel == "entries" else groups * Ld * (4 + dim * size * 2 + 4))
+    two_columns = dict(HIDDEN_BWD_MIN_BUFFER_BYTES=2 * column_bytes,
+                       HIDDEN_BWD_BUFFER_SHARE=2**40)
+    cases = [({}, None), (one_column, 1), (two_columns, 2),
+             (dict(HIDDEN_WEIGHT_PARTIAL_SHARE=2**40), None),
              (dict(HIDDEN_WEIGHT_PARTIAL_SHARE=1, HIDDEN_WEIGHT_WAVES=64), None)]
     if layout == "cross" and kernel == "tiles":
         cases += [(dict(winner_index=True, **one_column), 1), (dict(winner_index=False), None)]

@@ -371,12 +371,12 @@ torch.library.register_autograd("fusedmaxsim::maxsim_residual_fwd", _residual_ba
 # ------------------------------------------------------------------------------------------------
 
 
-def _hidden_forward(Q: Tensor, H: Tensor, W: Tensor, b: Tensor | None, q_mask, d_mask,
-                    normalize: bool, save_argmax: bool, o: Options) -> tuple[Tensor, Tensor]:
-    """Scores and the argmax of ``Q`` against ``normalize?(F.linear(H, W, b))``, as planned:
-    fused (each document tile projected on chip) or the projection written once, then the
-    dense plan."""
-    p = hidden_problem(Q, H, W, b, q_mask, d_mask, normalize=normalize, save_argmax=save_argmax)
+def _hidden_forward(p: Problem, o: Options, Q: Tensor, H: Tensor, W: Tensor, b: Tensor | None,
+                    q_mask, d_mask) -> tuple[Tensor, Tensor]:
+    """Scores and the argmax of ``Q`` against ``normalize?(F.linear(H, W, b))`` (``p``: their
+    ``hidden_problem``), as planned: fused (each document tile projected on chip) or the
+    projection written once, then the dense plan."""
+    normalize, save_argmax = p.normalize, p.save_argmax
     plan = plan_forward(p, o)
     if plan.hidden_route == "fused":
         return _launch()[0].forward_hidden(plan, p, o.fp32_precision, Q, H, W, b, q_mask, d_mask)
@@ -396,8 +396,9 @@ def maxsim_hidden_fwd(
 ) -> tuple[Tensor, Tensor]:
     """Scores ``[Nq, Ncols]`` of ``Q`` against the projected hidden states and, when saved, the
     argmax ``[Nq, Ncols, Lq]``."""
-    scores, saved = _hidden_forward(Q, H, W, b, q_mask, d_mask, normalize, save_argmax,
-                                    options_for(Q, backend, fp32_precision))
+    p = hidden_problem(Q, H, W, b, q_mask, d_mask, normalize=normalize, save_argmax=save_argmax)
+    scores, saved = _hidden_forward(p, options_for(Q, backend, fp32_precision), Q, H, W, b,
+                                    q_mask, d_mask)
     return scores, saved if save_argmax else saved.new_empty((0,))
 
 
@@ -417,17 +418,17 @@ def maxsim_hidden_bwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(grad_Q, grad_H, grad_W, grad_b)`` in the inputs' dtypes (grad_Q in Q's), from the
     argmax; an unneeded one is an empty tensor."""
-    grads = _hidden_grads(grad_scores, Q, H, W, b, argmax, normalize,
-                          (need_q, need_h, need_w, need_b),
-                          options_for(Q, backend, fp32_precision))
+    p = hidden_problem(Q, H, W, b, None, None, normalize=normalize, save_argmax=True)
+    grads = _hidden_grads(p, options_for(Q, backend, fp32_precision), grad_scores, Q, H, W, b,
+                          argmax, (need_q, need_h, need_w, need_b))
     return tuple(Q.new_empty((0,)) if g is None else g for g in grads)
 
 
-def _hidden_grads(grad_scores, Q, H, W, b, argmax, normalize: bool, needs, o: Options):
-    """The projection head's gradients as planned (``plan_hidden_backward``: the Triton kernels,
-    by entry or by token tile, or the PyTorch closed form), each in its input's dtype; None
-    where not needed."""
-    p = hidden_problem(Q, H, W, b, None, None, normalize=normalize, save_argmax=True)
+def _hidden_grads(p: Problem, o: Options, grad_scores, Q, H, W, b, argmax, needs):
+    """The projection head's gradients as planned (``plan_hidden_backward`` of ``p``, the
+    forward's problem: the Triton kernels, by entry or by token tile, or the PyTorch closed
+    form), each in its input's dtype; None where not needed."""
+    normalize = p.normalize
     plan = plan_hidden_backward(p, o, needs[0], Q.dtype != H.dtype)
     if plan.kernel != "torch":
         return list(_launch()[1].backward_hidden(plan, o.fp32_precision, grad_scores, Q, H, W, b,
@@ -449,8 +450,8 @@ def _hidden_backward_of(ctx, grad_scores: Tensor, traced: bool) -> list:
         grads = [g if need else None for g, need in zip(grads, needs)]
     else:
         with torch.no_grad():
-            grads = _hidden_grads(grad_scores, Q, H, W, b, argmax, ctx.normalize, needs,
-                                  ctx.options)
+            grads = _hidden_grads(ctx.problem, ctx.options, grad_scores, Q, H, W, b, argmax,
+                                  needs)
     if torch.is_grad_enabled() and not torch.compiler.is_compiling():  # create_graph=True
         grads = [None if g is None else _FirstOrderOnly.apply(g, Q, H, grad_scores)
                  for g in grads]
@@ -490,9 +491,10 @@ class HiddenFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, Q, H, W, b, rest):
         q_mask, d_mask, normalize, o = rest
-        scores, argmax = _hidden_forward(Q, H, W, b, q_mask, d_mask, normalize, True, o)
+        p = hidden_problem(Q, H, W, b, q_mask, d_mask, normalize=normalize, save_argmax=True)
+        scores, argmax = _hidden_forward(p, o, Q, H, W, b, q_mask, d_mask)
         ctx.save_for_backward(Q, H, W, b, argmax)
-        ctx.normalize, ctx.options = normalize, o
+        ctx.normalize, ctx.options, ctx.problem = normalize, o, p
         return scores
 
     @staticmethod
@@ -511,7 +513,8 @@ def scores_hidden(Q: Tensor, H: Tensor, W: Tensor, b: Tensor | None, q_mask, d_m
         return maxsim_hidden_fwd(Q, H, W, b, q_mask, d_mask, normalize, save_argmax, o.backend,
                                  o.fp32_precision)[0]
     if not save_argmax:
-        return _hidden_forward(Q, H, W, b, q_mask, d_mask, normalize, False, o)[0]
+        p = hidden_problem(Q, H, W, b, q_mask, d_mask, normalize=normalize, save_argmax=False)
+        return _hidden_forward(p, o, Q, H, W, b, q_mask, d_mask)[0]
     return HiddenFunction.apply(Q, H, W, b, (q_mask, d_mask, normalize, o))
 
 

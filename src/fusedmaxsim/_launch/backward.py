@@ -449,17 +449,19 @@ def backward_hidden(plan: BackwardPlan, fp32_precision: str, grad_scores: Tensor
     ``plan.hidden_cols`` columns at a time, by the plan's kernel:
 
     * ``"entries"``: the entries kernel writes the winning rows of ``grad_H`` (zeroed first),
-      each entry's ``g · P̂`` (summed over the chunk's columns into ``grad_Q``) and the leading
-      entries' ``grad_P`` and tokens;
+      each entry's ``g · P̂`` (summed over the chunk's columns into ``grad_Q``) and, for the
+      weights, the leading entries' ``grad_P`` and tokens;
     * ``"tiles"``: the rows kernel (through the chunk's winner index where the plan says so)
-      writes every row of ``grad_H`` and the chunk's winning rows with their ``grad_P`` (and
-      ``P`` with its inverse norms, from which the gather kernel adds the chunk's ``grad_Q``).
+      writes every row of ``grad_H``, for the weights the chunk's rows' tokens and the winning
+      rows' ``grad_P``, and for ``grad_Q`` the winning rows of ``P`` with their inverse norms,
+      from which the gather kernel adds the chunk's ``grad_Q``.
 
-    Then the weight kernel adds the chunk's ``grad_W``/``grad_b`` into ``plan.weight_groups``
-    fp32 partials, summed at the end. No atomics: bitwise reproducible."""
+    Then, where ``grad_W`` or ``grad_b`` is needed, the weight kernel adds the chunk's into
+    ``plan.weight_groups`` fp32 partials, summed at the end. No atomics: bitwise
+    reproducible."""
     need_q, need_h, need_w, need_b = needs
     need_b = need_b and b is not None
-    need_w_or_b = need_w or need_b
+    need_weights = need_w or need_b
     per_query = H.dim() == 4
     Nq, Lq, dim = Q.shape
     Ncols, Ld, d_model = H.shape[-3], H.shape[-2], H.shape[-1]
@@ -470,36 +472,31 @@ def backward_hidden(plan: BackwardPlan, fp32_precision: str, grad_scores: Tensor
                      for t, need in zip((Q, H, W, b), (need_q, need_h, need_w, need_b)))
     by_entry = plan.kernel == "entries"
     chunk = min(plan.hidden_cols, Ncols)
-    n_chunks = cdiv(Ncols, chunk)
     grad_h = None
     if need_h:  # the entries kernel writes the winning rows only
         grad_h = (zeros if by_entry else empty)(H.shape, dtype, dev)
-    # A chunk's buffer rows: a token tile kernel's every row of its columns, the entries
-    # kernel's (query, query token) entries of each column.
+    # For the weight kernel, a chunk's buffer rows (a token tile kernel's every row of its
+    # columns, the entries kernel's (query, query token) entries of each column): each row's
+    # token and grad_P.
     col_rows = (Lq if per_query else Nq * Lq) if by_entry else Ld
-    rows_numel = groups * chunk * col_rows
-    tok = empty((rows_numel,), torch.int32, dev)
-    grad_p = empty((rows_numel * dim,), dtype, dev)
-    grad_q = None
-    if need_q:
-        grad_q = (torch.zeros(Q.shape, dtype=torch.float32, device=dev) if n_chunks > 1
-                  else None)
-    weights = None
-    if need_w_or_b:
+    lead = (groups, chunk, col_rows) if per_query else (chunk, col_rows)
+    col_axis = 1 if per_query else 0
+    tok = grad_p = weights = None
+    if need_weights:
+        tok = empty(lead, torch.int32, dev)
+        grad_p = empty((*lead, dim), dtype, dev)
         weights = (empty((plan.weight_groups, dim, d_model), torch.float32, dev),
                    empty((plan.weight_groups, dim), torch.float32, dev) if need_b else H)
-    run = _hidden_entries if by_entry else _hidden_tiles(plan, Q, H, chunk, need_q, normalize)
+    shared = (plan, fp32_precision, grad_scores, Q, argmax, H, W, b, grad_h, normalize, need_q,
+              need_h, need_weights)
+    run = _hidden_entries if by_entry else _hidden_tiles(shared, chunk)
+    grad_q = None
     for c0 in range(0, Ncols, chunk):
         n = min(chunk, Ncols - c0)
-        lead = (groups, n, col_rows) if per_query else (n, col_rows)
-        tok_c, grad_p_c = _rows_view(tok, lead, 0), _rows_view(grad_p, lead, dim)
-        part = run(plan, fp32_precision, grad_scores, Q, argmax, H, W, b, grad_h, tok_c,
-                   grad_p_c, c0, n, normalize, need_q, need_h, need_w_or_b)
-        if need_q:
-            if grad_q is None:
-                grad_q = part
-            else:
-                grad_q += part
+        tok_c, grad_p_c = _chunk_rows(tok, col_axis, n), _chunk_rows(grad_p, col_axis, n)
+        part = run(shared, tok_c, grad_p_c, c0, n)
+        if need_q:  # one chunk: the part itself, else fp32 parts summed
+            grad_q = part if grad_q is None else grad_q.add_(part)
         if weights is not None:
             _launch_hidden_weight(plan, fp32_precision, tok_c, grad_p_c, H, *weights, c0, n,
                                   need_b)
@@ -514,9 +511,11 @@ def backward_hidden(plan: BackwardPlan, fp32_precision: str, grad_scores: Tensor
     return grad_q, grad_h, grad_w if need_w else None, grad_b
 
 
-def _hidden_entries(plan, fp32_precision, grad_scores, Q, argmax, H, W, b, grad_h, tok, grad_p,
-                    col_base, n_cols, normalize, need_q, need_h, need_w) -> Tensor | None:
-    """One chunk of columns through the entries kernel; its ``grad_Q`` (fp32) where needed."""
+def _hidden_entries(shared: tuple, tok, grad_p, col_base: int, n_cols: int) -> Tensor | None:
+    """One chunk of columns through the entries kernel (``shared``: ``backward_hidden``'s
+    arguments); its ``grad_Q`` (fp32) where needed."""
+    (plan, fp32_precision, grad_scores, Q, argmax, H, W, b, grad_h, normalize, need_q, need_h,
+     need_w) = shared
     cfg = plan.tiles
     Nq, Lq, dim = Q.shape
     d_model = H.shape[-1]
@@ -529,8 +528,9 @@ def _hidden_entries(plan, fp32_precision, grad_scores, Q, argmax, H, W, b, grad_
     launcher(_hidden_bwd_entries_kernel)(
         (groups * n_cols, cdiv(n_entries, cfg.block_t)),
         (
-            grad_scores, Q, argmax, H, W, H if b is None else b, gh,
-            tok, grad_p, shares if need_q else H, n_cols, Lq, dim, d_model, n_entries, col_base,
+            grad_scores, Q, argmax, H, W, H if b is None else b, gh, H if tok is None else tok,
+            H if grad_p is None else grad_p, shares if need_q else H, n_cols, Lq, dim, d_model,
+            n_entries, col_base,
             *grad_scores.stride(), *Q.stride(), *argmax.stride(),
             *doc_strides(H, per_query)[:3], H.stride(-1), *W.stride(),
             *doc_strides(gh, per_query)[:3],
@@ -552,31 +552,34 @@ def _hidden_entries_constants(cfg, per_query, normalize, need_q, need_h, need_w,
     )
 
 
-def _hidden_tiles(plan, Q, H, chunk, need_q, normalize):
-    """The token tile kernels' run of one chunk of columns (its ``grad_Q`` where needed: in Q's
-    dtype for a single chunk, else fp32), with the buffers they share across chunks: ``P`` and
-    its inverse norms for the gather, the winner index."""
+def _hidden_tiles(shared: tuple, chunk: int):
+    """The token tile kernels' run of a chunk of columns, ``run(shared, tok, grad_p, col_base,
+    n_cols)`` as ``_hidden_entries`` (its ``grad_Q``: in Q's dtype for a single chunk, else
+    fp32), with the buffers its chunks share: ``P`` and its inverse norms for the gather, the
+    winner index."""
+    plan, _, _, Q, _, H, _, _, _, normalize, need_q, _, _ = shared
     Nq, Lq, dim = Q.shape
     Ncols, Ld = H.shape[-3], H.shape[-2]
     per_query = H.dim() == 4
-    groups = Nq if per_query else 1
     dev, dtype = Q.device, H.dtype
-    rows_numel = groups * chunk * Ld
-    P_flat = empty((rows_numel * dim,), dtype, dev) if need_q else None
-    inv_flat = empty((rows_numel,), torch.float32, dev) if need_q and normalize else None
+    lead = (Nq, chunk, Ld) if per_query else (chunk, Ld)
+    col_axis = 1 if per_query else 0
+    P_all = empty((*lead, dim), dtype, dev) if need_q else None
+    inv_all = empty(lead, torch.float32, dev) if need_q and normalize else None
     q_inv = torch.ones((Nq, Lq), dtype=torch.float32, device=dev) if need_q and normalize else None
     index = None
     if plan.winner_index:
         index = _winner_index_buffers(Q, chunk, cdiv(Ld, plan.tiles.block_t),
                                       plan.index_row_dtype)
 
-    def run(plan, fp32_precision, grad_scores, Q, argmax, H, W, b, grad_h, tok, grad_p, c0, n,
-            normalize, need_q, need_h, need_w):
+    def run(shared, tok, grad_p, c0, n):
+        (plan, fp32_precision, grad_scores, Q, argmax, H, W, b, grad_h, normalize, need_q,
+         need_h, need_w) = shared
         rows, counts = _winner_index(plan, argmax, c0, n, index) if index else (None, None)
-        lead = (groups, n, Ld) if per_query else (n, Ld)
-        P, p_inv = _rows_view(P_flat, lead, dim), _rows_view(inv_flat, lead, 0)
+        P, p_inv = _chunk_rows(P_all, col_axis, n), _chunk_rows(inv_all, col_axis, n)
         _launch_hidden_rows(plan, fp32_precision, grad_scores, Q, argmax, rows, counts, H, W, b,
-                            grad_h, tok, grad_p, P, p_inv, c0, n, normalize, need_q, need_h)
+                            grad_h, tok, grad_p, P, p_inv, c0, n, normalize, need_q, need_h,
+                            need_w)
         if not need_q:
             return None
         args = argmax if n == Ncols else argmax[:, c0:c0 + n].contiguous()
@@ -589,17 +592,19 @@ def _hidden_tiles(plan, Q, H, chunk, need_q, normalize):
     return run
 
 
-def _rows_view(flat: Tensor | None, lead: tuple, width: int) -> Tensor | None:
-    """The first rows of a flat buffer, viewed ``[*lead, width]`` (``width`` 0: ``lead``)."""
-    if flat is None:
-        return None
-    numel = math.prod(lead) * max(width, 1)
-    return flat[:numel].view(*lead, width) if width else flat[:numel].view(lead)
+def _chunk_rows(buf: Tensor | None, col_axis: int, n_cols: int) -> Tensor | None:
+    """A chunk's buffer (allocated for a whole chunk, its columns on ``col_axis``) for a chunk of
+    ``n_cols`` columns: itself when whole, else its first elements viewed contiguous with
+    ``n_cols`` columns (the kernels index the buffers as contiguous)."""
+    if buf is None or buf.shape[col_axis] == n_cols:
+        return buf
+    shape = (*buf.shape[:col_axis], n_cols, *buf.shape[col_axis + 1:])
+    return buf.view(-1)[:math.prod(shape)].view(shape)
 
 
 def _launch_hidden_rows(plan, fp32_precision, grad_scores, Q, argmax, rows, counts, H, W, b,
                         grad_h, tok, grad_p, P, p_inv, col_base, n_cols, normalize, need_q,
-                        need_h) -> None:
+                        need_h, need_w) -> None:
     cfg = plan.tiles
     Nq, Lq, dim = Q.shape
     Ncols, Ld, d_model = H.shape[-3], H.shape[-2], H.shape[-1]
@@ -612,25 +617,27 @@ def _launch_hidden_rows(plan, fp32_precision, grad_scores, Q, argmax, rows, coun
          cdiv(cdiv(Ld, cfg.block_t), tiles_per_program)),
         (
             grad_scores, Q, argmax, argmax if rows is None else rows,
-            argmax if counts is None else counts, H, W, H if b is None else b, gh, tok, grad_p,
-            H if P is None else P, H if p_inv is None else p_inv, Nq, Ncols, n_cols, Lq, Ld,
-            dim, d_model, tiles_per_program, col_base,
+            argmax if counts is None else counts, H, W, H if b is None else b, gh,
+            H if tok is None else tok, H if grad_p is None else grad_p, H if P is None else P,
+            H if p_inv is None else p_inv, Nq, Ncols, n_cols, Lq, Ld, dim, d_model,
+            tiles_per_program, col_base,
             *grad_scores.stride(), *Q.stride(), *doc_strides(H, per_query)[:3],
             H.stride(-1), *W.stride(), *doc_strides(gh, per_query)[:3],
         ),
         _hidden_rows_constants(cfg, per_query, plan.rows_in_one_block, rows is not None,
-                               normalize, need_q, need_h, b is not None, plan.hidden_block,
-                               Q.dtype, fp32_precision, plan.index_scan),
+                               normalize, need_q, need_h, need_w, b is not None,
+                               plan.hidden_block, Q.dtype, fp32_precision, plan.index_scan),
     )
 
 
 @functools.lru_cache(maxsize=256)
 def _hidden_rows_constants(cfg, per_query, rows_in_one_block, winner_index, normalize, need_q,
-                           need_h, bias, hidden_block, dtype, fp32_precision,
+                           need_h, need_w, bias, hidden_block, dtype, fp32_precision,
                            index_scan) -> Constants:
     return constants(
         PER_QUERY_DOCS=per_query, ROWS_IN_ONE_BLOCK=rows_in_one_block,
         WINNER_INDEX=winner_index, NORMALIZE=normalize, NEED_Q=need_q, NEED_H=need_h,
+        NEED_W=need_w,
         HIDDEN_BIAS=bias, HIDDEN_BLOCK=hidden_block, BLOCK_R=cfg.block_r,
         INDEX_SCAN=index_scan,
         **owned_tile_meta(cfg, dtype, fp32_precision),

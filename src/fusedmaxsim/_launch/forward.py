@@ -260,11 +260,9 @@ def forward_hidden(plan: ForwardPlan, p: Problem, fp32_precision: str, Q: Tensor
     per_query_docs = H.dim() == 4
     qm, dm = as_bytes(q_mask), as_bytes(d_mask)
     cfg = plan.tiles
-    meta = fwd_meta(cfg, Q.dtype, p.dim, has_q_mask=qm is not None, has_d_mask=dm is not None,
-                    normalize=p.normalize, save_argmax=save_argmax, fp32_precision=fp32_precision)
-    meta["UPCAST"] = meta["UPCAST"] or upcast(H.dtype)  # the projection's products too
-    consts = constants(PER_QUERY_DOCS=per_query_docs, HIDDEN_BLOCK=hb,
-                       HIDDEN_BIAS=b is not None, **meta)
+    consts = _hidden_constants(cfg, Q.dtype, H.dtype, p.dim, per_query_docs, hb, b is not None,
+                               qm is not None, dm is not None, p.normalize, save_argmax,
+                               fp32_precision)
     kernel = launcher(_maxsim_hidden_fwd_kernel)
     qpb = cfg.queries_per_block
 
@@ -284,6 +282,16 @@ def forward_hidden(plan: ForwardPlan, p: Problem, fp32_precision: str, Q: Tensor
 
     _query_slices(launch_slice, scores, qpb, 1, plan.max_grid_y)
     return scores, argmax
+
+
+@functools.lru_cache(maxsize=256)
+def _hidden_constants(cfg, dtype, h_dtype, dim, per_query_docs, hidden_block, bias, has_q_mask,
+                      has_d_mask, normalize, save_argmax, fp32_precision) -> Constants:
+    meta = fwd_meta(cfg, dtype, dim, has_q_mask=has_q_mask, has_d_mask=has_d_mask,
+                    normalize=normalize, save_argmax=save_argmax, fp32_precision=fp32_precision)
+    meta["UPCAST"] = meta["UPCAST"] or upcast(h_dtype)  # the projection's products too
+    return constants(PER_QUERY_DOCS=per_query_docs, HIDDEN_BLOCK=hidden_block, HIDDEN_BIAS=bias,
+                     **meta)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -39,11 +39,10 @@ Grid mapping
   on chip, the tile's winning rows projected again (``_hidden_tile``, ``HIDDEN_BLOCK`` of
   ``d_model`` a step, only those rows' hidden states read), the normalization's Jacobian, and
   ``grad_H``'s rows ``grad_P · W`` in ``HIDDEN_BLOCK``-wide steps; a tile no token won only
-  writes zeros to ``grad_H``. It writes each row's token (-1 where it won nothing) and the
-  winning rows of
-  ``grad_P`` (the inputs' dtype: ``F.linear``'s backward multiplies it so) and, for
-  ``grad_Q``, of ``P`` and its inverse norms, into buffers of the launched columns (column 0
-  is ``col_base``).
+  writes zeros to ``grad_H``. For the weight kernel it writes each row's token (-1 where it
+  won nothing) and the winning rows of ``grad_P`` (the inputs' dtype: ``F.linear``'s backward
+  multiplies it so), and for ``grad_Q`` the winning rows of ``P`` and their inverse norms,
+  into buffers of the launched columns (column 0 is ``col_base``).
 * ``_hidden_bwd_weight_kernel``: program ``(c, g)`` owns ``grad_W[:, c-block]`` of row group
   ``g`` (every ``groups``-th tile of ``BLOCK_T`` buffer rows, so that the groups stay even) and
   adds ``grad_Pᵀ · H`` over them in fp32, reading ``grad_P`` and the hidden states of the
@@ -87,6 +86,7 @@ def _hidden_bwd_rows_kernel(
     NORMALIZE: tl.constexpr,
     NEED_Q: tl.constexpr,
     NEED_H: tl.constexpr,
+    NEED_W: tl.constexpr,
     HIDDEN_BIAS: tl.constexpr,
     HIDDEN_BLOCK: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -96,11 +96,12 @@ def _hidden_bwd_rows_kernel(
     UPCAST: tl.constexpr,
     INDEX_SCAN: tl.constexpr,
 ):
-    """For the program's token tiles, over the ``n_cols`` columns from ``col_base``: which rows
-    won (``Tok``: the row's token, -1 where it did not) and their rows of ``grad_P``
-    (``GradP``) and, with ``NEED_Q``, of ``P`` and its inverse norms, in buffers ``[groups,
-    n_cols, Ld, ..]`` (contiguous; the rows no token won are left unwritten); with ``NEED_H``
-    every row of ``grad_H`` (indexed as ``H``, contiguous in ``d_model``)."""
+    """For the program's token tiles, over the ``n_cols`` columns from ``col_base``: with
+    ``NEED_W`` which rows won (``Tok``: the row's token, -1 where it did not) and their rows of
+    ``grad_P`` (``GradP``), with ``NEED_Q`` their rows of ``P`` and its inverse norms, in
+    buffers ``[groups, n_cols, Ld, ..]`` (contiguous; the rows no token won are left
+    unwritten); with ``NEED_H`` every row of ``grad_H`` (indexed as ``H``, contiguous in
+    ``d_model``)."""
     G_SCALED: tl.constexpr = Q.dtype.element_ty == tl.float16
     pid, i_grp, i_col, tb_lo, tb_hi, r_lo, r_hi, g_down, g_up = _dd_program(
         Grad, Nq, n_cols, Lq, Ld, tiles_per_program, col_base, stride_g_seq, stride_g_col,
@@ -128,7 +129,8 @@ def _hidden_bwd_rows_kernel(
         # A NaN gradient counts as won: it must reach the products, as in F.linear's backward.
         m_won = m_t & (tl.sum((acc != 0.0).to(tl.int32), axis=1) > 0)
         o_row = (buf_row + o_t).to(tl.int64)
-        tl.store(Tok + o_row, tl.where(m_won, o_t, -1), mask=m_t)
+        if NEED_W:
+            tl.store(Tok + o_row, tl.where(m_won, o_t, -1), mask=m_t)
         p_gh = GradH + i_grp * stride_gh_grp + i_col * stride_gh_col
         if tl.max(m_won.to(tl.int32), axis=0) > 0:
             p = _hidden_tile(p_h, stride_h_tok, hid, o_t, m_won, o_k, m_k, HIDDEN_BLOCK,
@@ -143,15 +145,15 @@ def _hidden_bwd_rows_kernel(
                 grad_p = (acc - p_hat * radial[:, None]) * inv[:, None]
                 if NEED_Q:
                     tl.store(PInv + o_row, inv, mask=m_won)
-            grad_p = grad_p.to(GradP.dtype.element_ty)
+            grad_p = grad_p.to(H.dtype.element_ty)
             m_rows = m_won[:, None] & m_k[None, :]
-            tl.store(GradP + o_row[:, None] * dim + o_k[None, :], grad_p, mask=m_rows)
+            if NEED_W:
+                tl.store(GradP + o_row[:, None] * dim + o_k[None, :], grad_p, mask=m_rows)
             if NEED_Q:
                 tl.store(P + o_row[:, None] * dim + o_k[None, :], p, mask=m_rows)
             if NEED_H:
-                _grad_h_rows(grad_p.to(H.dtype.element_ty), W, stride_w_out, stride_w_in, p_gh,
-                             stride_gh_tok, o_t, m_t, o_k, m_k, d_model, HIDDEN_BLOCK,
-                             DOT_PRECISION, UPCAST)
+                _grad_h_rows(grad_p, W, stride_w_out, stride_w_in, p_gh, stride_gh_tok, o_t, m_t,
+                             o_k, m_k, d_model, HIDDEN_BLOCK, DOT_PRECISION, UPCAST)
         else:  # no token of the tile won: its grad_H rows are zero, nothing is read
             if NEED_H:
                 _zero_rows(p_gh, stride_gh_tok, o_t, m_t, d_model, HIDDEN_BLOCK)
