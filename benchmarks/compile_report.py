@@ -1,5 +1,5 @@
-"""Registers, local memory (spills) and instruction counts of the Triton kernels, compiled offline
-for sm_90 (no GPU needed): the forward under the tile variants of ``benchmarks/NOTES.md`` sections
+"""Registers, local memory (spills), instruction counts and the spills' place in the loops of the
+Triton kernels, compiled offline for sm_90 (no GPU needed): the forward under the tile variants of ``benchmarks/NOTES.md`` sections
 20 and 22, the document-owned grad_D kernel, the gather, the winner index, and the projection
 head's fused forward (section 72). Prints a markdown record with the Triton version and git sha.
 
@@ -82,13 +82,45 @@ def dump(compiled) -> tuple[str, str]:
     return usage, sass
 
 
-def resources(compiled) -> tuple[int, int, int]:
-    """(registers, local-memory bytes a thread, SASS instructions)."""
+def resources(compiled) -> tuple[int, int, int, str]:
+    """(registers, local-memory bytes a thread, SASS instructions, its loops: ``loop_spills``)."""
     usage, sass = dump(compiled)
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))
-    instructions = len([ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)])
-    return regs, stack, instructions
+    code = [(int(m.group(1), 16), m.group(2)) for m in
+            (re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*)", ln) for ln in sass.splitlines()) if m]
+    return regs, stack, len(code), loop_spills(code)
+
+
+def loop_spills(code: list[tuple[int, str]]) -> str:
+    """Each SASS loop in address order as ``depth: instructions LDL/STL`` (its own body: its
+    inner loops left out; LDL/STL: local-memory loads and stores, the spills): what a spill or
+    an instruction costs depends on how often its loop runs (the head's tile loop runs its
+    split-K loop ``d_model / HIDDEN_BLOCK`` times a tile). A loop is the span from a backward
+    branch's target to the branch."""
+    ends: dict[int, int] = {}
+    for addr, text in code:
+        target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < addr:
+            lo = int(target.group(1), 16)
+            ends[lo] = max(ends.get(lo, 0), addr)
+    loops = sorted(ends.items())
+    if not loops:
+        return "no loop"
+
+    def inside(a, b):  # loop a strictly inside loop b
+        return a != b and b[0] <= a[0] and a[1] <= b[1]
+
+    found = []
+    for loop in loops:
+        depth = 1 + sum(inside(loop, other) for other in loops)
+        inner = [o for o in loops if inside(o, loop)]
+        body = [t for a, t in code if loop[0] <= a <= loop[1]
+                and not any(o[0] <= a <= o[1] for o in inner)]
+        ld = sum(1 for t in body if re.match(r"(@!?U?P\w+\s+)?LDL\b", t))
+        st = sum(1 for t in body if re.match(r"(@!?U?P\w+\s+)?STL\b", t))
+        found.append(f"{depth}: {len(body)} {ld}/{st}")
+    return "; ".join(found)
 
 
 def forward_rows():
@@ -189,12 +221,13 @@ def main() -> None:
     print(f"- triton {triton.__version__}, target sm_90 (no GPU), git: {sha}")
     command = " ".join(["python benchmarks/compile_report.py", *sys.argv[1:]])
     print(f"- command: `{command}`; bf16 inputs, d = 128 unless a row says\n")
-    print("| kernel | mode | tiles | register cap | registers | local memory B/thread | SASS instructions |")
-    print("|---|---|---|---|---|---|---|")
+    print("| kernel | mode | tiles | register cap | registers | local memory B/thread | SASS instructions "
+          "| loops (depth: instructions LDL/STL) |")
+    print("|---|---|---|---|---|---|---|---|")
     for row in (row for name in names for row in SECTIONS[name]()):
-        kernel, mode, label, maxnreg, regs, stack, instructions = row
-        print(f"| {kernel} | {mode} | {label} | {maxnreg or '–'} | {regs} | {stack} | {instructions} |",
-              flush=True)
+        kernel, mode, label, maxnreg, regs, stack, instructions, spills = row
+        print(f"| {kernel} | {mode} | {label} | {maxnreg or '–'} | {regs} | {stack} | {instructions} "
+              f"| {spills} |", flush=True)
 
 
 if __name__ == "__main__":
