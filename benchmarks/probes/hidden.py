@@ -90,6 +90,48 @@ def hidden_tiles():
         print(f"  {tiles}: {totals[tiles]:.2f}")
 
 
+def hidden_prefetch():
+    """The fused route with each next tile's hidden states prefetched into L2 (``HIDDEN_PREFETCH``)
+    and without, at the plan's tiles on every shape: inference and the training step, ms in
+    interleaved rounds (median of five), after a check that both give the same scores and
+    gradients bit for bit (a prefetch changes no value)."""
+    for name, shape in {**SHAPES, **MORE_SHAPES}.items():
+        leaves = _inputs(*shape, grad=True)
+        Q, H, W, b = (t.detach() for t in leaves)
+
+        def infer(on):
+            with torch.no_grad(), forced_plan(hidden_route="fused", HIDDEN_PREFETCH=on):
+                return maxsim_from_hidden(Q, H, W, b)
+
+        def step(on):
+            for t in leaves:
+                t.grad = None
+            with forced_plan(hidden_route="fused", HIDDEN_PREFETCH=on):
+                maxsim_from_hidden(*leaves).sum().backward()
+            return [t.grad for t in leaves]
+
+        same = torch.equal(infer(False), infer(True)) and all(
+            torch.equal(x, y) for x, y in zip(step(False), step(True)))
+        if not same:
+            print(f"{name}: prefetch changed a value: not timed", flush=True)
+            continue
+        with forced_plan(hidden_route="fused", HIDDEN_PREFETCH=True):
+            p = hidden_problem(Q, H, W, b, None, None, normalize=True, save_argmax=False)
+            if not plan_forward(p, options_for(Q)).hidden_prefetch:
+                print(f"{name}: the plan does not prefetch on this device: not timed", flush=True)
+                continue
+        times = {(mode, on): [] for mode in ("inference", "step") for on in (False, True)}
+        for r in range(5):
+            for mode, on in sorted(times, key=lambda k: (k[1] != bool(r % 2), k)):
+                fn = (lambda on=on: infer(on)) if mode == "inference" else (lambda on=on: step(on))
+                times[mode, on].append(do_bench(fn))
+        ms = {k: sorted(v)[2] for k, v in times.items()}
+        print(f"{name}: inference {ms['inference', False]:.3f} -> {ms['inference', True]:.3f} ms "
+              f"prefetched, step {ms['step', False]:.3f} -> {ms['step', True]:.3f}", flush=True)
+        del leaves, Q, H, W, b
+        torch.cuda.empty_cache()
+
+
 def hidden_step_profile():
     """A training step (forward, ``scores.sum().backward()``) of each route at a small and a
     large shape: wall ms of the forward alone and of the whole step, and the step's kernels and
