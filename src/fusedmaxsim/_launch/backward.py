@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -440,6 +441,25 @@ def backward_packed(plan: BackwardPlan, fp32_precision: str, layout, grad_scores
 # ------------------------------------------------------------------------------------------------
 
 
+class _HeadBackward(NamedTuple):
+    """What every chunk of ``backward_hidden`` shares: its arguments, ``grad_H`` (None where not
+    needed) and what is asked for (``need_w``: grad_W or grad_b)."""
+
+    plan: BackwardPlan
+    fp32_precision: str
+    grad_scores: Tensor
+    Q: Tensor
+    argmax: Tensor
+    H: Tensor
+    W: Tensor
+    b: Tensor | None
+    grad_h: Tensor | None
+    normalize: bool
+    need_q: bool
+    need_h: bool
+    need_w: bool
+
+
 def backward_hidden(plan: BackwardPlan, fp32_precision: str, grad_scores: Tensor, Q: Tensor,
                     H: Tensor, W: Tensor, b: Tensor | None, argmax: Tensor, normalize: bool,
                     needs: tuple[bool, bool, bool, bool]) -> tuple[Tensor | None, ...]:
@@ -487,8 +507,8 @@ def backward_hidden(plan: BackwardPlan, fp32_precision: str, grad_scores: Tensor
         grad_p = empty((*lead, dim), dtype, dev)
         weights = (empty((plan.weight_groups, dim, d_model), torch.float32, dev),
                    empty((plan.weight_groups, dim), torch.float32, dev) if need_b else H)
-    shared = (plan, fp32_precision, grad_scores, Q, argmax, H, W, b, grad_h, normalize, need_q,
-              need_h, need_weights)
+    shared = _HeadBackward(plan, fp32_precision, grad_scores, Q, argmax, H, W, b, grad_h,
+                           normalize, need_q, need_h, need_weights)
     run = _hidden_entries if by_entry else _hidden_tiles(shared, chunk)
     grad_q = None
     for c0 in range(0, Ncols, chunk):
@@ -511,9 +531,9 @@ def backward_hidden(plan: BackwardPlan, fp32_precision: str, grad_scores: Tensor
     return grad_q, grad_h, grad_w if need_w else None, grad_b
 
 
-def _hidden_entries(shared: tuple, tok, grad_p, col_base: int, n_cols: int) -> Tensor | None:
-    """One chunk of columns through the entries kernel (``shared``: ``backward_hidden``'s
-    arguments); its ``grad_Q`` (fp32) where needed."""
+def _hidden_entries(shared: _HeadBackward, tok, grad_p, col_base: int,
+                    n_cols: int) -> Tensor | None:
+    """One chunk of columns through the entries kernel; its ``grad_Q`` (fp32) where needed."""
     (plan, fp32_precision, grad_scores, Q, argmax, H, W, b, grad_h, normalize, need_q, need_h,
      need_w) = shared
     cfg = plan.tiles
@@ -552,12 +572,13 @@ def _hidden_entries_constants(cfg, per_query, normalize, need_q, need_h, need_w,
     )
 
 
-def _hidden_tiles(shared: tuple, chunk: int):
+def _hidden_tiles(shared: _HeadBackward, chunk: int):
     """The token tile kernels' run of a chunk of columns, ``run(shared, tok, grad_p, col_base,
     n_cols)`` as ``_hidden_entries`` (its ``grad_Q``: in Q's dtype for a single chunk, else
     fp32), with the buffers its chunks share: ``P`` and its inverse norms for the gather, the
     winner index."""
-    plan, _, _, Q, _, H, _, _, _, normalize, need_q, _, _ = shared
+    plan, Q, H, normalize, need_q = (shared.plan, shared.Q, shared.H, shared.normalize,
+                                     shared.need_q)
     Nq, Lq, dim = Q.shape
     Ncols, Ld = H.shape[-3], H.shape[-2]
     per_query = H.dim() == 4
