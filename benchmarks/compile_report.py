@@ -1,7 +1,8 @@
-"""Registers, local memory (spills), instruction counts and the spills' place in the loops of the
-Triton kernels, compiled offline for sm_90 (no GPU needed): the forward under the tile variants of ``benchmarks/NOTES.md`` sections
-20 and 22, the document-owned grad_D kernel, the gather, the winner index, and the projection
-head's fused forward (section 72). Prints a markdown record with the Triton version and git sha.
+"""Registers, local memory (spills), instruction counts and the spills' place in the loops of
+the Triton kernels, compiled offline for sm_90 (no GPU needed): the forward under the tile
+variants of ``benchmarks/NOTES.md`` sections 20 and 22, the document-owned grad_D kernel, the
+gather, the winner index, and the projection head's fused forward (sections 72 and 74). Prints a
+markdown record with the Triton version and git sha.
 
     python benchmarks/compile_report.py > benchmarks/results/offline/<date>_<sha>/compile_report.md
     python benchmarks/compile_report.py head      (some sections: forward grad_d gather index head)
@@ -224,13 +225,13 @@ def main() -> None:
     print(f"- triton {triton.__version__}, target sm_90 (no GPU), git: {sha}")
     command = " ".join(["python benchmarks/compile_report.py", *sys.argv[1:]])
     print(f"- command: `{command}`; bf16 inputs, d = 128 unless a row says\n")
-    print("| kernel | mode | tiles | register cap | registers | local memory B/thread | SASS instructions "
-          "| loops (depth: instructions LDL/STL) |")
+    print("| kernel | mode | tiles | register cap | registers | local memory B/thread "
+          "| SASS instructions | loops (depth: instructions LDL/STL) |")
     print("|---|---|---|---|---|---|---|---|")
     for row in (row for name in names for row in SECTIONS[name]()):
         kernel, mode, label, maxnreg, regs, stack, instructions, spills = row
-        print(f"| {kernel} | {mode} | {label} | {maxnreg or '–'} | {regs} | {stack} | {instructions} "
-              f"| {spills} |", flush=True)
+        print(f"| {kernel} | {mode} | {label} | {maxnreg or '–'} | {regs} | {stack} "
+              f"| {instructions} | {spills} |", flush=True)
 
 
 if __name__ == "__main__":

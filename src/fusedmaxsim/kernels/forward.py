@@ -46,8 +46,8 @@ Grid mapping
   document tile on chip (``common._hidden_tile``: ``F.linear(H, W, b)``, rounded to H's dtype)
   and never writes the projection; with ``NORMALIZE`` the projected tokens are normalized, their
   norms from the tiles (the queries are taken as they are); with ``HIDDEN_PREFETCH`` (sm_90) each
-  next tile's hidden states are prefetched into L2 while a tile is projected and scored. The document mask bounds the loop
-  as in ``_maxsim_fwd_kernel`` (``_valid_span``).
+  next tile's hidden states are prefetched into L2 while a tile is projected and scored. The
+  document mask bounds the loop as in ``_maxsim_fwd_kernel`` (``_valid_span``).
 * ``_inverse_norm_kernel``: program = a block of token rows; ``1 / max(‖x‖, eps)`` in fp32, each
   token read once (the norms are computed once per token, never per tile).
 
