@@ -7,8 +7,8 @@ markdown record with the Triton version and git sha.
     python benchmarks/compile_report.py > benchmarks/results/offline/<date>_<sha>/compile_report.md
     python benchmarks/compile_report.py head      (some sections: forward grad_d gather index head)
 
-Pointers are declared 16-byte aligned and the unit strides as the constant 1, as a launch on
-contiguous inputs specializes them.
+Pointers are declared 16-byte aligned and the unit strides (every ``stride_*_dim``, and W's
+``stride_w_in``) as the constant 1, as a launch on contiguous inputs specializes them.
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 ALIGNED_INTS = ("dim", "stride_q_seq", "stride_q_tok", "stride_d_grp", "stride_d_col", "stride_d_tok",
                 "stride_gd_grp", "stride_gd_col", "stride_gd_tok", "d_model", "stride_h_grp",
                 "stride_h_col", "stride_h_tok", "stride_w_out")
+# Strides of 1 in a launch on contiguous inputs (Triton specializes an integer equal to 1): the
+# innermost of each tensor, and W's along d_model (nn.Linear's weight [d, d_model]).
+UNIT_STRIDES = ("stride_w_in",)
 POINTER_TYPES = {"Q": "*bf16", "D": "*bf16", "GradD": "*bf16", "Grad": "*fp32", "QInv": "*fp32",
                  "DInv": "*fp32", "Out": "*fp32", "Argmax": "*i16", "QMask": "*u8", "DMask": "*u8",
                  "Rows": "*i32", "Counts": "*i32", "GradQ": "*bf16", "H": "*bf16", "W": "*bf16",
@@ -46,7 +49,7 @@ def compile_sm90(kernel, constants: dict, num_warps: int, num_stages: int, maxnr
         if name in constants:
             signature[name] = "constexpr"
             continue
-        if name.endswith("_dim") and name.startswith("stride"):
+        if name in UNIT_STRIDES or (name.endswith("_dim") and name.startswith("stride")):
             signature[name], constants[name] = "constexpr", 1
             continue
         param = kernel.params[i]
@@ -59,7 +62,7 @@ def compile_sm90(kernel, constants: dict, num_warps: int, num_stages: int, maxnr
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
-            if name in ALIGNED_INTS:
+            if name in ALIGNED_INTS and not param.do_not_specialize:  # as a launch specializes
                 attrs[(i,)] = [["tt.divisibility", 16]]
     source = ASTSource(kernel, signature, {(kernel.arg_names.index(k),): v for k, v in constants.items()},
                        attrs)
