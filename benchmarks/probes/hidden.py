@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from fusedmaxsim import forced_plan, maxsim_from_hidden
-from fusedmaxsim._plan import plan_forward
+from fusedmaxsim._plan import MEASURED, plan_forward
 from fusedmaxsim._problem import hidden_problem, options_for
 
 SHAPES = {  # name: (Nq, Nd, Lq, Ld, d_model, d)
@@ -92,21 +92,23 @@ def hidden_tiles():
 
 def hidden_prefetch():
     """The fused route with each next tile's hidden states prefetched into L2 (``HIDDEN_PREFETCH``)
-    and without, at the plan's tiles on every shape: inference and the training step, ms in
-    interleaved rounds (median of five), after a check that both give the same scores and
-    gradients bit for bit (a prefetch changes no value)."""
+    and without, at the plan's tiles and at 64-token tiles on 4 warps (two programs an SM):
+    inference and the training step, ms in interleaved rounds (median of three), after a check
+    that prefetching gives the same scores and gradients bit for bit."""
+    plan_tiles = MEASURED["HIDDEN_TILES"]
     for name, shape in {**SHAPES, **MORE_SHAPES}.items():
         leaves = _inputs(*shape, grad=True)
         Q, H, W, b = (t.detach() for t in leaves)
 
-        def infer(on):
-            with torch.no_grad(), forced_plan(hidden_route="fused", HIDDEN_PREFETCH=on):
+        def infer(on, tiles=plan_tiles):
+            with torch.no_grad(), forced_plan(hidden_route="fused", HIDDEN_PREFETCH=on,
+                                              HIDDEN_TILES=tiles):
                 return maxsim_from_hidden(Q, H, W, b)
 
-        def step(on):
+        def step(on, tiles=plan_tiles):
             for t in leaves:
                 t.grad = None
-            with forced_plan(hidden_route="fused", HIDDEN_PREFETCH=on):
+            with forced_plan(hidden_route="fused", HIDDEN_PREFETCH=on, HIDDEN_TILES=tiles):
                 maxsim_from_hidden(*leaves).sum().backward()
             return [t.grad for t in leaves]
 
@@ -120,14 +122,19 @@ def hidden_prefetch():
             if not plan_forward(p, options_for(Q)).hidden_prefetch:
                 print(f"{name}: the plan does not prefetch on this device: not timed", flush=True)
                 continue
-        times = {(mode, on): [] for mode in ("inference", "step") for on in (False, True)}
-        for r in range(5):
-            for mode, on in sorted(times, key=lambda k: (k[1] != bool(r % 2), k)):
-                fn = (lambda on=on: infer(on)) if mode == "inference" else (lambda on=on: step(on))
-                times[mode, on].append(do_bench(fn))
-        ms = {k: sorted(v)[2] for k, v in times.items()}
-        print(f"{name}: inference {ms['inference', False]:.3f} -> {ms['inference', True]:.3f} ms "
-              f"prefetched, step {ms['step', False]:.3f} -> {ms['step', True]:.3f}", flush=True)
+        calls = {(mode, tiles, on): (lambda m=mode, t=tiles, o=on:
+                                     infer(o, t) if m == "inference" else step(o, t))
+                 for mode in ("inference", "step") for tiles in (plan_tiles, (64, 64, 4, 4))
+                 for on in (False, True)}
+        times = {key: [] for key in calls}
+        for r in range(3):
+            keys = list(calls)
+            for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+                times[key].append(do_bench(calls[key]))
+        for mode in ("inference", "step"):
+            for tiles in (plan_tiles, (64, 64, 4, 4)):
+                off, on = (sorted(times[mode, tiles, x])[1] for x in (False, True))
+                print(f"{name} {mode} {tiles}: {off:.3f} ms, prefetched {on:.3f}", flush=True)
         del leaves, Q, H, W, b
         torch.cuda.empty_cache()
 
