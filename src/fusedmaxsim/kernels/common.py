@@ -65,7 +65,9 @@ Caveats
 * Hidden-state documents: the projection's fp32 sum over ``d_model`` runs in ``HIDDEN_BLOCK``
   steps, an order other than ``F.linear``'s, so a 16-bit projected element can round the other
   way (one ulp); fp32 inputs take the products' ``DOT_PRECISION`` (TF32 unless told). A tile is
-  projected afresh for every query block and query chunk that streams it.
+  projected afresh for every query block and query chunk that streams it. ``HIDDEN_PREFETCH``
+  is inline PTX of sm_90 (``cp.async.bulk.prefetch.L2``) on 16-byte aligned rows: the planner
+  and the launcher turn it on only there, never in the interpreter.
 * ``QUERY_IN_REGISTERS`` relies on a Triton rewrite (``MMAV3UseRegOperand``, triton 3.6-3.9):
   a Hopper product takes its first operand from registers only when that operand comes out of
   another tensor-core product, so the query tile is passed through one with a zero operand
