@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from helpers import masks_with_holes
 
 from fusedmaxsim import forced_plan, maxsim_from_hidden, settings
-from fusedmaxsim.planning import recording
 from fusedmaxsim._autograd import maxsim_hidden_bwd, maxsim_hidden_fwd
+from fusedmaxsim.planning import recording
 from fusedmaxsim.reference import maxsim_ref
 from fusedmaxsim.testing import relative_error, relative_error_fro
 
