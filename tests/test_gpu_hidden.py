@@ -140,8 +140,8 @@ def test_fused_inference_matches_unfused_and_long_inputs(dtype):
 def test_prefetch_changes_no_value_on_cuda(layout):
     """The next tile's hidden states prefetched into L2 (``HIDDEN_PREFETCH``, sm_90): the same
     scores and argmax bit for bit, masks and a short last tile included; the plan prefetches on
-    Hopper only, and the launcher leaves out rows that are not 16-byte aligned (a view that
-    starts one element in) with the same results."""
+    Hopper only, and not rows that are not 16-byte aligned (a view that starts one element in),
+    with the same results."""
     hopper = torch.version.hip is None and torch.cuda.get_device_capability()[0] == 9
     Q, H, W, b = _inputs(layout, torch.bfloat16, Ld=300)
     d_mask = masks_with_holes(H.shape[:-1], "cuda")
@@ -153,7 +153,7 @@ def test_prefetch_changes_no_value_on_cuda(layout):
             with torch.no_grad(), forced_plan(hidden_route="fused", HIDDEN_PREFETCH=on), \
                     recording() as plans:
                 outs.append(maxsim_from_hidden(Q, hidden, W, b, d_mask=mask))
-            assert plans[-1][1].hidden_prefetch == (on and hopper)
+            assert plans[-1][1].hidden_prefetch == (on and hopper and hidden is H)
         torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
     argmaxes = []
     for on in (False, True):

@@ -494,7 +494,7 @@ class HiddenFunction(torch.autograd.Function):
         p = hidden_problem(Q, H, W, b, q_mask, d_mask, normalize=normalize, save_argmax=True)
         scores, argmax = _hidden_forward(p, o, Q, H, W, b, q_mask, d_mask)
         ctx.save_for_backward(Q, H, W, b, argmax)
-        ctx.normalize, ctx.options, ctx.problem = normalize, o, p
+        ctx.options, ctx.problem = o, p
         return scores
 
     @staticmethod

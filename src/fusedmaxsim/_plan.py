@@ -722,9 +722,9 @@ def _plan_hidden_forward(p: Problem, o: Options) -> ForwardPlan:
         raise ValueError(f"hidden_route must be 'fused' or 'unfused', got {route!r}")
     if route == "fused" and o.backend == "torch":
         raise ValueError("hidden_route='fused' needs the Triton backend")
-    # The prefetch is PTX of sm_90 (the interpreter runs no PTX).
+    # The prefetch is PTX of sm_90 (the interpreter runs no PTX) reading whole aligned rows.
     prefetch = (route == "fused" and bool(_measured("HIDDEN_PREFETCH")) and not INTERPRETER
-                and measured_tiles(p.device))
+                and p.tma_ready and measured_tiles(p.device))
     if prefetch:
         reasons.append("each next tile's hidden states prefetched into L2")
     return ForwardPlan("triton" if route == "fused" else "torch", cfg, hidden_route=route,

@@ -260,13 +260,9 @@ def forward_hidden(plan: ForwardPlan, p: Problem, fp32_precision: str, Q: Tensor
     per_query_docs = H.dim() == 4
     qm, dm = as_bytes(q_mask), as_bytes(d_mask)
     cfg = plan.tiles
-    # The bulk prefetch reads whole rows: each row's address and bytes 16-byte aligned.
-    size = H.element_size()
-    prefetch = plan.hidden_prefetch and H.stride(-1) == 1 and H.data_ptr() % 16 == 0 and all(
-        n * size % 16 == 0 for n in (*H.stride()[:-1], p.d_model))
     consts = _hidden_constants(cfg, Q.dtype, H.dtype, p.dim, per_query_docs, hb, b is not None,
                                qm is not None, dm is not None, p.normalize, save_argmax,
-                               fp32_precision, prefetch)
+                               fp32_precision, plan.hidden_prefetch)
     kernel = launcher(_maxsim_hidden_fwd_kernel)
     qpb = cfg.queries_per_block
 

@@ -67,7 +67,7 @@ Caveats
   way (one ulp); fp32 inputs take the products' ``DOT_PRECISION`` (TF32 unless told). A tile is
   projected afresh for every query block and query chunk that streams it. ``HIDDEN_PREFETCH``
   is inline PTX of sm_90 (``cp.async.bulk.prefetch.L2``) on 16-byte aligned rows: the planner
-  and the launcher turn it on only there, never in the interpreter.
+  turns it on only there, never in the interpreter.
 * ``QUERY_IN_REGISTERS`` relies on a Triton rewrite (``MMAV3UseRegOperand``, triton 3.6-3.9):
   a Hopper product takes its first operand from registers only when that operand comes out of
   another tensor-core product, so the query tile is passed through one with a zero operand
@@ -217,7 +217,7 @@ def _prefetch_rows_l2(p_rows, m_rows, row_bytes):
     """Ask L2 for whole rows of global memory before they are loaded: one bulk prefetch
     (``cp.async.bulk.prefetch.L2``, sm_90) of ``row_bytes`` from each address of ``p_rows``
     where ``m_rows``. Nothing comes into registers and no result changes; each address and
-    ``row_bytes`` must be 16-byte aligned (the launcher's to ensure)."""
+    ``row_bytes`` must be 16-byte aligned (the plan's to ensure: ``Problem.tma_ready``)."""
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.ne.b32 p, $2, 0; "
         "@p cp.async.bulk.prefetch.L2.global [$1], $3; mov.b32 $0, 0; }",
