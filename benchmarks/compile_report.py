@@ -5,7 +5,8 @@ gather, the winner index, and the projection head's fused forward (sections 72 a
 markdown record with the Triton version and git sha.
 
     python benchmarks/compile_report.py > benchmarks/results/offline/<date>_<sha>/compile_report.md
-    python benchmarks/compile_report.py head      (some sections: forward grad_d gather index head)
+    python benchmarks/compile_report.py head      (some sections: forward grad_d gather index head
+                                                   head_backward)
 
 Pointers are declared 16-byte aligned and the unit strides (every ``stride_*_dim``, and W's
 ``stride_w_in``) as the constant 1, as a launch on contiguous inputs specializes them.
@@ -27,22 +28,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from fusedmaxsim._plan import MEASURED, bwd_heuristic
 from fusedmaxsim.kernels.backward import _maxsim_bwd_dd_kernel, _maxsim_bwd_gather_kernel
 from fusedmaxsim.kernels.forward import _maxsim_fwd_kernel, _maxsim_hidden_fwd_kernel
+from fusedmaxsim.kernels.head import (_hidden_bwd_entries_kernel, _hidden_bwd_grad_h_kernel,
+                                      _hidden_bwd_weight_kernel)
 from fusedmaxsim.kernels.winner_index import _tile_counts_kernel, _tile_rows_kernel
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 ALIGNED_INTS = ("dim", "stride_q_seq", "stride_q_tok", "stride_d_grp", "stride_d_col", "stride_d_tok",
                 "stride_gd_grp", "stride_gd_col", "stride_gd_tok", "d_model", "stride_h_grp",
-                "stride_h_col", "stride_h_tok", "stride_w_out")
+                "stride_h_col", "stride_h_tok", "stride_w_out", "stride_gh_grp", "stride_gh_col",
+                "stride_gh_tok")
 # Strides of 1 in a launch on contiguous inputs (Triton specializes an integer equal to 1): the
 # innermost of each tensor, and W's along d_model (nn.Linear's weight [d, d_model]).
 UNIT_STRIDES = ("stride_w_in",)
 POINTER_TYPES = {"Q": "*bf16", "D": "*bf16", "GradD": "*bf16", "Grad": "*fp32", "QInv": "*fp32",
                  "DInv": "*fp32", "Out": "*fp32", "Argmax": "*i16", "QMask": "*u8", "DMask": "*u8",
                  "Rows": "*i32", "Counts": "*i32", "GradQ": "*bf16", "H": "*bf16", "W": "*bf16",
-                 "Bias": "*bf16"}
+                 "Bias": "*bf16", "GradH": "*bf16", "Tok": "*i32", "GradP": "*bf16"}
 
 
-def compile_sm90(kernel, constants: dict, num_warps: int, num_stages: int, maxnreg=None):
+def compile_sm90(kernel, constants: dict, num_warps: int, num_stages: int, maxnreg=None,
+                 pointers=None):
+    """``kernel`` compiled for sm_90 as a launch on contiguous bf16 inputs specializes it;
+    ``pointers`` replaces the pointer types of ``POINTER_TYPES`` by name."""
+    pointer_types = {**POINTER_TYPES, **(pointers or {})}
     signature, attrs = {}, {}
     constants = dict(constants)
     for i, name in enumerate(kernel.arg_names):
@@ -55,8 +63,8 @@ def compile_sm90(kernel, constants: dict, num_warps: int, num_stages: int, maxnr
         param = kernel.params[i]
         if param.is_constexpr:
             raise ValueError(f"no value for constexpr {name}")
-        if name in POINTER_TYPES:
-            signature[name] = POINTER_TYPES[name]
+        if name in pointer_types:
+            signature[name] = pointer_types[name]
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name.startswith("smooth"):
             signature[name] = "fp32"
@@ -213,8 +221,36 @@ def head_rows():
             yield "head forward (fused)", mode, label, None, *resources(compiled)
 
 
+def head_backward_rows():
+    """The projection head's entries backward at the plan's tiles (d_model 768 → 128, bias,
+    normalized): the entries kernel with and without ``grad_H``'s rows (``NEED_H``: without,
+    where the zeros run beside it), the weight kernel, and the kernel of ``grad_H``'s rows after
+    the zeros: how much of an SM each holds (NOTES section 75)."""
+    block_e, warps, stages = MEASURED["HIDDEN_ENTRY_TILES"]
+    hidden_block = MEASURED["HIDDEN_TILES"][1]
+    common = dict(BLOCK_K=128, DOT_PRECISION="tf32", UPCAST=False)
+    for need_h in (True, False):
+        constants = dict(common, PER_QUERY_DOCS=False, NORMALIZE=True, NEED_Q=True, NEED_H=need_h,
+                         NEED_W=True, HIDDEN_BIAS=True, HIDDEN_BLOCK=hidden_block, BLOCK_E=block_e)
+        compiled = compile_sm90(_hidden_bwd_entries_kernel, constants, warps, stages,
+                                pointers={"GradQ": "*fp32"})
+        yield "head backward: entries", "grad_H's rows" if need_h else "buffers only", \
+            f"{block_e} entries, {warps} warps, {stages} stages", None, *resources(compiled)
+    block_t, block_c, w_warps, w_stages = MEASURED["HIDDEN_WEIGHT_TILES"]
+    constants = dict(common, HAS_BIAS=True, ACCUMULATE=False, BLOCK_T=block_t, BLOCK_C=block_c)
+    compiled = compile_sm90(_hidden_bwd_weight_kernel, constants, w_warps, w_stages,
+                            pointers={"PartW": "*fp32", "PartB": "*fp32"})
+    yield "head backward: weight", "grad_W and grad_b", \
+        f"{block_t} rows a step, {block_c} columns, {w_warps} warps, {w_stages} stages", None, \
+        *resources(compiled)
+    constants = dict(common, HIDDEN_BLOCK=hidden_block, BLOCK_T=block_e)
+    compiled = compile_sm90(_hidden_bwd_grad_h_kernel, constants, warps, 1)
+    yield "head backward: grad_H rows", "after the zeros", f"{block_e} rows, {warps} warps", \
+        None, *resources(compiled)
+
+
 SECTIONS = {"forward": forward_rows, "grad_d": grad_d_rows, "gather": gather_rows,
-            "index": index_rows, "head": head_rows}
+            "index": index_rows, "head": head_rows, "head_backward": head_backward_rows}
 
 
 def main() -> None:
