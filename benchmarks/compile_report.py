@@ -6,7 +6,7 @@ markdown record with the Triton version and git sha.
 
     python benchmarks/compile_report.py > benchmarks/results/offline/<date>_<sha>/compile_report.md
     python benchmarks/compile_report.py head      (some sections: forward grad_d gather index head
-                                                   head_backward)
+                                                   head_caps head_backward)
 
 Pointers are declared 16-byte aligned and the unit strides (every ``stride_*_dim``, and W's
 ``stride_w_in``) as the constant 1, as a launch on contiguous inputs specializes them.
@@ -221,6 +221,22 @@ def head_rows():
             yield "head forward (fused)", mode, label, None, *resources(compiled)
 
 
+def head_cap_rows():
+    """The projection head's fused forward (inference, as ``head_rows``) at small tiles on 4
+    warps under register caps: what a cap that lets three or four programs share an SM costs in
+    spills, loop by loop (NOTES section 76)."""
+    base = dict(HAS_Q_MASK=False, HAS_D_MASK=False, NORMALIZE=True, SAVE_ARGMAX=False,
+                PER_QUERY_DOCS=False, LQ_TILE=32, QUERIES_PER_BLOCK=1, BLOCK_K=128, EVEN_K=True,
+                DOT_PRECISION="tf32", UPCAST=False, QUERY_IN_REGISTERS=False, HIDDEN_BIAS=True,
+                HIDDEN_PREFETCH=False)
+    for n, hb, w, st in ((64, 64, 4, 4), (64, 32, 4, 3), (32, 64, 4, 2), (32, 32, 4, 3)):
+        for cap in (None, 168, 128):
+            constants = dict(base, BLOCK_N=n, HIDDEN_BLOCK=hb)
+            compiled = compile_sm90(_maxsim_hidden_fwd_kernel, constants, w, st, cap)
+            label = f"{n}-token tiles, {hb} of d_model a step, {w} warps, {st} stages"
+            yield "head forward (fused)", "inference", label, cap, *resources(compiled)
+
+
 def head_backward_rows():
     """The projection head's entries backward at the plan's tiles (d_model 768 → 128, bias,
     normalized): the entries kernel with and without ``grad_H``'s rows (``NEED_H``: without,
@@ -250,7 +266,8 @@ def head_backward_rows():
 
 
 SECTIONS = {"forward": forward_rows, "grad_d": grad_d_rows, "gather": gather_rows,
-            "index": index_rows, "head": head_rows, "head_backward": head_backward_rows}
+            "index": index_rows, "head": head_rows, "head_caps": head_cap_rows,
+            "head_backward": head_backward_rows}
 
 
 def main() -> None:

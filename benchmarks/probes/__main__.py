@@ -71,6 +71,7 @@ SECTIONS = {
     "hidden_compiled": ("hidden", "hidden_compiled"),
     "hidden_step": ("hidden", "hidden_step_profile"),
     "hidden_prefetch": ("hidden", "hidden_prefetch"),
+    "hidden_caps": ("hidden", "hidden_caps"),
     "head_backward": ("hidden", "head_backward"),
     "head_host": ("hidden", "head_host"),
     "zero_fill": ("hidden", "zero_fill"),

@@ -91,6 +91,57 @@ def hidden_tiles():
         print(f"  {tiles}: {totals[tiles]:.2f}")
 
 
+def hidden_caps():
+    """The fused forward (inference, ms) at small tiles on 4 warps under register caps that let
+    three or four programs share an SM (``FwdConfig.max_registers``, forced through
+    ``fwd_tiles``), beside the plan's tiles, the unfused route and LIK's fused head; each
+    configuration's scores checked against the plan's tiles first (NOTES section 76)."""
+    import dataclasses
+
+    try:
+        from late_interaction_kernels.fused_head import maxsim_from_hidden as lik_head
+    except ImportError:
+        lik_head = None
+    configs = [(tiles, cap) for tiles in ((64, 64, 4, 4), (64, 32, 4, 3), (32, 64, 4, 2),
+                                          (32, 32, 4, 3)) for cap in (None, 168, 128)]
+    for name, shape in {**SHAPES, **MORE_SHAPES}.items():
+        Q, H, W, b = _inputs(*shape)
+        p = hidden_problem(Q, H, W, b, None, None, normalize=True, save_argmax=False)
+        base = plan_forward(p, options_for(Q)).tiles
+
+        def fused(tiles, cap):
+            cfg = dataclasses.replace(base, block_n=tiles[0], num_warps=tiles[2],
+                                      num_stages=tiles[3], max_registers=cap)
+            with torch.no_grad(), forced_plan(hidden_route="fused", HIDDEN_TILES=tiles,
+                                              fwd_tiles=cfg):
+                return maxsim_from_hidden(Q, H, W, b)
+
+        plan_tiles = MEASURED["HIDDEN_TILES"]
+        ref = fused(plan_tiles, None)
+        with torch.no_grad():
+            with forced_plan(hidden_route="unfused"):
+                unfused = do_bench(lambda: maxsim_from_hidden(Q, H, W, b))
+            lik = (do_bench(lambda: lik_head(Q, H, W, b=b, normalize=True)) if lik_head
+                   else float("nan"))
+        rows = [(do_bench(lambda: fused(plan_tiles, None)), f"plan's {plan_tiles}")]
+        for tiles, cap in configs:
+            label = f"{tiles} cap {cap}"
+            try:
+                err = relative_error(fused(tiles, cap), ref)
+            except Exception as exc:  # noqa: BLE001 - e.g. out of resources: reported
+                print(f"  {label}: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
+                continue
+            if not err <= 1e-3:  # the same products in the same order: equal but for near-ties
+                print(f"  {label}: scores {err:.1e} off the plan's tiles: not timed", flush=True)
+                continue
+            rows.append((do_bench(lambda t=tiles, c=cap: fused(t, c)), label))
+        print(f"{name}: unfused {unfused:.3f}, LIK fused {lik:.3f}", flush=True)
+        for ms, label in sorted(rows):
+            print(f"  {label}: {ms:.3f}", flush=True)
+        del Q, H, W, b
+        torch.cuda.empty_cache()
+
+
 def hidden_prefetch():
     """The fused route with each next tile's hidden states prefetched into L2 (``HIDDEN_PREFETCH``)
     and without, at the plan's tiles and at 64-token tiles on 4 warps (two programs an SM):
