@@ -94,14 +94,15 @@ def dump(compiled) -> tuple[str, str]:
     return usage, sass
 
 
-def resources(compiled) -> tuple[int, int, int, str]:
-    """(registers, local-memory bytes a thread, SASS instructions, its loops: ``loop_spills``)."""
+def resources(compiled) -> tuple[int, str, int, str]:
+    """(registers, local-memory bytes a thread and shared-memory bytes a program, SASS
+    instructions, its loops: ``loop_spills``)."""
     usage, sass = dump(compiled)
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))
     code = [(int(m.group(1), 16), m.group(2)) for m in
             (re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*)", ln) for ln in sass.splitlines()) if m]
-    return regs, stack, len(code), loop_spills(code)
+    return regs, f"{stack} / {compiled.metadata.shared}", len(code), loop_spills(code)
 
 
 def loop_spills(code: list[tuple[int, str]]) -> str:
@@ -281,7 +282,7 @@ def main() -> None:
     print(f"- triton {triton.__version__}, target sm_90 (no GPU), git: {sha}")
     command = " ".join(["python benchmarks/compile_report.py", *sys.argv[1:]])
     print(f"- command: `{command}`; bf16 inputs, d = 128 unless a row says\n")
-    print("| kernel | mode | tiles | register cap | registers | local memory B/thread "
+    print("| kernel | mode | tiles | register cap | registers | local B/thread / shared B "
           "| SASS instructions | loops (depth: instructions LDL/STL) |")
     print("|---|---|---|---|---|---|---|---|")
     for row in (row for name in names for row in SECTIONS[name]()):
