@@ -199,13 +199,17 @@ def index_rows():
         yield name, "cross", "four 64-token tiles a scan, steps of 8 queries x 128 tokens, 4 warps", None, *resources(compiled)
 
 
+# The head's fused forward as the probes' shapes launch it: one query of 32 tokens a block, d =
+# 128, normalized, a bias, inference.
+HEAD_FORWARD = dict(HAS_Q_MASK=False, HAS_D_MASK=False, NORMALIZE=True, SAVE_ARGMAX=False,
+                    PER_QUERY_DOCS=False, LQ_TILE=32, QUERIES_PER_BLOCK=1, BLOCK_K=128,
+                    EVEN_K=True, DOT_PRECISION="tf32", UPCAST=False, QUERY_IN_REGISTERS=False,
+                    HIDDEN_BIAS=True, HIDDEN_PREFETCH=False)
+
+
 def head_rows():
     """The projection head's fused forward (d_model 768 → 128, bias, normalized) at the plan's
     tiles and beside them: which part holds the registers (NOTES section 72)."""
-    base = dict(HAS_Q_MASK=False, HAS_D_MASK=False, NORMALIZE=True, SAVE_ARGMAX=False,
-                PER_QUERY_DOCS=False, LQ_TILE=32, QUERIES_PER_BLOCK=1, BLOCK_K=128, EVEN_K=True,
-                DOT_PRECISION="tf32", UPCAST=False, QUERY_IN_REGISTERS=False, HIDDEN_BIAS=True,
-                HIDDEN_PREFETCH=False)
     block_n, hidden_block, warps, stages = MEASURED["HIDDEN_TILES"]
     variants = [("inference", {}), ("argmax", dict(SAVE_ARGMAX=True)),
                 ("next tile prefetched", dict(HIDDEN_PREFETCH=True)),
@@ -216,7 +220,7 @@ def head_rows():
              (64, 64, 8, 4), (64, 64, 4, 4)]
     for mode, extra in variants:
         for n, hb, w, st in tiles if mode == "inference" else tiles[:1]:
-            constants = dict(base, **extra, BLOCK_N=n, HIDDEN_BLOCK=hb)
+            constants = dict(HEAD_FORWARD, **extra, BLOCK_N=n, HIDDEN_BLOCK=hb)
             compiled = compile_sm90(_maxsim_hidden_fwd_kernel, constants, w, st)
             label = f"{n}-token tiles, {hb} of d_model a step, {w} warps, {st} stages"
             yield "head forward (fused)", mode, label, None, *resources(compiled)
@@ -226,13 +230,9 @@ def head_cap_rows():
     """The projection head's fused forward (inference, as ``head_rows``) at small tiles on 4
     warps under register caps: what a cap that lets three or four programs share an SM costs in
     spills, loop by loop (NOTES section 76)."""
-    base = dict(HAS_Q_MASK=False, HAS_D_MASK=False, NORMALIZE=True, SAVE_ARGMAX=False,
-                PER_QUERY_DOCS=False, LQ_TILE=32, QUERIES_PER_BLOCK=1, BLOCK_K=128, EVEN_K=True,
-                DOT_PRECISION="tf32", UPCAST=False, QUERY_IN_REGISTERS=False, HIDDEN_BIAS=True,
-                HIDDEN_PREFETCH=False)
     for n, hb, w, st in ((64, 64, 4, 4), (64, 32, 4, 3), (32, 64, 4, 2), (32, 32, 4, 3)):
         for cap in (None, 168, 128):
-            constants = dict(base, BLOCK_N=n, HIDDEN_BLOCK=hb)
+            constants = dict(HEAD_FORWARD, BLOCK_N=n, HIDDEN_BLOCK=hb)
             compiled = compile_sm90(_maxsim_hidden_fwd_kernel, constants, w, st, cap)
             label = f"{n}-token tiles, {hb} of d_model a step, {w} warps, {st} stages"
             yield "head forward (fused)", "inference", label, cap, *resources(compiled)

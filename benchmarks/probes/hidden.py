@@ -34,6 +34,17 @@ def _inputs(Nq, Nd, Lq, Ld, d_model, d, grad=False):
     return [t.requires_grad_(grad) for t in (Q, H, W, b)]
 
 
+def _interleaved_medians(calls: dict) -> dict:
+    """Each call's ms (``do_bench``), the median of three rounds, each round over every call,
+    each starting one call further on."""
+    times = {key: [] for key in calls}
+    keys = list(calls)
+    for r in range(3):
+        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+            times[key].append(do_bench(calls[key]))
+    return {key: sorted(found)[1] for key, found in times.items()}
+
+
 def _fused_ms(Q, H, W, b, tiles):
     """The fused forward's ms at these tiles, or the exception's name."""
     try:
@@ -184,14 +195,10 @@ def hidden_prefetch():
         calls = {(mode, tiles, on): (lambda m=mode, t=tiles, o=on:
                                      infer(o, t) if m == "inference" else step(o, t))
                  for mode in ("inference", "step") for tiles in tile_sets for on in (False, True)}
-        times = {key: [] for key in calls}
-        for r in range(3):
-            keys = list(calls)
-            for key in keys[r % len(keys):] + keys[:r % len(keys)]:
-                times[key].append(do_bench(calls[key]))
+        times = _interleaved_medians(calls)
         for mode in ("inference", "step"):
             for tiles in tile_sets:
-                off, on = (sorted(times[mode, tiles, x])[1] for x in (False, True))
+                off, on = (times[mode, tiles, x] for x in (False, True))
                 print(f"{name} {mode} {tiles}: {off:.3f} ms, prefetched {on:.3f}", flush=True)
         del leaves, Q, H, W, b
         torch.cuda.empty_cache()
@@ -320,13 +327,9 @@ def zeros_beside():
             continue
         calls = {(mode, on): (lambda m=mode, o=on: backward(o) if m == "backward" else step(o))
                  for mode in ("backward", "step") for on in (False, True)}
-        times = {key: [] for key in calls}
-        for r in range(3):
-            keys = list(calls)
-            for key in keys[r % len(keys):] + keys[:r % len(keys)]:
-                times[key].append(do_bench(calls[key]))
+        times = _interleaved_medians(calls)
         for mode in ("backward", "step"):
-            off, on = (sorted(times[mode, x])[1] for x in (False, True))
+            off, on = (times[mode, x] for x in (False, True))
             print(f"{name} {mode}: {off:.3f} ms, zeros beside {on:.3f}", flush=True)
         for on in (False, True):
             backward(on)
