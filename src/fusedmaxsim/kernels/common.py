@@ -172,11 +172,14 @@ def _residual_tile(p_codes, stride_code_tok, res, o_t, m_t, BLOCK_K: tl.constexp
 
 @triton.jit
 def _hidden_tile(p_h, stride_h_tok, hid, o_t, m_t, o_k, m_k, HIDDEN_BLOCK: tl.constexpr,
-                 HIDDEN_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                 HIDDEN_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                 MASK_ROWS: tl.constexpr = True):
     """Tokens ``o_t`` of one document projected on chip from its hidden states: ``H[o_t] · Wᵀ
     (+ b)`` accumulated in fp32 over ``d_model`` in ``HIDDEN_BLOCK`` steps, the bias added in
-    fp32, then rounded to H's dtype (``F.linear``'s output); zero outside ``m_t`` × ``m_k`` (so
-    the tile's norms hold).
+    fp32, then rounded to H's dtype (``F.linear``'s output); zero outside ``m_k`` (W and the
+    bias are read as zeros there) and, with ``MASK_ROWS``, outside ``m_t`` (where the rows would
+    hold the bias), so the tile's norms hold. A tile whose rows are all in ``m_t`` (a document's
+    full tiles) skips that select.
 
     ``p_h`` points at the document's first token; ``hid`` = ``(H's dim stride, W, W's row
     stride, W's column stride, bias, d_model)`` (``W [d, d_model]``, nn.Linear's weight; the
@@ -209,7 +212,9 @@ def _hidden_tile(p_h, stride_h_tok, hid, o_t, m_t, o_k, m_k, HIDDEN_BLOCK: tl.co
     if HIDDEN_BIAS:
         acc += tl.load(Bias + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
     tile = acc.to(p_h.dtype.element_ty)
-    return tl.where(m_t[:, None] & m_k[None, :], tile, 0.0)
+    if MASK_ROWS:
+        tile = tl.where(m_t[:, None], tile, 0.0)
+    return tile
 
 
 @triton.jit
@@ -287,7 +292,7 @@ def _doc_tile(
             _prefetch_rows_l2(p_doc + o_next.to(tl.int64) * stride_doc_tok, o_next < t_hi,
                               res[5] * (p_doc.dtype.element_ty.primitive_bitwidth // 8))
         b_d = _hidden_tile(p_doc, stride_doc_tok, res, o_t, m_t, o_k, m_k, HIDDEN_BLOCK,
-                           HIDDEN_BIAS, DOT_PRECISION, UPCAST).to(b_q.dtype)
+                           HIDDEN_BIAS, DOT_PRECISION, UPCAST, MASK_TAIL).to(b_q.dtype)
     elif MASK_TAIL:
         b_d = tl.load(p, mask=m_t[:, None] & m_k[None, :], other=0.0)
     elif EVEN_K:
