@@ -179,7 +179,7 @@ def _hidden_tile(p_h, stride_h_tok, hid, o_t, m_t, o_k, m_k, HIDDEN_BLOCK: tl.co
     fp32, then rounded to H's dtype (``F.linear``'s output); zero outside ``m_k`` (W and the
     bias are read as zeros there) and, with ``MASK_ROWS``, outside ``m_t`` (where the rows would
     hold the bias), so the tile's norms hold. A tile whose rows are all in ``m_t`` (a document's
-    full tiles) skips that select.
+    full tiles) skips that select and reads its whole steps of ``H`` unmasked.
 
     ``p_h`` points at the document's first token; ``hid`` = ``(H's dim stride, W, W's row
     stride, W's column stride, bias, d_model)`` (``W [d, d_model]``, nn.Linear's weight; the
@@ -198,7 +198,10 @@ def _hidden_tile(p_h, stride_h_tok, hid, o_t, m_t, o_k, m_k, HIDDEN_BLOCK: tl.co
     c_full = d_model // HIDDEN_BLOCK * HIDDEN_BLOCK
     for c in range(0, c_full, HIDDEN_BLOCK):
         o_c = c + tl.arange(0, HIDDEN_BLOCK)
-        h = tl.load(p_h + o_row + o_c[None, :] * stride_h_dim, mask=m_t[:, None], other=0.0)
+        if MASK_ROWS:
+            h = tl.load(p_h + o_row + o_c[None, :] * stride_h_dim, mask=m_t[:, None], other=0.0)
+        else:
+            h = tl.load(p_h + o_row + o_c[None, :] * stride_h_dim)
         w = tl.load(W + o_c[:, None] * stride_w_in + o_col, mask=m_k[None, :], other=0.0)
         acc += _dot(h, w, DOT_PRECISION, UPCAST)  # Wᵀ's [HIDDEN_BLOCK, d] step
     if c_full < d_model:
