@@ -94,7 +94,8 @@ def test_float64_matches_the_chain_and_gradcheck(layout, normalize, bias):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("layout", ["cross", "candidates"])
-@pytest.mark.parametrize("case", ["plain", "masked", "sum", "odd", "strided", "one_token"])
+@pytest.mark.parametrize("case", ["plain", "masked", "sum", "odd", "strided", "one_token",
+                                  "even_dim"])
 @pytest.mark.parametrize("route, backward", [("fused", "entries"), ("fused", "tiles"),
                                              ("fused", "entries, zeros beside"),
                                              ("unfused", "entries"), ("unfused", "tiles"),
@@ -108,6 +109,8 @@ def test_every_route_matches_the_chain(dtype, layout, case, route, backward):
         kw = dict(Nq=1, Lq=3, K=1, Nd=1, Ld=7, d=3, d_model=5)
     if case == "one_token":
         kw = dict(Lq=1, Ld=1)
+    if case == "even_dim":  # d a power of two: the tiles' width, W read unmasked
+        kw = dict(d=32, Ld=37)
     Q, H, W, b = problem(layout, dtype, **kw)
     q_mask = d_mask = H_ref = None
     if case == "masked":

@@ -173,13 +173,14 @@ def _residual_tile(p_codes, stride_code_tok, res, o_t, m_t, BLOCK_K: tl.constexp
 @triton.jit
 def _hidden_tile(p_h, stride_h_tok, hid, o_t, m_t, o_k, m_k, HIDDEN_BLOCK: tl.constexpr,
                  HIDDEN_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                 MASK_ROWS: tl.constexpr = True):
+                 MASK_ROWS: tl.constexpr = True, EVEN_K: tl.constexpr = False):
     """Tokens ``o_t`` of one document projected on chip from its hidden states: ``H[o_t] · Wᵀ
     (+ b)`` accumulated in fp32 over ``d_model`` in ``HIDDEN_BLOCK`` steps, the bias added in
     fp32, then rounded to H's dtype (``F.linear``'s output); zero outside ``m_k`` (W and the
     bias are read as zeros there) and, with ``MASK_ROWS``, outside ``m_t`` (where the rows would
     hold the bias), so the tile's norms hold. A tile whose rows are all in ``m_t`` (a document's
-    full tiles) skips that select and reads its whole steps of ``H`` unmasked.
+    full tiles) skips that select and reads its whole steps of ``H`` unmasked; with ``EVEN_K``
+    (``d`` is the tile's width) ``W`` is read unmasked too.
 
     ``p_h`` points at the document's first token; ``hid`` = ``(H's dim stride, W, W's row
     stride, W's column stride, bias, d_model)`` (``W [d, d_model]``, nn.Linear's weight; the
@@ -202,7 +203,10 @@ def _hidden_tile(p_h, stride_h_tok, hid, o_t, m_t, o_k, m_k, HIDDEN_BLOCK: tl.co
             h = tl.load(p_h + o_row + o_c[None, :] * stride_h_dim, mask=m_t[:, None], other=0.0)
         else:
             h = tl.load(p_h + o_row + o_c[None, :] * stride_h_dim)
-        w = tl.load(W + o_c[:, None] * stride_w_in + o_col, mask=m_k[None, :], other=0.0)
+        if EVEN_K:
+            w = tl.load(W + o_c[:, None] * stride_w_in + o_col)
+        else:
+            w = tl.load(W + o_c[:, None] * stride_w_in + o_col, mask=m_k[None, :], other=0.0)
         acc += _dot(h, w, DOT_PRECISION, UPCAST)  # Wᵀ's [HIDDEN_BLOCK, d] step
     if c_full < d_model:
         o_c = c_full + tl.arange(0, HIDDEN_BLOCK)
@@ -295,7 +299,7 @@ def _doc_tile(
             _prefetch_rows_l2(p_doc + o_next.to(tl.int64) * stride_doc_tok, o_next < t_hi,
                               res[5] * (p_doc.dtype.element_ty.primitive_bitwidth // 8))
         b_d = _hidden_tile(p_doc, stride_doc_tok, res, o_t, m_t, o_k, m_k, HIDDEN_BLOCK,
-                           HIDDEN_BIAS, DOT_PRECISION, UPCAST, MASK_TAIL).to(b_q.dtype)
+                           HIDDEN_BIAS, DOT_PRECISION, UPCAST, MASK_TAIL, EVEN_K).to(b_q.dtype)
     elif MASK_TAIL:
         b_d = tl.load(p, mask=m_t[:, None] & m_k[None, :], other=0.0)
     elif EVEN_K:
