@@ -28,8 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from fusedmaxsim._plan import MEASURED, bwd_heuristic
 from fusedmaxsim.kernels.backward import _maxsim_bwd_dd_kernel, _maxsim_bwd_gather_kernel
 from fusedmaxsim.kernels.forward import _maxsim_fwd_kernel, _maxsim_hidden_fwd_kernel
-from fusedmaxsim.kernels.head import (_hidden_bwd_entries_kernel, _hidden_bwd_grad_h_kernel,
-                                      _hidden_bwd_weight_kernel)
+from fusedmaxsim.kernels.head import (
+    _hidden_bwd_entries_kernel,
+    _hidden_bwd_grad_h_kernel,
+    _hidden_bwd_weight_kernel,
+)
 from fusedmaxsim.kernels.winner_index import _tile_counts_kernel, _tile_rows_kernel
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
