@@ -580,12 +580,14 @@ def _entries_beside(shared: _HeadBackward, grad_h: Tensor, tok: Tensor, grad_p: 
                                   n_cols, need_b)
 
     if grad_h.is_cuda:
+        # The fill first: the host issues a launch in tens of µs, the kernels would be done
+        # before a fill issued after them began (NOTES §75).
         caller = torch.cuda.current_stream(grad_h.device)
         side = priority_stream(grad_h.device)
         side.wait_stream(caller)
+        zero_(grad_h)
         with torch.cuda.stream(side):
             launches()
-        zero_(grad_h)
         caller.wait_stream(side)
     else:
         zero_(grad_h)
