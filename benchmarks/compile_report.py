@@ -28,11 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from fusedmaxsim._plan import MEASURED, bwd_heuristic
 from fusedmaxsim.kernels.backward import _maxsim_bwd_dd_kernel, _maxsim_bwd_gather_kernel
 from fusedmaxsim.kernels.forward import _maxsim_fwd_kernel, _maxsim_hidden_fwd_kernel
-from fusedmaxsim.kernels.head import (
-    _hidden_bwd_entries_kernel,
-    _hidden_bwd_grad_h_kernel,
-    _hidden_bwd_weight_kernel,
-)
+from fusedmaxsim.kernels.head import _hidden_bwd_entries_kernel, _hidden_bwd_weight_kernel
 from fusedmaxsim.kernels.winner_index import _tile_counts_kernel, _tile_rows_kernel
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -243,9 +239,8 @@ def head_cap_rows():
 
 def head_backward_rows():
     """The projection head's entries backward at the plan's tiles (d_model 768 → 128, bias,
-    normalized): the entries kernel with and without ``grad_H``'s rows (``NEED_H``: without,
-    where the zeros run beside it), the weight kernel, and the kernel of ``grad_H``'s rows after
-    the zeros: how much of an SM each holds (NOTES section 75)."""
+    normalized): the entries kernel with and without ``grad_H``'s rows (``NEED_H``) and the
+    weight kernel: how much of an SM each holds (NOTES section 75)."""
     block_e, warps, stages = MEASURED["HIDDEN_ENTRY_TILES"]
     hidden_block = MEASURED["HIDDEN_TILES"][1]
     common = dict(BLOCK_K=128, DOT_PRECISION="tf32", UPCAST=False)
@@ -263,10 +258,6 @@ def head_backward_rows():
     yield "head backward: weight", "grad_W and grad_b", \
         f"{block_t} rows a step, {block_c} columns, {w_warps} warps, {w_stages} stages", None, \
         *resources(compiled)
-    constants = dict(common, HIDDEN_BLOCK=hidden_block, BLOCK_T=block_e)
-    compiled = compile_sm90(_hidden_bwd_grad_h_kernel, constants, warps, 1)
-    yield "head backward: grad_H rows", "after the zeros", f"{block_e} rows, {warps} warps", \
-        None, *resources(compiled)
 
 
 SECTIONS = {"forward": forward_rows, "grad_d": grad_d_rows, "gather": gather_rows,

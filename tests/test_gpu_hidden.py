@@ -163,36 +163,6 @@ def test_prefetch_changes_no_value_on_cuda(layout):
     assert torch.equal(argmaxes[0], argmaxes[1])
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("layout", ["cross", "candidates"])
-def test_zeros_beside_change_no_value_on_cuda(dtype, layout):
-    """grad_H zeroed on the caller's stream beside the entries and weight kernels (on a stream
-    of higher priority), its winning rows written after (``HIDDEN_ZEROS_BESIDE``): the four
-    gradients bit for bit as the entries kernel's own, masks included, each gradient asked
-    alone too; the results read on the caller's stream with no synchronization."""
-    Q, H, W, b = _inputs(layout, dtype, Nd=33, Ld=300)
-    q_mask = masks_with_holes(Q.shape[:-1], "cuda")
-    d_mask = masks_with_holes(H.shape[:-1], "cuda")
-    g = torch.randn(Q.shape[0], H.shape[-3], device="cuda")
-    for needs in ((True, True, True, True), (False, True, False, False),
-                  (True, True, False, False), (False, True, True, False)):
-        grads = []
-        for on in (False, True):
-            leaves = [t.detach().requires_grad_(need) for t, need in zip((Q, H, W, b), needs)]
-            with forced_plan(hidden_bwd_kernel="entries", HIDDEN_ZEROS_BESIDE=on,
-                             HIDDEN_ZEROS_BESIDE_MIN_BYTES=0), recording() as plans:
-                maxsim_from_hidden(*leaves, q_mask, d_mask).backward(g)
-            assert [p for _, p in plans if getattr(p, "hidden_cols", 0)][0].hidden_zeros_beside \
-                == on
-            grads.append([t.grad for t in leaves])
-        for off, on in zip(*grads):
-            assert (off is None) == (on is None)
-            if off is not None:
-                torch.testing.assert_close(off, on, rtol=0, atol=0)
-        if needs[1]:
-            assert bool((grads[1][1][~d_mask] == 0).all())
-
-
 def test_hidden_ops_pass_opcheck_and_compile_on_cuda():
     Q, H, W, b = _inputs("cross", torch.bfloat16, Ld=64)
     for route in ("fused", "unfused"):

@@ -75,7 +75,6 @@ SECTIONS = {
     "head_backward": ("hidden", "head_backward"),
     "head_host": ("hidden", "head_host"),
     "zero_fill": ("hidden", "zero_fill"),
-    "zeros_beside": ("hidden", "zeros_beside"),
     "residual_tiles": ("plaid", "residual_tiles"),
     "residual_profile": ("plaid", "residual_profile"),
     "approx_tiles": ("plaid", "approx_tiles"),

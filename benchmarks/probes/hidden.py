@@ -290,66 +290,6 @@ def head_backward():
         torch.cuda.empty_cache()
 
 
-def zeros_beside():
-    """``grad_H``'s zeros on the caller's stream beside the entries and weight kernels (on a
-    stream of higher priority), its winning rows after (``HIDDEN_ZEROS_BESIDE``), against the
-    entries kernel writing them into zeros made first: the backward alone (``torch.autograd.grad``
-    of a saved forward) and the training step, ms in interleaved rounds (median of three), after
-    a check that the four gradients are the same (bit for bit, or how far apart); then a profile
-    of one backward on each side (the kernels' spans on the two streams)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    shapes = {"lateon-code-Nd256-Ld1k": SHAPES["lateon-code-Nd256-Ld1k"],
-              "lateon-code-Nd512-Ld2k": MORE_SHAPES["lateon-code-Nd512-Ld2k"],
-              "lateon-code-Nd1024-Ld2k": SHAPES["lateon-code-Nd1024-Ld2k"],
-              "lateon-code-edge-Nd256-Ld4k": MORE_SHAPES["lateon-code-edge-Nd256-Ld4k"]}
-    for name, shape in shapes.items():
-        leaves = _inputs(*shape, grad=True)
-        scores = maxsim_from_hidden(*leaves)
-        g = torch.randn_like(scores)
-
-        def decisions(on):
-            return dict(hidden_bwd_kernel="entries", HIDDEN_ZEROS_BESIDE=on,
-                        HIDDEN_ZEROS_BESIDE_MIN_BYTES=0)
-
-        def backward(on):
-            with forced_plan(**decisions(on)):
-                return torch.autograd.grad(scores, leaves, g, retain_graph=True)
-
-        def step(on):
-            for t in leaves:
-                t.grad = None
-            with forced_plan(**decisions(on)):
-                maxsim_from_hidden(*leaves).sum().backward()
-
-        off, on = backward(False), backward(True)
-        if not all(torch.equal(x, y) for x, y in zip(off, on)):
-            err = max(relative_error(y, x) for x, y in zip(off, on))
-            print(f"{name}: the zeros beside moved a gradient by {err:.1e} (relative)",
-                  flush=True)
-            if not err <= 1e-3:  # the same products: equal but for their order of summation
-                continue
-        calls = {(mode, on): (lambda m=mode, o=on: backward(o) if m == "backward" else step(o))
-                 for mode in ("backward", "step") for on in (False, True)}
-        times = _interleaved_medians(calls)
-        for mode in ("backward", "step"):
-            off, on = (times[mode, x] for x in (False, True))
-            print(f"{name} {mode}: {off:.3f} ms, zeros beside {on:.3f}", flush=True)
-        for on in (False, True):
-            backward(on)
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                backward(on)
-                torch.cuda.synchronize()
-            spans = sorted((e.time_range.start, e.time_range.end, e.name)
-                           for e in prof.events() if e.device_type.name == "CUDA")
-            t0 = spans[0][0] if spans else 0
-            print(f"  {'beside' if on else 'in order'}: " + "; ".join(
-                f"{n[:32]} {a - t0:.0f}-{z - t0:.0f} us" for a, z, n in spans), flush=True)
-        del leaves, scores
-        torch.cuda.empty_cache()
-
-
 def head_host():
     """Where a training step's host time goes at two host-bound shapes: wall ms of the step
     and of its forward, then ``cProfile`` of 200 steps (the functions by own time)."""

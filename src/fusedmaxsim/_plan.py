@@ -135,13 +135,6 @@ MEASURED: dict[str, object] = dict(
     HIDDEN_WEIGHT_WAVES=2,
     HIDDEN_BWD_TILES=(16, 4, 1) if INTERPRETER else (64, 8, 2),
     HIDDEN_WEIGHT_TILES=(16, 16, 4, 1) if INTERPRETER else (64, 128, 8, 2),
-    # The entries backward of one chunk over at least HIDDEN_ZEROS_BESIDE_MIN_BYTES of hidden
-    # states: grad_H zeroed on the caller's stream while the entries and weight kernels run on
-    # a stream of higher priority, then its winning rows written by their own kernel, so that
-    # the zeros' bandwidth-bound fill overlaps the kernels' latency-bound gathers. Off until
-    # timed on the H200 (NOTES §75).
-    HIDDEN_ZEROS_BESIDE=False,
-    HIDDEN_ZEROS_BESIDE_MIN_BYTES=1 << 30,
     # PLAID residual documents (design.md "PLAID"; NOTES §63, §66): the kernel's tiles (d <=
     # 128: document tile, warps, stages, register cap) on the cross product and on per-query
     # candidates, and the query rows a block on the cross product (16-bit; half for fp32).
@@ -900,7 +893,6 @@ class BackwardPlan:
     hidden_block: int = 0
     weight_tiles: tuple = ()
     weight_groups: int = 0
-    hidden_zeros_beside: bool = False  # entries: grad_H's zeros beside the kernels, one chunk
     reasons: tuple[str, ...] = ()
 
 
@@ -1220,14 +1212,9 @@ def _plan_hidden_backward(p: Problem, o: Options, need_q: bool, mixed: bool) -> 
         hidden_bytes // _measured("HIDDEN_WEIGHT_PARTIAL_SHARE") // partial_bytes))
     reasons.append(f"{cols} column(s) a chunk of buffers, grad_W in {weight_groups} fp32 "
                    f"partial(s)")
-    beside = bool(kernel == "entries" and _measured("HIDDEN_ZEROS_BESIDE") and cols >= p.Ncols
-                  and hidden_bytes >= _measured("HIDDEN_ZEROS_BESIDE_MIN_BYTES"))
-    if beside:
-        reasons.append("grad_H zeroed beside the kernels, its winning rows after")
     return dataclasses.replace(
         base, index_cols=cols, hidden_cols=cols, hidden_block=_measured("HIDDEN_TILES")[1],
-        weight_tiles=weight_tiles, weight_groups=weight_groups, hidden_zeros_beside=beside,
-        reasons=tuple(reasons))
+        weight_tiles=weight_tiles, weight_groups=weight_groups, reasons=tuple(reasons))
 
 
 def _plan_hidden_closed_form(p: Problem, block_bytes: int, why: str) -> BackwardPlan:

@@ -26,7 +26,6 @@ from ..kernels.backward import (
 )
 from ..kernels.head import (
     _hidden_bwd_entries_kernel,
-    _hidden_bwd_grad_h_kernel,
     _hidden_bwd_rows_kernel,
     _hidden_bwd_weight_kernel,
 )
@@ -44,10 +43,8 @@ from .runtime import (
     grads_without_launch,
     launcher,
     owned_tile_meta,
-    priority_stream,
     smooth_scales,
     upcast,
-    zero_,
     zeros,
 )
 
@@ -445,9 +442,8 @@ def backward_packed(plan: BackwardPlan, fp32_precision: str, layout, grad_scores
 
 
 class _HeadBackward(NamedTuple):
-    """What every chunk of ``backward_hidden`` shares: its arguments, ``grad_H`` where its
-    kernel writes it (``need_h``; None else) and what else it writes (``need_w``: the buffers'
-    tokens and grad_P, for grad_W or grad_b or for grad_H's rows after its zeros)."""
+    """What every chunk of ``backward_hidden`` shares: its arguments, ``grad_H`` (None where not
+    needed) and what is asked for (``need_w``: grad_W or grad_b)."""
 
     plan: BackwardPlan
     fp32_precision: str
@@ -482,11 +478,7 @@ def backward_hidden(plan: BackwardPlan, fp32_precision: str, grad_scores: Tensor
 
     Then, where ``grad_W`` or ``grad_b`` is needed, the weight kernel adds the chunk's into
     ``plan.weight_groups`` fp32 partials, summed at the end. No atomics: bitwise
-    reproducible.
-
-    With ``plan.hidden_zeros_beside`` (the entries kernel, one chunk), ``grad_H`` is zeroed
-    beside the entries and weight kernels (:func:`_entries_beside`) and its winning rows are
-    written after, by their own kernel, from the buffers."""
+    reproducible."""
     need_q, need_h, need_w, need_b = needs
     need_b = need_b and b is not None
     need_weights = need_w or need_b
@@ -499,41 +491,35 @@ def backward_hidden(plan: BackwardPlan, fp32_precision: str, grad_scores: Tensor
         return tuple(torch.zeros_like(t) if need else None
                      for t, need in zip((Q, H, W, b), (need_q, need_h, need_w, need_b)))
     by_entry = plan.kernel == "entries"
-    beside = need_h and plan.hidden_zeros_beside  # the plan's: the entries kernel, one chunk
     chunk = min(plan.hidden_cols, Ncols)
     grad_h = None
     if need_h:  # the entries kernel writes the winning rows only
-        grad_h = (zeros if by_entry and not beside else empty)(H.shape, dtype, dev)
-    # For the weight kernel (and the rows of grad_H after its zeros), a chunk's buffer rows (a
-    # token tile kernel's every row of its columns, the entries kernel's (query, query token)
-    # entries of each column): each row's token and grad_P.
+        grad_h = (zeros if by_entry else empty)(H.shape, dtype, dev)
+    # For the weight kernel, a chunk's buffer rows (a token tile kernel's every row of its
+    # columns, the entries kernel's (query, query token) entries of each column): each row's
+    # token and grad_P.
     col_rows = (Lq if per_query else Nq * Lq) if by_entry else Ld
     lead = (groups, chunk, col_rows) if per_query else (chunk, col_rows)
     col_axis = 1 if per_query else 0
     tok = grad_p = weights = None
-    if need_weights or beside:
+    if need_weights:
         tok = empty(lead, torch.int32, dev)
         grad_p = empty((*lead, dim), dtype, dev)
-    if need_weights:
         weights = (empty((plan.weight_groups, dim, d_model), torch.float32, dev),
                    empty((plan.weight_groups, dim), torch.float32, dev) if need_b else H)
-    shared = _HeadBackward(plan, fp32_precision, grad_scores, Q, argmax, H, W, b,
-                           None if beside else grad_h, normalize, need_q, need_h and not beside,
-                           need_weights or beside)
-    if beside:
-        grad_q = _entries_beside(shared, grad_h, tok, grad_p, weights, need_b)
-    else:
-        run = _hidden_entries if by_entry else _hidden_tiles(shared, chunk)
-        grad_q = None
-        for c0 in range(0, Ncols, chunk):
-            n = min(chunk, Ncols - c0)
-            tok_c, grad_p_c = _chunk_rows(tok, col_axis, n), _chunk_rows(grad_p, col_axis, n)
-            part = run(shared, tok_c, grad_p_c, c0, n)
-            if need_q:  # one chunk: the part itself, else fp32 parts summed
-                grad_q = part if grad_q is None else grad_q.add_(part)
-            if weights is not None:
-                _launch_hidden_weight(plan, fp32_precision, tok_c, grad_p_c, H, *weights, c0,
-                                      n, need_b)
+    shared = _HeadBackward(plan, fp32_precision, grad_scores, Q, argmax, H, W, b, grad_h,
+                           normalize, need_q, need_h, need_weights)
+    run = _hidden_entries if by_entry else _hidden_tiles(shared, chunk)
+    grad_q = None
+    for c0 in range(0, Ncols, chunk):
+        n = min(chunk, Ncols - c0)
+        tok_c, grad_p_c = _chunk_rows(tok, col_axis, n), _chunk_rows(grad_p, col_axis, n)
+        part = run(shared, tok_c, grad_p_c, c0, n)
+        if need_q:  # one chunk: the part itself, else fp32 parts summed
+            grad_q = part if grad_q is None else grad_q.add_(part)
+        if weights is not None:
+            _launch_hidden_weight(plan, fp32_precision, tok_c, grad_p_c, H, *weights, c0, n,
+                                  need_b)
     if need_q and grad_q.dtype != Q.dtype:
         grad_q = grad_q.to(Q.dtype)
     grad_w = grad_b = None
@@ -548,56 +534,6 @@ def backward_hidden(plan: BackwardPlan, fp32_precision: str, grad_scores: Tensor
 def _hidden_entries(shared: _HeadBackward, tok, grad_p, col_base: int,
                     n_cols: int) -> Tensor | None:
     """One chunk of columns through the entries kernel; its ``grad_Q`` (fp32) where needed."""
-    shares = _entry_shares(shared, n_cols)
-    _launch_hidden_entries(shared, tok, grad_p, shares, col_base, n_cols)
-    return shares.sum(1) if shares is not None else None
-
-
-def _entry_shares(shared: _HeadBackward, n_cols: int) -> Tensor | None:
-    """Where grad_Q is needed, the buffer of each entry's g · P̂, ``[Nq, n_cols, Lq, dim]``
-    (fp32): grad_Q is its sum over the columns."""
-    Nq, Lq, dim = shared.Q.shape
-    return empty((Nq, n_cols, Lq, dim), torch.float32, shared.Q.device) if shared.need_q else None
-
-
-def _entries_beside(shared: _HeadBackward, grad_h: Tensor, tok: Tensor, grad_p: Tensor,
-                    weights: tuple | None, need_b: bool) -> Tensor | None:
-    """The entries backward in one chunk with ``grad_H``'s zeros beside its kernels: the entries
-    and weight kernels run on the device's stream of the highest priority while ``grad_H`` is
-    zeroed on the caller's (a device without streams runs the same in order), then the rows of
-    ``grad_H`` that won are written from the buffers. Returns ``grad_Q`` (fp32) where needed.
-
-    Only launches run on the other stream: every tensor is allocated, and every PyTorch
-    operation runs, on the caller's stream, which waits for the other before the rows."""
-    plan, H = shared.plan, shared.H
-    n_cols = H.shape[-3]
-    shares = _entry_shares(shared, n_cols)
-
-    def launches() -> None:
-        _launch_hidden_entries(shared, tok, grad_p, shares, 0, n_cols)
-        if weights is not None:
-            _launch_hidden_weight(plan, shared.fp32_precision, tok, grad_p, H, *weights, 0,
-                                  n_cols, need_b)
-
-    if grad_h.is_cuda:
-        # The fill first: the host issues a launch in tens of µs, the kernels would be done
-        # before a fill issued after them began (NOTES §75).
-        caller = torch.cuda.current_stream(grad_h.device)
-        side = priority_stream(grad_h.device)
-        side.wait_stream(caller)
-        zero_(grad_h)
-        with torch.cuda.stream(side):
-            launches()
-        caller.wait_stream(side)
-    else:
-        zero_(grad_h)
-        launches()
-    _launch_hidden_grad_h(plan, shared.fp32_precision, tok, grad_p, shared.W, grad_h, n_cols)
-    return shares.sum(1) if shares is not None else None
-
-
-def _launch_hidden_entries(shared: _HeadBackward, tok, grad_p, shares, col_base: int,
-                           n_cols: int) -> None:
     (plan, fp32_precision, grad_scores, Q, argmax, H, W, b, grad_h, normalize, need_q, need_h,
      need_w) = shared
     cfg = plan.tiles
@@ -606,6 +542,8 @@ def _launch_hidden_entries(shared: _HeadBackward, tok, grad_p, shares, col_base:
     per_query = H.dim() == 4
     groups = Nq if per_query else 1
     n_entries = Lq if per_query else Nq * Lq
+    # Each entry's g · P̂, [Nq, n_cols, Lq, dim]: grad_Q is its sum over the columns.
+    shares = empty((Nq, n_cols, Lq, dim), torch.float32, Q.device) if need_q else None
     gh = grad_h if grad_h is not None else H
     launcher(_hidden_bwd_entries_kernel)(
         (groups * n_cols, cdiv(n_entries, cfg.block_t)),
@@ -620,6 +558,7 @@ def _launch_hidden_entries(shared: _HeadBackward, tok, grad_p, shares, col_base:
         _hidden_entries_constants(cfg, per_query, normalize, need_q, need_h, need_w,
                                   b is not None, plan.hidden_block, Q.dtype, fp32_precision),
     )
+    return shares.sum(1) if need_q else None
 
 
 @functools.lru_cache(maxsize=256)
@@ -748,22 +687,3 @@ def _hidden_weight_constants(bias, accumulate, block_t, block_c, block_k, warps,
         DOT_PRECISION=dot_precision(dtype, fp32_precision), UPCAST=upcast(dtype),
         num_warps=warps, num_stages=stages,
     )
-
-
-def _launch_hidden_grad_h(plan, fp32_precision, tok, grad_p, W, grad_h, n_cols) -> None:
-    """The rows of ``grad_H`` that the buffers' rows lead (``_hidden_bwd_grad_h_kernel``), on
-    the entries kernel's tiles."""
-    cfg = plan.tiles
-    col_rows, dim, d_model = grad_p.shape[-2], grad_p.shape[-1], grad_h.shape[-1]
-    per_query = grad_h.dim() == 4
-    launcher(_hidden_bwd_grad_h_kernel)(
-        (cdiv(tok.numel(), cfg.block_t),),
-        (tok, grad_p, W, grad_h, tok.numel(), n_cols, col_rows, dim, d_model, 0, *W.stride(),
-         *doc_strides(grad_h, per_query)[:3]),
-        _hidden_grad_h_constants(cfg, plan.hidden_block, grad_h.dtype, fp32_precision),
-    )
-
-
-@functools.lru_cache(maxsize=64)
-def _hidden_grad_h_constants(cfg, hidden_block, dtype, fp32_precision) -> Constants:
-    return constants(HIDDEN_BLOCK=hidden_block, **owned_tile_meta(cfg, dtype, fp32_precision, 1))

@@ -18,7 +18,7 @@ from .. import settings
 __all__ = [
     "Constants", "as_bytes", "cdiv", "constants", "doc_strides", "empty", "fwd_meta",
     "gather_meta", "grads_without_launch", "launcher", "no_argmax", "owned_tile_meta",
-    "priority_stream", "smooth_scales", "take", "zero_", "zeros",
+    "smooth_scales", "take",
 ]
 
 
@@ -41,30 +41,14 @@ def empty(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
 
 
 def zeros(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``torch.zeros`` through :func:`zero_`."""
-    return zero_(torch.empty(shape, dtype=dtype, device=device))
-
-
-def zero_(out: Tensor) -> Tensor:
-    """``out.zero_()`` for a contiguous ``out``, its bytes zeroed through an int32 view where
-    their count allows: 16-bit zeros filled at 3.3-3.4 TB/s on the H200, the same bytes as
-    int32 at 4.5-4.7 (probe ``zero_fill``, NOTES §71)."""
+    """``torch.zeros``, its bytes zeroed through an int32 view where their count allows: 16-bit
+    zeros filled at 3.3-3.4 TB/s on the H200, the same bytes as int32 at 4.5-4.7 (probe
+    ``zero_fill``, NOTES §71)."""
+    out = torch.empty(shape, dtype=dtype, device=device)
     if out.numel() * out.element_size() % 4:
         return out.zero_()
     out.view(-1).view(torch.int32).zero_()
     return out
-
-
-_PRIORITY_STREAMS: dict = {}
-
-
-def priority_stream(device: torch.device) -> "torch.cuda.Stream":
-    """The device's stream of the highest priority (created once a device): its kernels' blocks
-    are dispatched before those of the default priority's streams where both wait."""
-    found = _PRIORITY_STREAMS.get(device.index)
-    if found is None:
-        found = _PRIORITY_STREAMS[device.index] = torch.cuda.Stream(device, priority=-1)
-    return found
 
 
 _NO_ARGMAX: dict = {}

@@ -1,7 +1,6 @@
 """Triton kernels of the fused projection head's backward, from the forward's argmax: by a
 document's (query, query token) entries (``_hidden_bwd_entries_kernel``) or by its token tiles
-(``_hidden_bwd_rows_kernel``), then the weight's gradient (``_hidden_bwd_weight_kernel``) and,
-where ``grad_H`` is zeroed beside them, its winning rows (``_hidden_bwd_grad_h_kernel``).
+(``_hidden_bwd_rows_kernel``), then the weight's gradient (``_hidden_bwd_weight_kernel``).
 
 Math
 ----
@@ -50,11 +49,6 @@ Grid mapping
   buffer rows with a token only (a tile with none is skipped); the programs of block 0 also
   sum ``grad_b``. Each group writes its own fp32 partial (``ACCUMULATE``: added to what an
   earlier launch wrote), which the launcher sums: no atomics, bitwise reproducible.
-* ``_hidden_bwd_grad_h_kernel``: program ``r`` owns ``BLOCK_T`` rows of the entries' buffers
-  and writes the rows of ``grad_H`` that they lead, ``grad_P · W`` (as the entries kernel's
-  ``NEED_H`` does). Where the plan zeroes ``grad_H`` beside the kernels
-  (``hidden_zeros_beside``), the entries kernel leaves ``grad_H`` alone and this kernel writes
-  its rows once the zeros are in.
 
 Caveats
 -------
@@ -342,33 +336,3 @@ def _hidden_bwd_weight_kernel(
         if ACCUMULATE:
             acc_b += tl.load(p_b, mask=m_k, other=0.0)
         tl.store(p_b, acc_b, mask=m_k)
-
-
-@triton.jit(do_not_specialize=["n_rows", "n_cols", "col_rows", "d_model", "col_base"])
-def _hidden_bwd_grad_h_kernel(
-    Tok, GradP, W, GradH, n_rows, n_cols, col_rows, dim, d_model, col_base,
-    stride_w_out, stride_w_in, stride_gh_grp, stride_gh_col, stride_gh_tok,
-    HIDDEN_BLOCK: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """``grad_H[row] = grad_P · W`` for ``BLOCK_T`` of the buffer's ``n_rows`` rows that have
-    a token (the weight kernel's rows: group ``r // (n_cols · col_rows)``, column ``col_base +
-    r // col_rows % n_cols``, token ``Tok[r]``, -1 where the row adds nothing): the rows that
-    the entries kernel writes itself with ``NEED_H``, here after ``grad_H``'s zeros, which the
-    launcher runs beside the entries and weight kernels."""
-    o_r = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    tok = tl.load(Tok + o_r, mask=o_r < n_rows, other=-1)
-    m_used = tok >= 0
-    o_k = tl.arange(0, BLOCK_K)
-    m_k = o_k < dim
-    grad_p = tl.load(GradP + o_r[:, None] * dim + o_k[None, :],
-                     mask=m_used[:, None] & m_k[None, :], other=0.0)
-    grp = o_r // (n_cols * col_rows)
-    col = col_base + o_r // col_rows % n_cols
-    # Each row's element offset in grad_H, as token offsets of unit stride.
-    o_gh = grp * stride_gh_grp + col * stride_gh_col + tok.to(tl.int64) * stride_gh_tok
-    _grad_h_rows(grad_p, W, stride_w_out, stride_w_in, GradH, 1, o_gh, m_used, o_k, m_k,
-                 d_model, HIDDEN_BLOCK, DOT_PRECISION, UPCAST)
