@@ -203,7 +203,7 @@ def index_rows():
 HEAD_FORWARD = dict(HAS_Q_MASK=False, HAS_D_MASK=False, NORMALIZE=True, SAVE_ARGMAX=False,
                     PER_QUERY_DOCS=False, LQ_TILE=32, QUERIES_PER_BLOCK=1, BLOCK_K=128,
                     EVEN_K=True, DOT_PRECISION="tf32", UPCAST=False, QUERY_IN_REGISTERS=False,
-                    HIDDEN_BIAS=True, HIDDEN_PREFETCH=False)
+                    HIDDEN_BIAS=True)
 
 
 def head_rows():
@@ -211,8 +211,6 @@ def head_rows():
     tiles and beside them: which part holds the registers (NOTES section 72)."""
     block_n, hidden_block, warps, stages = MEASURED["HIDDEN_TILES"]
     variants = [("inference", {}), ("argmax", dict(SAVE_ARGMAX=True)),
-                ("next tile prefetched", dict(HIDDEN_PREFETCH=True)),
-                ("argmax, next tile prefetched", dict(SAVE_ARGMAX=True, HIDDEN_PREFETCH=True)),
                 ("no bias", dict(HIDDEN_BIAS=False)), ("not normalized", dict(NORMALIZE=False)),
                 ("2 queries a block", dict(QUERIES_PER_BLOCK=2))]
     tiles = [(block_n, hidden_block, warps, stages), (128, 64, 8, 3), (128, 32, 8, 4),

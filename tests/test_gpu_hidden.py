@@ -10,7 +10,6 @@ from helpers import masks_with_holes
 
 from fusedmaxsim import forced_plan, maxsim_from_hidden, settings
 from fusedmaxsim._autograd import maxsim_hidden_bwd, maxsim_hidden_fwd
-from fusedmaxsim.planning import recording
 from fusedmaxsim.reference import maxsim_ref
 from fusedmaxsim.testing import relative_error, relative_error_fro
 
@@ -134,33 +133,6 @@ def test_fused_inference_matches_unfused_and_long_inputs(dtype):
     ref = _chain(Q, H, W, None, None, None, False)
     assert relative_error(outs["fused"], ref) <= BOUNDS[dtype][0]
     assert relative_error(outs["unfused"], ref) <= BOUNDS[dtype][0]
-
-
-@pytest.mark.parametrize("layout", ["cross", "candidates"])
-def test_prefetch_changes_no_value_on_cuda(layout):
-    """The next tile's hidden states prefetched into L2 (``HIDDEN_PREFETCH``, sm_90): the same
-    scores and argmax bit for bit, masks and a short last tile included; the plan prefetches on
-    Hopper only, and not rows that are not 16-byte aligned (a view that starts one element in),
-    with the same results."""
-    hopper = torch.version.hip is None and torch.cuda.get_device_capability()[0] == 9
-    Q, H, W, b = _inputs(layout, torch.bfloat16, Ld=300)
-    d_mask = masks_with_holes(H.shape[:-1], "cuda")
-    wide = torch.cat([H, H[..., :8]], dim=-1)[..., 1:1 + H.shape[-1]]  # rows 2 bytes off 16
-    assert wide.data_ptr() % 16
-    for hidden, mask in ((H, None), (H, d_mask), (wide, None)):
-        outs = []
-        for on in (False, True):
-            with torch.no_grad(), forced_plan(hidden_route="fused", HIDDEN_PREFETCH=on), \
-                    recording() as plans:
-                outs.append(maxsim_from_hidden(Q, hidden, W, b, d_mask=mask))
-            assert plans[-1][1].hidden_prefetch == (on and hopper and hidden is H)
-        torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
-    argmaxes = []
-    for on in (False, True):
-        with forced_plan(hidden_route="fused", HIDDEN_PREFETCH=on):
-            argmaxes.append(maxsim_hidden_fwd(Q, H, W, b, None, d_mask, True, True, "triton",
-                                              "ieee")[1])
-    assert torch.equal(argmaxes[0], argmaxes[1])
 
 
 def test_hidden_ops_pass_opcheck_and_compile_on_cuda():

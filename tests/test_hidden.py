@@ -297,10 +297,6 @@ def test_the_route_rule():
         assert route(torch.randn(1, 32, 8), H, "triton") == "unfused"
     with forced_plan(HIDDEN_FUSED_MAX_PASSES=10**6):
         assert route(torch.randn(64, 32, 8), H, "triton") == "fused"
-    # The L2 prefetch of the fused kernel: sm_90 only, never here (a CPU, the interpreter).
-    with settings.use_backend("triton"), forced_plan(HIDDEN_PREFETCH=True), recording() as plans:
-        maxsim_from_hidden(torch.randn(1, 32, 8), H, torch.randn(8, 16))
-    assert [plan.hidden_prefetch for _, plan in plans if plan.hidden_route] == [False]
     # Beyond the bytes: 16-token tiles pad 16 tokens by 0, 15 by 1/15, 13 by 3/13.
     with forced_plan(HIDDEN_FUSED_MAX_BYTES=0, HIDDEN_TILES=(16, 16, 4, 1)):
         for Ld, expected in ((16, "fused"), (15, "fused"), (13, "unfused")):

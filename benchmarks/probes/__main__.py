@@ -70,7 +70,6 @@ SECTIONS = {
     "hidden_tiles": ("hidden", "hidden_tiles"),
     "hidden_compiled": ("hidden", "hidden_compiled"),
     "hidden_step": ("hidden", "hidden_step_profile"),
-    "hidden_prefetch": ("hidden", "hidden_prefetch"),
     "hidden_caps": ("hidden", "hidden_caps"),
     "head_backward": ("hidden", "head_backward"),
     "head_host": ("hidden", "head_host"),

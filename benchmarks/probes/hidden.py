@@ -34,17 +34,6 @@ def _inputs(Nq, Nd, Lq, Ld, d_model, d, grad=False):
     return [t.requires_grad_(grad) for t in (Q, H, W, b)]
 
 
-def _interleaved_medians(calls: dict) -> dict:
-    """Each call's ms (``do_bench``), the median of three rounds, each round over every call,
-    each starting one call further on."""
-    times = {key: [] for key in calls}
-    keys = list(calls)
-    for r in range(3):
-        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
-            times[key].append(do_bench(calls[key]))
-    return {key: sorted(found)[1] for key, found in times.items()}
-
-
 def _fused_ms(Q, H, W, b, tiles):
     """The fused forward's ms at these tiles, or the exception's name."""
     try:
@@ -150,57 +139,6 @@ def hidden_caps():
         for ms, label in sorted(rows):
             print(f"  {label}: {ms:.3f}", flush=True)
         del Q, H, W, b
-        torch.cuda.empty_cache()
-
-
-def hidden_prefetch():
-    """The fused route with each next tile's hidden states prefetched into L2 (``HIDDEN_PREFETCH``)
-    and without, at the plan's tiles and at 64-token tiles on 4 warps (two programs an SM):
-    inference and the training step, ms in interleaved rounds (median of three), after a check
-    that prefetching gives the same scores and gradients bit for bit and that both tile sets
-    agree."""
-    plan_tiles = MEASURED["HIDDEN_TILES"]
-    for name, shape in {**SHAPES, **MORE_SHAPES}.items():
-        leaves = _inputs(*shape, grad=True)
-        Q, H, W, b = (t.detach() for t in leaves)
-
-        def infer(on, tiles=plan_tiles):
-            with torch.no_grad(), forced_plan(hidden_route="fused", HIDDEN_PREFETCH=on,
-                                              HIDDEN_TILES=tiles):
-                return maxsim_from_hidden(Q, H, W, b)
-
-        def step(on, tiles=plan_tiles):
-            for t in leaves:
-                t.grad = None
-            with forced_plan(hidden_route="fused", HIDDEN_PREFETCH=on, HIDDEN_TILES=tiles):
-                maxsim_from_hidden(*leaves).sum().backward()
-            return [t.grad for t in leaves]
-
-        tile_sets = (plan_tiles, (64, 64, 4, 4))
-        same = all(torch.equal(infer(False, t), infer(True, t)) and all(
-            torch.equal(x, y) for x, y in zip(step(False, t), step(True, t))) for t in tile_sets)
-        if not same:
-            print(f"{name}: prefetch changed a value: not timed", flush=True)
-            continue
-        err = relative_error(infer(False, tile_sets[1]), infer(False, plan_tiles))
-        if not err <= 1e-3:  # the same products in the same order: equal but for near-ties
-            print(f"{name}: the 4-warp tiles' scores are {err:.1e} off the plan's: not timed",
-                  flush=True)
-            continue
-        with forced_plan(hidden_route="fused", HIDDEN_PREFETCH=True):
-            p = hidden_problem(Q, H, W, b, None, None, normalize=True, save_argmax=False)
-            if not plan_forward(p, options_for(Q)).hidden_prefetch:
-                print(f"{name}: the plan does not prefetch on this device: not timed", flush=True)
-                continue
-        calls = {(mode, tiles, on): (lambda m=mode, t=tiles, o=on:
-                                     infer(o, t) if m == "inference" else step(o, t))
-                 for mode in ("inference", "step") for tiles in tile_sets for on in (False, True)}
-        times = _interleaved_medians(calls)
-        for mode in ("inference", "step"):
-            for tiles in tile_sets:
-                off, on = (times[mode, tiles, x] for x in (False, True))
-                print(f"{name} {mode} {tiles}: {off:.3f} ms, prefetched {on:.3f}", flush=True)
-        del leaves, Q, H, W, b
         torch.cuda.empty_cache()
 
 

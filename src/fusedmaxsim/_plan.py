@@ -112,9 +112,6 @@ MEASURED: dict[str, object] = dict(
     HIDDEN_FUSED_MAX_BYTES=400 << 20,
     HIDDEN_FUSED_MAX_PADDING=1 / 8,
     HIDDEN_TILES=(16, 16, 4, 1) if INTERPRETER else (128, 64, 8, 4),
-    # The fused kernel asks L2 for each next document tile's hidden states while it projects and
-    # scores a tile (sm_90; rows 16-byte aligned). Off until timed on the H200 (NOTES §74).
-    HIDDEN_PREFETCH=False,
     # The head's Triton backwards (design.md "Fused projection head"; NOTES §70, §71): the
     # entries kernel (each (query, query token) entry's winning row projected) where a
     # document's query tokens are fewer than its tokens / HIDDEN_BWD_ENTRY_SHARE, else the token
@@ -453,7 +450,6 @@ class ForwardPlan:
     # projected once into memory, then the dense plan); the fused kernel's d_model step.
     hidden_route: str = ""
     hidden_block: int = 0
-    hidden_prefetch: bool = False  # fused: each next tile's hidden states prefetched into L2
     reasons: tuple[str, ...] = ()
 
 
@@ -724,13 +720,8 @@ def _plan_hidden_forward(p: Problem, o: Options) -> ForwardPlan:
         raise ValueError(f"hidden_route must be 'fused' or 'unfused', got {route!r}")
     if route == "fused" and o.backend == "torch":
         raise ValueError("hidden_route='fused' needs the Triton backend")
-    # The prefetch is PTX of sm_90 (the interpreter runs no PTX) reading whole aligned rows.
-    prefetch = (route == "fused" and bool(_measured("HIDDEN_PREFETCH")) and not INTERPRETER
-                and p.tma_ready and measured_tiles(p.device))
-    if prefetch:
-        reasons.append("each next tile's hidden states prefetched into L2")
     return ForwardPlan("triton" if route == "fused" else "torch", cfg, hidden_route=route,
-                       hidden_block=hidden_block, hidden_prefetch=prefetch,
+                       hidden_block=hidden_block,
                        reasons=tuple(reasons) + (f"tiles: {cfg}",))
 
 

@@ -63,10 +63,7 @@ class Problem(NamedTuple):
     norm_from_tiles: bool  # ... their norms computed from the tiles on chip (inference)
     tau: float  # 0: the max; > 0: the smooth max's temperature
     save_argmax: bool  # a gradient will be needed
-    # The documents' rows can be read by the bulk-copy engine: D contiguous and 16-byte
-    # aligned (the Gluon forward's TMA); hidden layouts: H's rows and their strides 16-byte
-    # aligned (the fused head's L2 prefetch).
-    tma_ready: bool
+    tma_ready: bool  # D contiguous and 16-byte aligned (the Gluon forward's TMA)
     d_model: int = 0  # hidden layouts: the hidden states' width (0 elsewhere)
     has_bias: bool = False  # hidden layouts: the projection has a bias
     nbits: int = 0  # residual layouts: bits a residual code (0 elsewhere)
@@ -127,20 +124,6 @@ def dense_problem(Q: Tensor, D: Tensor, q_mask, d_mask, *, normalize: bool = Fal
         Q.dtype, Q.device, q_mask is not None, d_mask is not None, normalize or norm_from_tiles,
         norm_from_tiles, tau, save_argmax, _tma_ready(D),
     )
-
-
-def _bulk_rows_ready(H: Tensor) -> bool:
-    """Whether each row of CUDA hidden states ``H`` (last axis) can be prefetched whole by the
-    bulk-copy engine: unit stride along the row, its address, its bytes and every other stride
-    16-byte aligned (not decided while tracing, as :func:`_tma_ready`)."""
-    if not (H.is_cuda and H.stride(-1) == 1 and not torch.compiler.is_compiling()):
-        return False
-    size = H.element_size()
-    try:
-        return H.data_ptr() % 16 == 0 and all(
-            n * size % 16 == 0 for n in (*H.stride()[:-1], H.shape[-1]))
-    except RuntimeError:  # a fake tensor: no address
-        return False
 
 
 def _tma_ready(D: Tensor) -> bool:
@@ -1195,5 +1178,5 @@ def hidden_problem(Q: Tensor, H: Tensor, W: Tensor, b: Tensor | None, q_mask, d_
     return Problem(
         HIDDEN_CANDIDATES if H.dim() == 4 else HIDDEN, Nq, H.shape[-3], Lq, H.shape[-2], dim,
         torch.promote_types(Q.dtype, H.dtype), Q.device, q_mask is not None, d_mask is not None,
-        normalize, normalize, 0.0, save_argmax, _bulk_rows_ready(H), H.shape[-1], b is not None,
+        normalize, normalize, 0.0, save_argmax, False, H.shape[-1], b is not None,
     )

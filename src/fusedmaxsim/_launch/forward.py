@@ -262,7 +262,7 @@ def forward_hidden(plan: ForwardPlan, p: Problem, fp32_precision: str, Q: Tensor
     cfg = plan.tiles
     consts = _hidden_constants(cfg, Q.dtype, H.dtype, p.dim, per_query_docs, hb, b is not None,
                                qm is not None, dm is not None, p.normalize, save_argmax,
-                               fp32_precision, plan.hidden_prefetch)
+                               fp32_precision)
     kernel = launcher(_maxsim_hidden_fwd_kernel)
     qpb = cfg.queries_per_block
 
@@ -286,12 +286,12 @@ def forward_hidden(plan: ForwardPlan, p: Problem, fp32_precision: str, Q: Tensor
 
 @functools.lru_cache(maxsize=256)
 def _hidden_constants(cfg, dtype, h_dtype, dim, per_query_docs, hidden_block, bias, has_q_mask,
-                      has_d_mask, normalize, save_argmax, fp32_precision, prefetch) -> Constants:
+                      has_d_mask, normalize, save_argmax, fp32_precision) -> Constants:
     meta = fwd_meta(cfg, dtype, dim, has_q_mask=has_q_mask, has_d_mask=has_d_mask,
                     normalize=normalize, save_argmax=save_argmax, fp32_precision=fp32_precision)
     meta["UPCAST"] = meta["UPCAST"] or upcast(h_dtype)  # the projection's products too
     return constants(PER_QUERY_DOCS=per_query_docs, HIDDEN_BLOCK=hidden_block, HIDDEN_BIAS=bias,
-                     HIDDEN_PREFETCH=prefetch, **meta)
+                     **meta)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -65,9 +65,7 @@ Caveats
 * Hidden-state documents: the projection's fp32 sum over ``d_model`` runs in ``HIDDEN_BLOCK``
   steps, an order other than ``F.linear``'s, so a 16-bit projected element can round the other
   way (one ulp); fp32 inputs take the products' ``DOT_PRECISION`` (TF32 unless told). A tile is
-  projected afresh for every query block and query chunk that streams it. ``HIDDEN_PREFETCH``
-  is inline PTX of sm_90 (``cp.async.bulk.prefetch.L2``) on 16-byte aligned rows: the planner
-  turns it on only there, never in the interpreter.
+  projected afresh for every query block and query chunk that streams it.
 * ``QUERY_IN_REGISTERS`` relies on a Triton rewrite (``MMAV3UseRegOperand``, triton 3.6-3.9):
   a Hopper product takes its first operand from registers only when that operand comes out of
   another tensor-core product, so the query tile is passed through one with a zero operand
@@ -225,19 +223,6 @@ def _hidden_tile(p_h, stride_h_tok, hid, o_t, m_t, o_k, m_k, HIDDEN_BLOCK: tl.co
 
 
 @triton.jit
-def _prefetch_rows_l2(p_rows, m_rows, row_bytes):
-    """Ask L2 for whole rows of global memory before they are loaded: one bulk prefetch
-    (``cp.async.bulk.prefetch.L2``, sm_90) of ``row_bytes`` from each address of ``p_rows``
-    where ``m_rows``. Nothing comes into registers and no result changes; each address and
-    ``row_bytes`` must be 16-byte aligned (the plan's to ensure: ``Problem.tma_ready``)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $3; mov.b32 $0, 0; }",
-        "=r,l,r,r", [p_rows, m_rows.to(tl.int32), row_bytes + 0 * m_rows.to(tl.int32)],
-        dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _doc_tile(
     b_q,
     acc_max,
@@ -269,7 +254,6 @@ def _doc_tile(
     RESIDUAL_NBITS: tl.constexpr,
     HIDDEN_BLOCK: tl.constexpr = 0,
     HIDDEN_BIAS: tl.constexpr = False,
-    HIDDEN_PREFETCH: tl.constexpr = False,
 ):
     """One document tile folded into the running reduction.
 
@@ -277,8 +261,7 @@ def _doc_tile(
     PLAID document (:func:`_residual_tile`; ``p_doc`` then points at its centroid ids and ``res``
     holds the rest), or with ``HIDDEN_BLOCK`` projected on chip from hidden states
     (:func:`_hidden_tile`; ``p_doc`` then points at the document's hidden states and ``res``
-    holds the projection; with ``HIDDEN_PREFETCH`` the next tile's hidden states are asked
-    into L2 first, :func:`_prefetch_rows_l2`).
+    holds the projection).
 
     Max: the element-wise running max ``acc_max [BLOCK_M, BLOCK_N]``; keeping the max per
     (row, slot) and reducing over slots once per document costs one max instruction per
@@ -294,10 +277,6 @@ def _doc_tile(
                                      RESIDUAL_NBITS, EVEN_K)
         b_d = b_d.to(b_q.dtype)
     elif HIDDEN_BLOCK:
-        if HIDDEN_PREFETCH:  # the next tile's hidden states into L2 while this one is worked on
-            o_next = o_t + BLOCK_N
-            _prefetch_rows_l2(p_doc + o_next.to(tl.int64) * stride_doc_tok, o_next < t_hi,
-                              res[5] * (p_doc.dtype.element_ty.primitive_bitwidth // 8))
         b_d = _hidden_tile(p_doc, stride_doc_tok, res, o_t, m_t, o_k, m_k, HIDDEN_BLOCK,
                            HIDDEN_BIAS, DOT_PRECISION, UPCAST, MASK_TAIL, EVEN_K).to(b_q.dtype)
     elif MASK_TAIL:
@@ -391,7 +370,6 @@ def _doc_max(
     RESIDUAL_NBITS: tl.constexpr = 0,
     HIDDEN_BLOCK: tl.constexpr = 0,
     HIDDEN_BIAS: tl.constexpr = False,
-    HIDDEN_PREFETCH: tl.constexpr = False,
 ):
     """The MaxSim inner loop: max (and lowest argmax) of ``b_q``'s rows over document tokens
     ``[t_lo, t_hi)``. Every layout calls this one loop.
@@ -408,8 +386,7 @@ def _doc_max(
     document tiles. ``RESIDUAL_NBITS``: the document is a PLAID one, decompressed tile by tile
     (:func:`_residual_tile`, with ``res``); ``HIDDEN_BLOCK``: the document is hidden
     states, projected tile by tile (:func:`_hidden_tile`, with ``res``, the bias with
-    ``HIDDEN_BIAS``, each next tile prefetched into L2 with ``HIDDEN_PREFETCH``); both 0 (dense
-    documents) leave ``res`` unread.
+    ``HIDDEN_BIAS``); both 0 (dense documents) leave ``res`` unread.
     """
     if QUERY_IN_REGISTERS and not UPCAST:
         b_q = _in_product_layout(b_q)
@@ -418,14 +395,14 @@ def _doc_max(
             b_q, p_doc, stride_doc_tok, stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv,
             stride_dinv_tok, t_lo, t_hi, o_k, m_k, smooth_scale, res, EVEN_K, False, NORMALIZE,
             NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST,
-            RESIDUAL_NBITS, HIDDEN_BLOCK, HIDDEN_BIAS, HIDDEN_PREFETCH,
+            RESIDUAL_NBITS, HIDDEN_BLOCK, HIDDEN_BIAS,
         )
     else:
         row_max, row_arg = _doc_loop(
             b_q, p_doc, stride_doc_tok, stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv,
             stride_dinv_tok, t_lo, t_hi, o_k, m_k, smooth_scale, res, EVEN_K, True, NORMALIZE,
             NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST,
-            RESIDUAL_NBITS, HIDDEN_BLOCK, HIDDEN_BIAS, HIDDEN_PREFETCH,
+            RESIDUAL_NBITS, HIDDEN_BLOCK, HIDDEN_BIAS,
         )
     return row_max, row_arg
 
@@ -459,7 +436,6 @@ def _doc_loop(
     RESIDUAL_NBITS: tl.constexpr,
     HIDDEN_BLOCK: tl.constexpr = 0,
     HIDDEN_BIAS: tl.constexpr = False,
-    HIDDEN_PREFETCH: tl.constexpr = False,
 ):
     """:func:`_doc_max`'s tile loop for one masking mode."""
     if SMOOTH:
@@ -474,14 +450,14 @@ def _doc_loop(
             b_q, acc_max, acc_arg, run_sum, smooth_scale, start, t_hi, p_doc, stride_doc_tok,
             stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv, stride_dinv_tok, o_k, m_k, res,
             False, EVEN_K, HAS_D_MASK, NORMALIZE, NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_N,
-            DOT_PRECISION, UPCAST, RESIDUAL_NBITS, HIDDEN_BLOCK, HIDDEN_BIAS, HIDDEN_PREFETCH,
+            DOT_PRECISION, UPCAST, RESIDUAL_NBITS, HIDDEN_BLOCK, HIDDEN_BIAS,
         )
     if t_full < t_hi:
         acc_max, acc_arg, run_sum = _doc_tile(
             b_q, acc_max, acc_arg, run_sum, smooth_scale, t_full, t_hi, p_doc, stride_doc_tok,
             stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv, stride_dinv_tok, o_k, m_k, res,
             True, EVEN_K, HAS_D_MASK, NORMALIZE, NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_N,
-            DOT_PRECISION, UPCAST, RESIDUAL_NBITS, HIDDEN_BLOCK, HIDDEN_BIAS, HIDDEN_PREFETCH,
+            DOT_PRECISION, UPCAST, RESIDUAL_NBITS, HIDDEN_BLOCK, HIDDEN_BIAS,
         )
     row_arg = tl.full([BLOCK_M], -1, tl.int32)
     if SMOOTH:

@@ -45,9 +45,8 @@ Grid mapping
   (one query a block: column ``c`` of query ``i`` is ``H[i, c]``). ``_doc_max`` projects each
   document tile on chip (``common._hidden_tile``: ``F.linear(H, W, b)``, rounded to H's dtype)
   and never writes the projection; with ``NORMALIZE`` the projected tokens are normalized, their
-  norms from the tiles (the queries are taken as they are); with ``HIDDEN_PREFETCH`` (sm_90) each
-  next tile's hidden states are prefetched into L2 while a tile is projected and scored. The
-  document mask bounds the loop as in ``_maxsim_fwd_kernel`` (``_valid_span``).
+  norms from the tiles (the queries are taken as they are). The document mask bounds the loop as
+  in ``_maxsim_fwd_kernel`` (``_valid_span``).
 * ``_inverse_norm_kernel``: program = a block of token rows; ``1 / max(‖x‖, eps)`` in fp32, each
   token read once (the norms are computed once per token, never per tile).
 
@@ -315,7 +314,6 @@ def _maxsim_hidden_fwd_kernel(
     QUERY_IN_REGISTERS: tl.constexpr,
     HIDDEN_BLOCK: tl.constexpr,
     HIDDEN_BIAS: tl.constexpr,
-    HIDDEN_PREFETCH: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = LQ_TILE * QUERIES_PER_BLOCK
     i_col = tl.program_id(0).to(tl.int64)
@@ -348,7 +346,7 @@ def _maxsim_hidden_fwd_kernel(
             b_q, p_doc, stride_h_tok, 0, p_dmask, 1, p_dmask, 1, t_lo, t_hi, all_valid, o_k,
             m_k, 1.0, hid, EVEN_K, NORMALIZE, NORMALIZE, SAVE_ARGMAX, False, BLOCK_M, BLOCK_N,
             DOT_PRECISION, UPCAST, QUERY_IN_REGISTERS, HIDDEN_BLOCK=HIDDEN_BLOCK,
-            HIDDEN_BIAS=HIDDEN_BIAS, HIDDEN_PREFETCH=HIDDEN_PREFETCH,
+            HIDDEN_BIAS=HIDDEN_BIAS,
         )
         acc += _chunk_scores(row_max, m_valid, 1.0, 1.0, QUERIES_PER_BLOCK, LQ_TILE)
         if SAVE_ARGMAX:
