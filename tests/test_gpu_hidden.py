@@ -70,6 +70,37 @@ def test_hidden_parity_on_cuda(dtype, layout, route, masked, backward):
         assert relative_error_fro(a.grad, r.grad) <= tg, (name, relative_error_fro(a.grad, r.grad))
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "masked"])
+@pytest.mark.parametrize("layout", ["cross", "candidates"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_zeros_in_forward_change_no_value_on_cuda(dtype, layout, masked):
+    """grad_H's zeros written by the fused forward (``hidden_zero_grad_h``, NaN-poisoned when
+    allocated) against the backward's own fill: every gradient bit for bit, with documents
+    padded and fully masked, two query blocks (one zeroes each document), and the forward's
+    zeros serving one backward only (a second, retain_graph, zeroes its own)."""
+    Q, H, W, b = _inputs(layout, dtype, Nq=5, Lq=19, Nd=7, Ld=333, d_model=392)
+    q_mask = masks_with_holes(Q.shape[:-1], "cuda") if masked else None
+    d_mask = masks_with_holes(H.shape[:-1], "cuda") if masked else None
+    if masked:
+        d_mask[..., 1, :] = False
+        d_mask[..., 2, :40] = False
+        d_mask[..., 2, 200:] = False
+    grads = []
+    for on in (False, True):
+        leaves = [t.detach().requires_grad_() for t in (Q, H, W, b)]
+        with forced_plan(hidden_route="fused", hidden_bwd_kernel="entries",
+                         hidden_zero_grad_h=on):
+            out = maxsim_from_hidden(*leaves, q_mask, d_mask)
+            torch.manual_seed(1)
+            g = torch.randn_like(out)
+            first = torch.autograd.grad(out, leaves, g, retain_graph=True)
+            again = torch.autograd.grad(out, leaves, g)
+        assert all(torch.equal(x, y) for x, y in zip(first, again))
+        grads.append(first)
+    assert all(torch.equal(x, y) for x, y in zip(*grads))
+    assert torch.isfinite(grads[1][1]).all()
+
+
 @pytest.mark.parametrize("kernel", ["entries", "tiles"])
 @pytest.mark.parametrize("layout", ["cross", "candidates"])
 def test_triton_backward_in_chunks_through_the_index_on_cuda(layout, kernel):

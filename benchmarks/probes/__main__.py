@@ -74,6 +74,8 @@ SECTIONS = {
     "head_backward": ("hidden", "head_backward"),
     "head_host": ("hidden", "head_host"),
     "zero_fill": ("hidden", "zero_fill"),
+    "zeros_in_forward": ("hidden", "zeros_in_forward"),
+    "hidden_route_short": ("hidden", "hidden_route_short"),
     "residual_tiles": ("plaid", "residual_tiles"),
     "residual_profile": ("plaid", "residual_profile"),
     "approx_tiles": ("plaid", "approx_tiles"),

@@ -34,6 +34,17 @@ def _inputs(Nq, Nd, Lq, Ld, d_model, d, grad=False):
     return [t.requires_grad_(grad) for t in (Q, H, W, b)]
 
 
+def _interleaved_medians(calls: dict, rounds: int = 3) -> dict:
+    """Each call's ms (``do_bench``), the median of ``rounds`` rounds, each round over every
+    call, each starting one call further on."""
+    times = {key: [] for key in calls}
+    keys = list(calls)
+    for r in range(rounds):
+        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+            times[key].append(do_bench(calls[key]))
+    return {key: sorted(found)[len(found) // 2] for key, found in times.items()}
+
+
 def _fused_ms(Q, H, W, b, tiles):
     """The fused forward's ms at these tiles, or the exception's name."""
     try:
@@ -310,3 +321,93 @@ def hidden_compiled():
         for caches in getattr(fn, "device_caches", {}).values():
             for compiled in caches[0].values():
                 _compiled_stats("LIK", compiled)
+
+
+def zeros_in_forward():
+    """``grad_H``'s zeros written by the fused forward as it reads ``H``
+    (``hidden_zero_grad_h``) against the backward's own fill: the training forward alone and
+    the step, ms in interleaved rounds (median of three), after a check that the four
+    gradients are the same bit for bit; then the kernels' spans of one step on each side."""
+    from torch.profiler import ProfilerActivity, profile
+
+    shapes = {"lateon-B4-Ld300": (4, 16, 32, 300, 768, 128),
+              "lateon-code-Nd256-Ld1k": SHAPES["lateon-code-Nd256-Ld1k"],
+              "lateon-code-Nd512-Ld2k": MORE_SHAPES["lateon-code-Nd512-Ld2k"],
+              "lateon-code-Nd1024-Ld2k": SHAPES["lateon-code-Nd1024-Ld2k"],
+              "lateon-code-edge-Nd256-Ld4k": MORE_SHAPES["lateon-code-edge-Nd256-Ld4k"]}
+    for name, shape in shapes.items():
+        leaves = _inputs(*shape, grad=True)
+        p = hidden_problem(*leaves, None, None, normalize=True, save_argmax=True,
+                           need_grad_h=True)
+        plan = plan_forward(p, options_for(leaves[0]))
+        print(f"{name}: plan {plan.hidden_route}, zeros in the forward "
+              f"{plan.hidden_zero_grad_h}", flush=True)
+
+        def forward(on):
+            with forced_plan(hidden_zero_grad_h=on):
+                return maxsim_from_hidden(*leaves)
+
+        def step(on):
+            for t in leaves:
+                t.grad = None
+            forward(on).sum().backward()
+
+        grads = []
+        for on in (False, True):
+            step(on)
+            grads.append([t.grad.clone() for t in leaves])
+        if not all(torch.equal(x, y) for x, y in zip(*grads)):
+            err = max(relative_error(y, x) for x, y in zip(*grads))
+            print(f"{name}: the zeros in the forward moved a gradient by {err:.1e}; not timed",
+                  flush=True)
+            continue
+        del grads
+        calls = {(mode, on): (lambda m=mode, o=on: forward(o) if m == "forward" else step(o))
+                 for mode in ("forward", "step") for on in (False, True)}
+        times = _interleaved_medians(calls)
+        for mode in ("forward", "step"):
+            off, on = (times[mode, x] for x in (False, True))
+            print(f"{name} {mode}: {off:.3f} ms, zeros in the forward {on:.3f} "
+                  f"({off / on:.2f}x)", flush=True)
+        for on in (False, True):
+            step(on)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                step(on)
+                torch.cuda.synchronize()
+            spans = sorted((e.time_range.start, e.time_range.end, e.name)
+                           for e in prof.events() if e.device_type.name == "CUDA")
+            t0 = spans[0][0] if spans else 0
+            print(f"  {'in the forward' if on else 'in the backward'}: " + "; ".join(
+                f"{n[:32]} {a - t0:.0f}-{z - t0:.0f} us" for a, z, n in spans), flush=True)
+        del leaves
+        torch.cuda.empty_cache()
+
+
+def hidden_route_short():
+    """Inference at short documents, where the route rule's padding line falls: the plan's
+    fused tiles and the unfused route, ms in five interleaved rounds (median), beside
+    late-interaction-kernels' fused head where it is installed."""
+    try:
+        from late_interaction_kernels.fused_head import maxsim_from_hidden as lik_head
+    except ImportError:
+        lik_head = None
+    for Ld in (256, 300, 384, 448, 512):
+        Q, H, W, b = _inputs(1, 1000, 32, Ld, 768, 128)
+        p = hidden_problem(Q, H, W, b, None, None, normalize=True, save_argmax=False)
+        route = plan_forward(p, options_for(Q)).hidden_route
+
+        def call(r):
+            with torch.no_grad(), forced_plan(hidden_route=r):
+                return maxsim_from_hidden(Q, H, W, b)
+
+        ref = call("unfused")
+        if relative_error(call("fused"), ref) > 1e-2:
+            print(f"1x1000x{Ld}: fused and unfused scores disagree; not timed", flush=True)
+            continue
+        calls = {"fused": lambda: call("fused"), "unfused": lambda: call("unfused")}
+        if lik_head is not None:
+            calls["LIK"] = lambda: lik_head(Q, H, W, b=b, normalize=True)
+        times = _interleaved_medians(calls, rounds=5)
+        print(f"1x1000x{Ld} (plan: {route}): " + ", ".join(
+            f"{k} {v:.3f} ms" for k, v in times.items()), flush=True)

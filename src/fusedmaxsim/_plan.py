@@ -179,6 +179,7 @@ FORCIBLE = frozenset({
     "hidden_route",       # fused projection head: "fused" or "unfused"
     "hidden_by_entry",    # projection head backward: winners one row an entry, or every row
     "hidden_bwd_kernel",  # projection head backward: "entries", "tiles" or "torch" (closed form)
+    "hidden_zero_grad_h",  # fused projection head: grad_H's zeros written by the forward
 })
 
 
@@ -450,6 +451,9 @@ class ForwardPlan:
     # projected once into memory, then the dense plan); the fused kernel's d_model step.
     hidden_route: str = ""
     hidden_block: int = 0
+    # ... with the fused route in training: the forward writes grad_H's zeros as it reads H, for
+    # the entries backward, which then writes only the winning rows.
+    hidden_zero_grad_h: bool = False
     reasons: tuple[str, ...] = ()
 
 
@@ -720,8 +724,20 @@ def _plan_hidden_forward(p: Problem, o: Options) -> ForwardPlan:
         raise ValueError(f"hidden_route must be 'fused' or 'unfused', got {route!r}")
     if route == "fused" and o.backend == "torch":
         raise ValueError("hidden_route='fused' needs the Triton backend")
+    # Decided where the fused kernel runs for a training step that needs grad_H.
+    zero = False
+    if p.need_grad_h and route == "fused":
+        zero = _forced.get("hidden_zero_grad_h")
+        if zero is not None:
+            why = "forced"
+        else:
+            kernel = _plan_hidden_backward(p, o, True, False).kernel
+            zero = kernel == "entries"
+            why = ("the entries backward writes only the winning rows" if zero
+                   else f"the {kernel} backward writes grad_H whole")
+        reasons.append(f"grad_H's zeros: {'in' if zero else 'not in'} the forward ({why})")
     return ForwardPlan("triton" if route == "fused" else "torch", cfg, hidden_route=route,
-                       hidden_block=hidden_block,
+                       hidden_block=hidden_block, hidden_zero_grad_h=bool(zero),
                        reasons=tuple(reasons) + (f"tiles: {cfg}",))
 
 
