@@ -246,9 +246,10 @@ def _zero_rows(p_g, stride_g_tok, t_lo, t_hi, d_model, BLOCK_N: tl.constexpr,
     for start in range(t_lo, t_hi, BLOCK_N):
         o_t = start + tl.arange(0, BLOCK_N)
         p_row = p_g + o_t.to(tl.int64)[:, None] * stride_g_tok
+        m_t = (o_t < t_hi)[:, None]
         for c in range(0, d_model, HIDDEN_BLOCK):
             o_c = c + tl.arange(0, HIDDEN_BLOCK)
-            tl.store(p_row + o_c[None, :], zero, mask=(o_t < t_hi)[:, None] & (o_c < d_model)[None, :])
+            tl.store(p_row + o_c[None, :], zero, mask=m_t & (o_c < d_model)[None, :])
 
 
 @triton.jit
