@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from helpers import masks_with_holes
 
 from fusedmaxsim import ProjectionHead, forced_plan, maxsim_from_hidden, settings
-from fusedmaxsim.planning import recording
+from fusedmaxsim.planning import MEASURED, recording
 from fusedmaxsim.reference import maxsim_ref
 from fusedmaxsim.testing import relative_error, relative_error_fro
 
@@ -253,17 +253,22 @@ def test_the_backward_rule_and_its_errors():
 
 
 def test_zeros_in_the_forward_rule():
-    """grad_H's zeros are written by the fused forward for a training step whose backward is
-    the entries kernel and that needs grad_H; not for the token tiles' backward, inference, a
-    step without grad_H, mixed dtypes or the unfused route; forcing off turns them off."""
-    def zeros(Q, H, *, grad_h=True, **decisions):
+    """With HIDDEN_ZEROS_IN_FORWARD, grad_H's zeros are written by the fused forward for a
+    training step whose backward is the entries kernel and that needs grad_H; not for the token
+    tiles' backward, inference, a step without grad_H, mixed dtypes or the unfused route;
+    forcing off turns them off. Without it (the default), only where forced."""
+    def zeros(Q, H, *, grad_h=True, measured=True, **decisions):
         W = torch.randn(8, 16, dtype=H.dtype)
-        with settings.use_backend("triton"), forced_plan(**decisions), recording() as plans:
+        with settings.use_backend("triton"), forced_plan(
+                HIDDEN_ZEROS_IN_FORWARD=measured, **decisions), recording() as plans:
             maxsim_from_hidden(Q.requires_grad_(), H.requires_grad_(grad_h), W)
         forward = next(plan for _, plan in plans if plan.hidden_route)
         return forward.hidden_zero_grad_h, forward.reasons
 
     Q, H = torch.randn(2, 4, 8), torch.randn(3, 25, 16)  # 8 query tokens, 25 tokens: entries
+    off, reasons = zeros(Q, H, measured=MEASURED["HIDDEN_ZEROS_IN_FORWARD"])
+    assert off == MEASURED["HIDDEN_ZEROS_IN_FORWARD"]
+    assert zeros(Q, H, measured=False, hidden_zero_grad_h=True)[0]
     on, reasons = zeros(Q, H)
     assert on and "grad_H's zeros: in the forward (the entries backward writes only" in \
         " ".join(reasons)

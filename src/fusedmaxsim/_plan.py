@@ -132,6 +132,10 @@ MEASURED: dict[str, object] = dict(
     HIDDEN_WEIGHT_WAVES=2,
     HIDDEN_BWD_TILES=(16, 4, 1) if INTERPRETER else (64, 8, 2),
     HIDDEN_WEIGHT_TILES=(16, 16, 4, 1) if INTERPRETER else (64, 128, 8, 2),
+    # grad_H's zeros written by the fused forward as it reads H, for a training step whose
+    # backward is the entries kernel (plan decision hidden_zero_grad_h): off until timed on the
+    # H200 (NOTES §79).
+    HIDDEN_ZEROS_IN_FORWARD=False,
     # PLAID residual documents (design.md "PLAID"; NOTES §63, §66): the kernel's tiles (d <=
     # 128: document tile, warps, stages, register cap) on the cross product and on per-query
     # candidates, and the query rows a block on the cross product (16-bit; half for fp32).
@@ -730,6 +734,8 @@ def _plan_hidden_forward(p: Problem, o: Options) -> ForwardPlan:
         zero = _forced.get("hidden_zero_grad_h")
         if zero is not None:
             why = "forced"
+        elif not _measured("HIDDEN_ZEROS_IN_FORWARD"):
+            why = "HIDDEN_ZEROS_IN_FORWARD off"
         else:
             kernel = _plan_hidden_backward(p, o, True, False).kernel
             zero = kernel == "entries"
