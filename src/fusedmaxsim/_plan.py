@@ -135,7 +135,7 @@ MEASURED: dict[str, object] = dict(
     # grad_H's zeros written by the fused forward as it reads H, for a training step whose
     # backward is the entries kernel (plan decision hidden_zero_grad_h): off until timed on the
     # H200 (NOTES §79).
-    HIDDEN_ZEROS_IN_FORWARD=True,
+    HIDDEN_ZEROS_IN_FORWARD=False,
     # PLAID residual documents (design.md "PLAID"; NOTES §63, §66): the kernel's tiles (d <=
     # 128: document tile, warps, stages, register cap) on the cross product and on per-query
     # candidates, and the query rows a block on the cross product (16-bit; half for fp32).
