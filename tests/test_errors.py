@@ -179,3 +179,42 @@ def test_settings_follow_setters_and_reload(monkeypatch):
         monkeypatch.delenv("FUSEDMAXSIM_BACKEND")
         settings.reload()
     assert settings.backend() == "auto"
+
+
+@pytest.mark.parametrize(
+    "call,error,pattern",
+    [
+        (lambda: maxsim_ragged([Q[0]], [D[0], D[1].to("meta")]), ValueError,
+         r"every sequence must be on cpu; documents\[1\] is on meta"),
+        (lambda: maxsim_ragged([Q[0], Q[1].to("meta")], [D[0]]), ValueError,
+         r"every sequence must be on cpu; queries\[1\] is on meta"),
+        (lambda: MaxSimScorer(normalize=False)(QP, DP, cu_seqlens_d=CU_D), ValueError,
+         r"without cu_seqlens_q, Q must be \[Nq, Lq, d\], got shape \(14, 32\)"),
+    ],
+    ids=["ragged-documents-device", "ragged-queries-device", "scorer-packed-documents-2d-Q"],
+)
+def test_more_bad_inputs_are_refused_with_a_clear_message(call, error, pattern):
+    with pytest.raises(error, match=pattern):
+        call()
+
+
+def test_forcing_an_unknown_decision_is_refused():
+    from fusedmaxsim.planning import forced_plan
+
+    with pytest.raises(ValueError, match=r"forced_plan: unknown decisions \['kernal'\]; known: "
+                                         r"\[.*'kernel'.*\]"):
+        with forced_plan(kernal="triton"):
+            pass
+
+
+def test_the_testing_helpers_say_what_differs():
+    from fusedmaxsim.testing import assert_close_to_reference, relative_error
+
+    with pytest.raises(AssertionError, match=r"shape \(2, 3\) != reference shape \(3, 2\)"):
+        relative_error(torch.zeros(2, 3), torch.zeros(3, 2))
+    out, ref = torch.zeros(2, 3), torch.ones(2, 3)
+    out[1, 2] = -3.0
+    with pytest.raises(AssertionError, match=r"^scores: relative error 4\.000e\+00 > 1\.0e-03; "
+                                             r"worst at \(1, 2\): got -3\.0, expected 1\.0$"):
+        assert_close_to_reference(out, ref, 1e-3, "scores")
+    assert_close_to_reference(ref, ref, 0.0)

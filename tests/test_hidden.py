@@ -282,6 +282,21 @@ def test_zeros_in_the_forward_rule():
     assert zeros(Q, torch.randn(3, 5, 16), hidden_zero_grad_h=True)[0]
     with torch.no_grad():
         assert not zeros(Q, H)[0]
+    with pytest.raises(ValueError, match=r"hidden_zero_grad_h=True needs a Triton backward "
+                                         r"\('entries' or 'tiles'\): the PyTorch closed form "
+                                         r"makes grad_H of its own"):
+        zeros(Q, H, hidden_zero_grad_h=True, hidden_bwd_kernel="torch")
+    assert not zeros(Q, H, hidden_zero_grad_h=False, hidden_bwd_kernel="torch")[0]
+
+
+def test_a_hidden_block_the_kernels_cannot_step_is_refused():
+    """HIDDEN_TILES' split-K step (forcible as every measured constant) must be a power of two
+    of at least 16 (tl.dot's least)."""
+    Q, H, W = torch.randn(2, 4, 8), torch.randn(3, 5, 16), torch.randn(8, 16)
+    with settings.use_backend("triton"), forced_plan(hidden_route="fused",
+                                                     HIDDEN_TILES=(16, 24, 4, 1)):
+        with pytest.raises(ValueError, match=r"hidden_block must be a power of two >= 16, got 24"):
+            maxsim_from_hidden(Q, H, W)
 
 
 @pytest.mark.parametrize("layout", ["cross", "candidates"])

@@ -245,6 +245,8 @@ def test_search_errors():
     Q = torch.randn(2, 3, 8)
     with pytest.raises(ValueError, match=r"Q has d = 9 but the index has d = 8"):
         plaid_search(torch.randn(2, 3, 9), index)
+    with pytest.raises(ValueError, match=r"Q is on meta but the index is on cpu"):
+        plaid_search(Q.to("meta"), index)
     with pytest.raises(ValueError, match=r"top_k must be >= 1, got 0"):
         plaid_search(Q, index, 0)
     with pytest.raises(ValueError, match=r"n_probe must be >= 1, got 0"):
@@ -309,6 +311,8 @@ def _unmerged(path):
      r"merged_codes.npy: truncated: its header promises <i8 \(6229,\)"),
     (lambda p: (p / "centroids.npy").write_bytes(b"not numpy at all"),
      r"centroids.npy: not an .npy file"),
+    (lambda p: (p / "centroids.npy").write_bytes(b"\x93NUMPY\x01\x00\x10\x00{'descr': <f4' }\n"),
+     r"centroids.npy: unreadable .npy header \"{'descr': <f4' }\""),
     (lambda p: _unmerged(p),
      r"chunk files 0.codes.npy hold updates not merged into it yet"),
 ])

@@ -734,6 +734,9 @@ def _plan_hidden_forward(p: Problem, o: Options) -> ForwardPlan:
         zero = _forced.get("hidden_zero_grad_h")
         if zero is not None:
             why = "forced"
+            if zero and _plan_hidden_backward(p, o, True, False).kernel == "torch":
+                raise ValueError("hidden_zero_grad_h=True needs a Triton backward ('entries' or "
+                                 "'tiles'): the PyTorch closed form makes grad_H of its own")
         elif not _measured("HIDDEN_ZEROS_IN_FORWARD"):
             why = "HIDDEN_ZEROS_IN_FORWARD off"
         else:

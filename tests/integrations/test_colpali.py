@@ -119,6 +119,19 @@ def test_score_multi_vector_rejects_empty_inputs():
         fc.score_multi_vector([torch.randn(3, 8)], [])
 
 
+def test_wrong_ranks_and_names_are_refused():
+    q, d = torch.randn(2, 3, 8), torch.randn(2, 4, 8)
+    with pytest.raises(ValueError, match=r"maxsim_inbatch expects query \[B, Lq, d\] and a 3-D "
+                                         r"doc, got \(2, 3, 8\) and \(2, 1, 4, 8\)"):
+        fc.maxsim_inbatch(q, d[:, None])
+    with pytest.raises(ValueError, match=r"maxsim_kd expects query \[B, Lq, d\] and a 4-D doc, "
+                                         r"got \(2, 3, 8\) and \(2, 4, 8\)"):
+        fc.maxsim_kd(q, d)
+    with pytest.raises(AttributeError, match="module 'fusedmaxsim.integrations.colpali' has no "
+                                             "attribute 'ColbertLos'"):
+        fc.ColbertLos
+
+
 # --------------------------------------------------------------------------------------------
 # Losses
 # --------------------------------------------------------------------------------------------

@@ -136,6 +136,12 @@ def test_colbert_kd_scores_rejects_3d_documents():
         fp.colbert_kd_scores(unit(2, 3, 8), unit(2, 4, 8))
 
 
+def test_pairwise_without_pairs_is_refused():
+    with pytest.raises(ValueError, match=r"colbert_scores_pairwise needs at least one \(query, "
+                                         r"document\) pair"):
+        fp.colbert_scores_pairwise([], [unit(4, 8)])
+
+
 def test_exclude_semantics_differs_exactly_where_documented():
     """host - exclude = Σ max(0, -best valid similarity) over tokens, for docs with a hole."""
     Q, D = unit(5, 7, 16, dtype=torch.float64), unit(6, 11, 16, dtype=torch.float64)
