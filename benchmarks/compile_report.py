@@ -209,7 +209,8 @@ HEAD_FORWARD = dict(HAS_Q_MASK=False, HAS_D_MASK=False, NORMALIZE=True, SAVE_ARG
 def head_rows():
     """The projection head's fused forward (d_model 768 → 128, bias, normalized) at the plan's
     tiles and beside them: which part holds the registers (NOTES section 72), and with a
-    training step's zeros of grad_H (section 79)."""
+    training step's zeros of grad_H (section 79), the training variants at the short tiles too
+    (section 80)."""
     block_n, hidden_block, warps, stages = MEASURED["HIDDEN_TILES"]
     variants = [("inference", {}), ("argmax", dict(SAVE_ARGMAX=True)),
                 ("argmax, grad_H's zeros", dict(SAVE_ARGMAX=True, ZERO_GRAD_H=True)),
@@ -217,8 +218,10 @@ def head_rows():
                 ("2 queries a block", dict(QUERIES_PER_BLOCK=2))]
     tiles = [(block_n, hidden_block, warps, stages), (128, 64, 8, 3), (128, 32, 8, 4),
              (64, 64, 8, 4), (64, 64, 4, 4)]
+    short = [tiles[0], (64, 64, 4, 4)]  # the plan's, and the short tiles' candidate (section 80)
     for mode, extra in variants:
-        for n, hb, w, st in tiles if mode == "inference" else tiles[:1]:
+        for n, hb, w, st in tiles if mode == "inference" else short if "argmax" in mode \
+                else tiles[:1]:
             constants = dict(HEAD_FORWARD, **extra, BLOCK_N=n, HIDDEN_BLOCK=hb)
             compiled = compile_sm90(_maxsim_hidden_fwd_kernel, constants, w, st)
             label = f"{n}-token tiles, {hb} of d_model a step, {w} warps, {st} stages"

@@ -10,6 +10,7 @@ from helpers import masks_with_holes
 
 from fusedmaxsim import forced_plan, maxsim_from_hidden, settings
 from fusedmaxsim._autograd import maxsim_hidden_bwd, maxsim_hidden_fwd
+from fusedmaxsim.planning import recording
 from fusedmaxsim.reference import maxsim_ref
 from fusedmaxsim.testing import relative_error, relative_error_fro
 
@@ -99,6 +100,37 @@ def test_zeros_in_forward_change_no_value_on_cuda(dtype, layout, masked):
         grads.append(first)
     assert all(torch.equal(x, y) for x, y in zip(*grads))
     assert torch.isfinite(grads[1][1]).all()
+
+
+SHORT_TILES = (64, 64, 4, 4)  # the candidate for HIDDEN_SHORT_TILES (NOTES §80)
+
+
+@pytest.mark.parametrize("zeros", [False, True], ids=["fill", "zeros-in-forward"])
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "masked"])
+@pytest.mark.parametrize("layout", ["cross", "candidates"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_short_tiles_parity_on_cuda(dtype, layout, masked, zeros):
+    """The fused forward at the short tiles (64 tokens, 4 warps), which the plan takes for
+    documents that its long tiles pad (300 tokens), in a training step with the argmax and with
+    or without grad_H's zeros: scores and all four gradients within the float64 chain's bounds."""
+    Q, H, W, b = _inputs(layout, dtype, d_model=392)
+    q_mask = masks_with_holes(Q.shape[:-1], "cuda") if masked else None
+    d_mask = masks_with_holes(H.shape[:-1], "cuda") if masked else None
+    leaves = [t.detach().requires_grad_() for t in (Q, H, W, b)]
+    refs = [t.detach().double().requires_grad_() for t in (Q, H, W, b)]
+    ref = _chain(*refs, q_mask, d_mask, True)
+    grad = torch.randn_like(ref)
+    with forced_plan(hidden_route="fused", hidden_bwd_kernel="entries", hidden_zero_grad_h=zeros,
+                     HIDDEN_SHORT_TILES=SHORT_TILES), recording() as plans:
+        out = maxsim_from_hidden(*leaves, q_mask, d_mask)
+        out.backward(grad.float())
+    (forward,) = [plan for _, plan in plans if plan.hidden_route]
+    assert forward.tiles.block_n == SHORT_TILES[0] and forward.hidden_zero_grad_h == zeros
+    ts, tg = BOUNDS[dtype]
+    assert relative_error(out, ref) <= ts
+    ref.backward(grad)
+    for name, a, r in zip("QHWb", leaves, refs):
+        assert relative_error_fro(a.grad, r.grad) <= tg, (name, relative_error_fro(a.grad, r.grad))
 
 
 @pytest.mark.parametrize("kernel", ["entries", "tiles"])

@@ -2,6 +2,8 @@
 float64 chain (F.linear rounded to the inputs' dtype, F.normalize, the float64 MaxSim), through
 both routes of the plan, every error message."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -385,6 +387,36 @@ def test_the_route_rule():
     with pytest.raises(ValueError, match="hidden_route='fused' needs the Triton backend"):
         with forced_plan(hidden_route="fused"):
             route(torch.randn(1, 4, 8), H, "torch")
+
+
+def test_the_short_tiles_rule():
+    """HIDDEN_SHORT_TILES where HIDDEN_TILES' tiles pad a document by more than
+    HIDDEN_FUSED_MAX_PADDING and the short ones pad it less; the route's padding line then
+    counts the short tiles'. None (the default until timed): never. Forced tiles win."""
+    def plan(Ld, **decisions):
+        with settings.use_backend("triton"), forced_plan(**decisions), recording() as plans:
+            maxsim_from_hidden(torch.randn(1, 4, 8), torch.randn(3, Ld, 16), torch.randn(8, 16))
+        forward = next(plan for _, plan in plans if plan.hidden_route)
+        return forward.tiles.block_n, forward.hidden_route, forward
+
+    if MEASURED["HIDDEN_SHORT_TILES"] is None:
+        assert plan(47)[0] == MEASURED["HIDDEN_TILES"][0]
+    both = dict(HIDDEN_TILES=(32, 16, 4, 1), HIDDEN_SHORT_TILES=(16, 16, 4, 1),
+                HIDDEN_FUSED_MAX_BYTES=0, HIDDEN_FUSED_MAX_PADDING=1 / 8)
+    # 32-token tiles pad 47 tokens by 36%, 16-token ones by 2%: short, and fused.
+    block_n, route, forward = plan(47, **both)
+    assert (block_n, route) == (16, "fused")
+    assert forward.reasons[-1].startswith("tiles: HIDDEN_SHORT_TILES (HIDDEN_TILES' pad by 36%)")
+    assert plan(47, **dict(both, HIDDEN_SHORT_TILES=None))[:2] == (32, "unfused")
+    # 40 tokens: 60% and 20%, short and unfused; 60: 7%, long; 64: none; 17: 88% either way.
+    assert plan(40, **both)[:2] == (16, "unfused")
+    assert plan(60, **both)[:2] == (32, "fused")
+    assert plan(64, **both)[:2] == (32, "fused")
+    assert plan(17, **both)[:2] == (32, "unfused")
+    assert plan(17, **dict(both, HIDDEN_SHORT_TILES=(8, 16, 4, 1)))[0] == 8  # 41%
+    tiles = dataclasses.replace(forward.tiles, block_n=32)
+    block_n, _, forced = plan(47, fwd_tiles=tiles, **both)
+    assert block_n == 32 and forced.reasons[-1].startswith("tiles: forced, ")
 
 
 def test_projection_head_module():

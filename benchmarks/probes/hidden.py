@@ -12,7 +12,7 @@ from triton.testing import do_bench
 from fusedmaxsim import forced_plan, maxsim_from_hidden
 from fusedmaxsim._plan import MEASURED, plan_forward
 from fusedmaxsim._problem import hidden_problem, options_for
-from fusedmaxsim.testing import relative_error
+from fusedmaxsim.testing import relative_error, relative_error_fro
 
 SHAPES = {  # name: (Nq, Nd, Lq, Ld, d_model, d)
     "rerank-1x1000-Ld300": (1, 1000, 32, 300, 768, 128),
@@ -384,30 +384,67 @@ def zeros_in_forward():
         torch.cuda.empty_cache()
 
 
+# The candidates for HIDDEN_SHORT_TILES (NOTES section 80): 64-token tiles on 4 warps (two
+# programs an SM) and on 8.
+SHORT_TILES = ((64, 64, 4, 4), (64, 64, 8, 4))
+
+
 def hidden_route_short():
-    """Inference at short documents, where the route rule's padding line falls: the plan's
-    fused tiles and the unfused route, ms in five interleaved rounds (median), beside
-    late-interaction-kernels' fused head where it is installed."""
+    """Short documents, where the plan's 128-token tiles pad a document and the route rule's
+    padding line falls (NOTES sections 78, 80). Inference at 1 x 1000 x 180-512 tokens: fused at
+    the long tiles (``HIDDEN_TILES``) and at each candidate of ``SHORT_TILES``, the unfused
+    route and late-interaction-kernels' fused head where it is installed, ms in five interleaved
+    rounds (median), with the route and tiles the plan takes with the first candidate on; then
+    training steps at two 300-token shapes, long tiles against each candidate."""
     try:
         from late_interaction_kernels.fused_head import maxsim_from_hidden as lik_head
     except ImportError:
         lik_head = None
-    for Ld in (256, 300, 384, 448, 512):
+    long = dict(HIDDEN_SHORT_TILES=None)
+    shorts = {f"short {t[2]} warps": dict(HIDDEN_SHORT_TILES=t) for t in SHORT_TILES}
+    for Ld in (180, 256, 300, 384, 448, 512):
         Q, H, W, b = _inputs(1, 1000, 32, Ld, 768, 128)
         p = hidden_problem(Q, H, W, b, None, None, normalize=True, save_argmax=False)
-        route = plan_forward(p, options_for(Q)).hidden_route
+        with forced_plan(HIDDEN_SHORT_TILES=SHORT_TILES[0]):
+            plan = plan_forward(p, options_for(Q))
 
-        def call(r):
-            with torch.no_grad(), forced_plan(hidden_route=r):
+        def call(route, tiles):
+            with torch.no_grad(), forced_plan(hidden_route=route, **tiles):
                 return maxsim_from_hidden(Q, H, W, b)
 
-        ref = call("unfused")
-        if relative_error(call("fused"), ref) > 1e-2:
-            print(f"1x1000x{Ld}: fused and unfused scores disagree; not timed", flush=True)
+        ref = call("unfused", long)
+        errs = [relative_error(call("fused", t), ref) for t in (long, *shorts.values())]
+        if not max(errs) <= 1e-2:
+            print(f"1x1000x{Ld}: fused and unfused scores disagree ({errs}); not timed",
+                  flush=True)
             continue
-        calls = {"fused": lambda: call("fused"), "unfused": lambda: call("unfused")}
+        calls = {"fused": lambda: call("fused", long), "unfused": lambda: call("unfused", long)}
+        calls.update({f"fused {k}": (lambda t=t: call("fused", t)) for k, t in shorts.items()})
         if lik_head is not None:
             calls["LIK"] = lambda: lik_head(Q, H, W, b=b, normalize=True)
         times = _interleaved_medians(calls, rounds=5)
-        print(f"1x1000x{Ld} (plan: {route}): " + ", ".join(
-            f"{k} {v:.3f} ms" for k, v in times.items()), flush=True)
+        print(f"1x1000x{Ld} (plan with the short tiles: {plan.hidden_route}, "
+              f"{plan.tiles.block_n}-token tiles): " + ", ".join(
+                  f"{k} {v:.3f} ms" for k, v in times.items()), flush=True)
+    for name, shape in (("lateon-B4-Ld300", (4, 16, 32, 300, 768, 128)),
+                        ("rerank-1x1000-Ld300", (1, 1000, 32, 300, 768, 128))):
+        leaves = _inputs(*shape, grad=True)
+
+        def step(tiles):
+            for t in leaves:
+                t.grad = None
+            with forced_plan(hidden_route="fused", **tiles):
+                maxsim_from_hidden(*leaves).sum().backward()
+            return [t.grad for t in leaves]
+
+        base = step(long)
+        errs = [relative_error_fro(x, y) for t in shorts.values() for x, y in zip(step(t), base)]
+        if not max(errs) <= 1e-2:
+            print(f"{name}: the short tiles' gradients off by {max(errs):.1e}; not timed",
+                  flush=True)
+            continue
+        calls = {"long": lambda: step(long)}
+        calls.update({k: (lambda t=t: step(t)) for k, t in shorts.items()})
+        times = _interleaved_medians(calls, rounds=5)
+        print(f"{name} step, fused: " + ", ".join(f"{k} {v:.3f} ms" for k, v in times.items()),
+              flush=True)

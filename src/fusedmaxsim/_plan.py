@@ -112,6 +112,12 @@ MEASURED: dict[str, object] = dict(
     HIDDEN_FUSED_MAX_BYTES=400 << 20,
     HIDDEN_FUSED_MAX_PADDING=1 / 8,
     HIDDEN_TILES=(16, 16, 4, 1) if INTERPRETER else (128, 64, 8, 4),
+    # Shorter tiles (same fields) for documents that HIDDEN_TILES' pad by more than
+    # HIDDEN_FUSED_MAX_PADDING and these pad less (300-token documents: 28% and 7%); None: none.
+    # Off until timed on the H200 (NOTES §80): (64, 64, 4, 4) took 0.207 ms against 0.237 at
+    # HIDDEN_TILES for 1 x 1000 x 300 inference, 1.06-1.08x their time on unpadded long
+    # documents (probe hidden_caps, record 0401a5a).
+    HIDDEN_SHORT_TILES=None,
     # The head's Triton backwards (design.md "Fused projection head"; NOTES §70, §71): the
     # entries kernel (each (query, query token) entry's winning row projected) where a
     # document's query tokens are fewer than its tokens / HIDDEN_BWD_ENTRY_SHARE, else the token
@@ -689,6 +695,11 @@ def _plan_residual_forward(p: Problem, o: Options) -> ForwardPlan:
         f"tiles: {cfg}"))
 
 
+def _padding(length: int, block: int) -> float:
+    """The share of ``length`` tokens that tiles of ``block`` tokens add as padding."""
+    return (cdiv(length, block) * block - length) / max(length, 1)
+
+
 def _plan_hidden_forward(p: Problem, o: Options) -> ForwardPlan:
     """Hidden-state documents: "fused" (the Triton kernel projects each document tile on chip,
     ``F.linear``'s product in a split-K loop over d_model, and never writes the projection) or
@@ -698,7 +709,14 @@ def _plan_hidden_forward(p: Problem, o: Options) -> ForwardPlan:
     at most ``HIDDEN_FUSED_MAX_PASSES`` times (design.md "Fused projection head")."""
     candidates = p.layout == HIDDEN_CANDIDATES
     cfg = _forced.get("fwd_tiles")
-    block_n, hidden_block, warps, stages = _measured("HIDDEN_TILES")
+    forced_tiles = cfg is not None
+    tiles, short = _measured("HIDDEN_TILES"), _measured("HIDDEN_SHORT_TILES")
+    most_padding = _measured("HIDDEN_FUSED_MAX_PADDING")
+    padded, why_tiles = _padding(p.Ld, tiles[0]), "HIDDEN_TILES"
+    if short is not None and padded > most_padding and _padding(p.Ld, short[0]) < padded:
+        # The fused kernel projects the padding too.
+        tiles, why_tiles = short, f"HIDDEN_SHORT_TILES (HIDDEN_TILES' pad by {padded:.0%})"
+    block_n, hidden_block, warps, stages = tiles
     if cfg is None:
         # The projection's fp32 accumulator [BLOCK_N, d] lives beside the running max: at 4
         # warps the tiles spill for sm_90 and ran 1.3-2.2x slower (NOTES §61).
@@ -716,8 +734,7 @@ def _plan_hidden_forward(p: Problem, o: Options) -> ForwardPlan:
         cap, most = _measured("HIDDEN_FUSED_MAX_PASSES"), _measured("HIDDEN_FUSED_MAX_BYTES")
         hidden_bytes = p.Ncols * p.Ld * p.d_model * p.dtype.itemsize * (
             p.Nq if candidates else 1)
-        padding = (cdiv(p.Ld, cfg.block_n) * cfg.block_n - p.Ld) / max(p.Ld, 1)
-        most_padding = _measured("HIDDEN_FUSED_MAX_PADDING")
+        padding = _padding(p.Ld, cfg.block_n)
         route = "fused" if passes <= cap and (
             hidden_bytes <= most or (passes == 1 and padding <= most_padding)) else "unfused"
         reasons = [f"route: {route} (each document tile projected {passes} times fused, "
@@ -747,7 +764,8 @@ def _plan_hidden_forward(p: Problem, o: Options) -> ForwardPlan:
         reasons.append(f"grad_H's zeros: {'in' if zero else 'not in'} the forward ({why})")
     return ForwardPlan("triton" if route == "fused" else "torch", cfg, hidden_route=route,
                        hidden_block=hidden_block, hidden_zero_grad_h=bool(zero),
-                       reasons=tuple(reasons) + (f"tiles: {cfg}",))
+                       reasons=tuple(reasons) + (
+                           f"tiles: {'forced' if forced_tiles else why_tiles}, {cfg}",))
 
 
 def _plan_forward(p: Problem, o: Options) -> ForwardPlan:
