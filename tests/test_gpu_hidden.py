@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from helpers import masks_with_holes
 
-from fusedmaxsim import forced_plan, maxsim_from_hidden, settings
+from fusedmaxsim import forced_plan, maxsim, maxsim_from_hidden, settings
 from fusedmaxsim._autograd import maxsim_hidden_bwd, maxsim_hidden_fwd
 from fusedmaxsim.planning import recording
 from fusedmaxsim.reference import maxsim_ref
@@ -131,6 +131,27 @@ def test_short_tiles_parity_on_cuda(dtype, layout, masked, zeros):
     ref.backward(grad)
     for name, a, r in zip("QHWb", leaves, refs):
         assert relative_error_fro(a.grad, r.grad) <= tg, (name, relative_error_fro(a.grad, r.grad))
+
+
+@pytest.mark.parametrize("route", ["fused", "unfused"])
+def test_autocast_changes_nothing_on_cuda(route):
+    """Under torch.autocast (bf16 on CUDA) fp32 inputs are scored as without it, bit for bit:
+    the head on each route and maxsim normalized, the backward inside the autocast block."""
+    Q, H, W, b = _inputs("cross", torch.float32)
+    D = F.normalize(torch.randn(5, 70, 128, device="cuda"), dim=-1)
+    calls = ((lambda q, h, w, bb: maxsim_from_hidden(q, h, w, bb), (Q, H, W, b)),
+             (lambda q, d: maxsim(q, d, normalize=True), (Q, D)))
+    for fn, inputs in calls:
+        found = []
+        for on in (False, True):
+            leaves = [t.detach().requires_grad_() for t in inputs]
+            with forced_plan(hidden_route=route), torch.autocast("cuda", torch.bfloat16,
+                                                                 enabled=on):
+                out = fn(*leaves)
+                torch.manual_seed(2)
+                out.backward(torch.randn_like(out))
+            found.append([out, *(t.grad for t in leaves)])
+        assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(*found))
 
 
 @pytest.mark.parametrize("kernel", ["entries", "tiles"])

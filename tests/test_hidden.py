@@ -452,7 +452,9 @@ def test_double_backward_raises_a_clear_error():
     (dict(W=torch.randn(8, 15)), ValueError, r"must have H_d's d_model = 16 columns"),
     (dict(W=torch.randn(9, 16)), ValueError, r"must project to Q's embedding dim d = 8"),
     (dict(b=torch.randn(9)), ValueError, r"b must be \[d\] = \(8,\)"),
-    (dict(W=torch.randn(8, 16).double()), TypeError, r"W must have H_d's dtype torch.float32"),
+    (dict(W=torch.randn(8, 16).double()), TypeError, r"W must have H_d's dtype torch.float32 "
+     r"\(as F.linear requires outside autocast; nothing is cast here, under autocast either\), "
+     r"got torch.float64"),
     (dict(b=torch.randn(8).half()), TypeError, r"b must have H_d's dtype"),
     (dict(H=torch.randn(3, 2, 5, 16)), ValueError, r"per-query candidate layout .* same Nq"),
     (dict(q_mask=torch.ones(2, 5, dtype=torch.bool)), ValueError, r"q_mask must be \[Nq, Lq\]"),

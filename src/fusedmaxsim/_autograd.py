@@ -25,6 +25,8 @@ result equals ``F.normalize`` followed by MaxSim.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -42,6 +44,29 @@ __all__ = ["DOUBLE_BACKWARD_MESSAGE", "NORM_EPS", "NormalizeTokens", "inverse_no
 
 
 _launchers: tuple | None = None
+
+# The device types whose autocast a call turns off (the backends' devices), and one check of
+# all of them for the common case (private in PyTorch: each type checked where it is gone).
+_AUTOCAST_KINDS = tuple(k for k in ("cuda", "cpu", "mps") if torch.amp.is_autocast_available(k))
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (
+    lambda: any(torch.is_autocast_enabled(k) for k in _AUTOCAST_KINDS))
+
+
+def autocast_off(fn):
+    """``fn`` with ``torch.autocast`` off wherever the caller turned it on: every product, sum and
+    norm of a call runs in its inputs' dtypes, so the scores and gradients are the same under
+    autocast as without it, whichever backend and route the plan takes (autocast does not cast
+    the inputs either: README "Semantics"). For the front doors' hubs and the backwards."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if _any_autocast():
+            for kind in _AUTOCAST_KINDS:
+                if torch.is_autocast_enabled(kind):
+                    with torch.autocast(kind, enabled=False):
+                        return run(*args, **kwargs)  # and so on for the next kind turned on
+        return fn(*args, **kwargs)
+
+    return run
 
 
 def _launch():
@@ -153,6 +178,7 @@ class NormalizeTokens(torch.autograd.Function):
         return torch.nn.functional.normalize(x, dim=-1, eps=NORM_EPS)
 
     @staticmethod
+    @autocast_off
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
         compute = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -349,6 +375,7 @@ def _residual_setup_context(ctx, inputs, output) -> None:
     ctx.consts = (max_len, nbits, bit_order, normalize, backend, fp32_precision)
 
 
+@autocast_off
 def _residual_backward(ctx, grad_scores: Tensor, _grad_saved):
     Q, argmax, codes, residuals, starts, lengths, centroids, weights, q_inv = ctx.saved_tensors
     max_len, nbits, bit_order, normalize, backend, fp32_precision = ctx.consts
@@ -441,6 +468,7 @@ def _hidden_grads(p: Problem, o: Options, grad_scores, Q, H, W, b, argmax, needs
     return [None if g is None else g.to(x.dtype) for g, x in zip(grads, (Q, H, W, b))]
 
 
+@autocast_off
 def _hidden_backward_of(ctx, grad_scores: Tensor, traced: bool) -> list:
     """Both autograd nodes' backward (the registered op's, ``traced``, and ``HiddenFunction``'s):
     the gradients, marked first order under ``create_graph=True``."""
@@ -508,6 +536,7 @@ class HiddenFunction(torch.autograd.Function):
         return (*_hidden_backward_of(ctx, grad_scores, traced=False), None)
 
 
+@autocast_off
 def scores_hidden(Q: Tensor, H: Tensor, W: Tensor, b: Tensor | None, q_mask, d_mask,
                   normalize: bool) -> Tensor:
     """Scores of checked inputs, with autograd to ``Q``, ``H``, ``W`` and ``b`` when any needs
@@ -552,6 +581,7 @@ def _save(ctx, call: _Call, Q: Tensor, D: Tensor, saved: Tensor) -> None:
     ctx.call = call
 
 
+@autocast_off
 def _grads(ctx, grad_scores: Tensor, traced: bool) -> tuple[Tensor | None, Tensor | None]:
     """``(grad_Q, grad_D)`` from what ``_save`` kept; None for an input that needs no gradient.
 

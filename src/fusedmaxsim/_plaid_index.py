@@ -27,7 +27,7 @@ import os
 import torch
 from torch import Tensor
 
-from ._autograd import run_forward
+from ._autograd import autocast_off, run_forward
 from ._plan import forced_key, plan_probe
 from ._problem import (
     NBITS, Options, ResidualDocs, _check_residual_query, check_int, check_residual_varlen,
@@ -444,6 +444,7 @@ def _subset_masks(index: PlaidIndex, subset, Nq: int) -> tuple[Tensor, Tensor]:
     return docs, cells
 
 
+@autocast_off
 def plaid_search(Q: Tensor, index: PlaidIndex, top_k: int = 10, *, n_probe: int = 8,
                  n_candidates: int = 4096, q_mask: Tensor | None = None, subset=None,
                  cuda_graph: bool = False) -> tuple[Tensor, Tensor]:

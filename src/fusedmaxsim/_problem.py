@@ -1153,7 +1153,8 @@ def check_hidden(Q: object, H: object, W: object, b: object, q_mask: object,
     for name, t in (("W", W), ("b", b)):
         if t is not None and t.dtype != H.dtype:
             raise TypeError(
-                f"{name} must have H_d's dtype {H.dtype} (as F.linear requires), got {t.dtype}")
+                f"{name} must have H_d's dtype {H.dtype} (as F.linear requires outside "
+                f"autocast; nothing is cast here, under autocast either), got {t.dtype}")
     if H.dim() == 4:
         if Q.dim() != 3 or H.shape[0] != Q.shape[0]:
             raise ValueError(

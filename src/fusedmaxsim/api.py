@@ -75,7 +75,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ._autograd import NormalizeTokens, inverse_norms, scores_dense, scores_packed
+from ._autograd import (NormalizeTokens, autocast_off, inverse_norms, scores_dense,
+                        scores_packed)
 from ._problem import (
     DenseInputs,
     RaggedLayout,
@@ -117,6 +118,7 @@ def _needs_grad(Q: Tensor, D: Tensor) -> bool:
     return torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)
 
 
+@autocast_off
 def _score_dense(x: DenseInputs, normalize: bool, strategy: str, tau: float = 0.0) -> Tensor:
     """Scores of checked dense inputs: the problem, its options, then the autograd layer."""
     Q, D = x.Q, x.D
@@ -139,6 +141,7 @@ def _score_dense(x: DenseInputs, normalize: bool, strategy: str, tau: float = 0.
     return scores_dense(p, o, strategy, Q, D, x.q_mask, x.d_mask, q_inv, d_inv)
 
 
+@autocast_off
 def _score_packed(layout: RaggedLayout, Q: Tensor, D: Tensor, q_mask, d_mask, normalize: bool,
                   strategy: str) -> Tensor:
     """Scores of ``layout``'s pairs, with autograd when a gradient will be needed."""

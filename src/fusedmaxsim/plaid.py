@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._autograd import approx_checked, inverse_norms, scores_residual
+from ._autograd import approx_checked, autocast_off, inverse_norms, scores_residual
 from ._plaid_index import PlaidIndex, load, plaid_search
 from ._problem import (
     BIT_ORDERS, NBITS, check_approx, check_bool, check_residual, check_residual_varlen,
@@ -35,6 +35,7 @@ __all__ = ["PlaidIndex", "decompress_residuals", "load", "maxsim_residual",
            "maxsim_residual_varlen", "plaid_approx_score", "plaid_search"]
 
 
+@autocast_off
 def decompress_residuals(codes: Tensor, residuals: Tensor, centroids: Tensor,
                          bucket_weights: Tensor, nbits: int, *, bit_order: str = "big") -> Tensor:
     """The tokens a PLAID index stores, decompressed: ``[*codes.shape, d]`` in the centroids'
@@ -110,6 +111,7 @@ def maxsim_residual(
     return _scores(Q, q_mask, docs, squeeze_q, normalize)
 
 
+@autocast_off
 def _scores(Q: Tensor, q_mask: Tensor | None, docs, squeeze_q: bool, normalize: bool) -> Tensor:
     """The residual layout's scores, with autograd to ``Q`` where it requires a gradient."""
     normalize = check_bool("normalize", normalize)
@@ -172,6 +174,7 @@ def maxsim_residual_varlen(
 # ------------------------------------------------------------------------------------------------
 
 
+@autocast_off
 def plaid_approx_score(
     query_centroid_scores: Tensor,
     codes: Tensor,

@@ -29,7 +29,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from ._autograd import inverse_norms, run_forward
+from ._autograd import autocast_off, inverse_norms, run_forward
 from ._problem import (
     D_AXES,
     Q_AXES,
@@ -513,6 +513,7 @@ class _ChunkScorer:
                            layout)[0]
 
 
+@autocast_off
 def _retrieve(Q, q_mask, corpus: _Corpus, k: int, normalize: bool, chunk: int | None,
               progress: bool, stream: bool, largest: bool = True) -> tuple[Tensor, Tensor]:
     """The chunk loop shared by in-memory and streamed corpora."""
