@@ -46,7 +46,8 @@ __all__ = ["DOUBLE_BACKWARD_MESSAGE", "NORM_EPS", "NormalizeTokens", "inverse_no
 _launchers: tuple | None = None
 
 # The device types whose autocast a call turns off (the backends' devices), and one check of
-# all of them for the common case (private in PyTorch: each type checked where it is gone).
+# every type for the common case, autocast off (PyTorch's private _is_any_autocast_enabled;
+# where a release lacks it, each type is checked).
 _AUTOCAST_KINDS = tuple(k for k in ("cuda", "cpu", "mps") if torch.amp.is_autocast_available(k))
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (
     lambda: any(torch.is_autocast_enabled(k) for k in _AUTOCAST_KINDS))
