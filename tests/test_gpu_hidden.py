@@ -105,6 +105,33 @@ def test_zeros_in_forward_change_no_value_on_cuda(dtype, layout, masked):
 SHORT_TILES = (64, 64, 4, 4)  # the candidate for HIDDEN_SHORT_TILES (NOTES §80)
 
 
+@pytest.mark.parametrize("tiles", ["plan", "short"])
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "masked"])
+@pytest.mark.parametrize("layout", ["cross", "candidates"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_flat_tiles_change_no_value_on_cuda(dtype, layout, masked, tiles):
+    """The full tiles and their split-K steps compiled as one loop (``HIDDEN_FLAT_TILES``)
+    against the nested loops: scores and all four gradients bit for bit (the same products in
+    the same order), with grad_H's zeros in the forward, documents padded and fully masked."""
+    Q, H, W, b = _inputs(layout, dtype, Nq=5, Lq=19, Nd=7, Ld=333, d_model=392)
+    q_mask = masks_with_holes(Q.shape[:-1], "cuda") if masked else None
+    d_mask = masks_with_holes(H.shape[:-1], "cuda") if masked else None
+    if masked:
+        d_mask[..., 1, :] = False
+        d_mask[..., 2, 200:] = False
+    short = dict(HIDDEN_SHORT_TILES=SHORT_TILES) if tiles == "short" else {}
+    found = []
+    for flat in (False, True):
+        leaves = [t.detach().requires_grad_() for t in (Q, H, W, b)]
+        with forced_plan(hidden_route="fused", hidden_bwd_kernel="entries",
+                         hidden_zero_grad_h=True, HIDDEN_FLAT_TILES=flat, **short):
+            out = maxsim_from_hidden(*leaves, q_mask, d_mask)
+            torch.manual_seed(1)
+            out.backward(torch.randn_like(out))
+        found.append([out, *(t.grad for t in leaves)])
+    assert all(torch.equal(x, y) for x, y in zip(*found))
+
+
 @pytest.mark.parametrize("zeros", [False, True], ids=["fill", "zeros-in-forward"])
 @pytest.mark.parametrize("masked", [False, True], ids=["plain", "masked"])
 @pytest.mark.parametrize("layout", ["cross", "candidates"])

@@ -419,6 +419,31 @@ def test_the_short_tiles_rule():
     assert block_n == 32 and forced.reasons[-1].startswith("tiles: forced, ")
 
 
+def test_the_flat_tiles_rule():
+    """HIDDEN_FLAT_TILES: the fused route's full tiles and split-K steps as one loop, said in
+    the plan's reasons; never on the unfused route. The four gradients and the scores the same
+    bit for bit."""
+    Q, H, W, b = problem("cross", torch.float16, Ld=37)
+    g = torch.randn(Q.shape[0], H.shape[-3])
+    found = []
+    for flat in (False, True):
+        inputs = leaves(Q, H, W, b)
+        with settings.use_backend("triton"), forced_plan(
+                hidden_route="fused", HIDDEN_FLAT_TILES=flat), recording() as plans:
+            out = maxsim_from_hidden(*inputs)
+            out.backward(g)
+        forward = next(plan for _, plan in plans if plan.hidden_route)
+        assert forward.hidden_flat == flat
+        assert forward.reasons[-1].endswith(", one loop with their split-K steps") == flat
+        found.append([out, *(t.grad for t in inputs)])
+    for x, y in zip(*found):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    with settings.use_backend("triton"), forced_plan(
+            hidden_route="unfused", HIDDEN_FLAT_TILES=True), recording() as plans:
+        maxsim_from_hidden(Q, H, W, b)
+    assert not next(plan for _, plan in plans if plan.hidden_route).hidden_flat
+
+
 def test_projection_head_module():
     linear = torch.nn.Linear(16, 8)
     head = ProjectionHead.from_linear(linear)

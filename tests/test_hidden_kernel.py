@@ -45,9 +45,11 @@ def _masks(Nq, Lq, Ncols, Ld, *, candidates=False):
 
 
 def _call(Q, H, W, b, q_mask, d_mask, *, normalize, save_argmax=True, hidden_block=16,
-          block_n=16, lq_tile=16, queries_per_block=None, dtype=None, zero_grad_h=False):
+          block_n=16, lq_tile=16, queries_per_block=None, dtype=None, zero_grad_h=False,
+          flat=False):
     """``forward_hidden`` with a hand-built Problem and ForwardPlan (fp32 products in IEEE):
-    ``(scores, argmax)``, and ``grad_H`` with ``zero_grad_h``."""
+    ``(scores, argmax)``, and ``grad_H`` with ``zero_grad_h``; ``flat``: the plan's
+    ``hidden_flat`` (the full tiles and their split-K steps as one loop)."""
     candidates = H.dim() == 4
     Nq, Lq, d = Q.shape
     dtype = dtype or H.dtype
@@ -55,7 +57,7 @@ def _call(Q, H, W, b, q_mask, d_mask, *, normalize, save_argmax=True, hidden_blo
     cfg = dataclasses.replace(cfg, block_n=block_n, lq_tile=lq_tile,
                               queries_per_block=queries_per_block or cfg.queries_per_block)
     plan = ForwardPlan("triton", cfg, hidden_route="fused", hidden_block=hidden_block,
-                       hidden_zero_grad_h=zero_grad_h)
+                       hidden_zero_grad_h=zero_grad_h, hidden_flat=flat)
     p = Problem(
         layout=HIDDEN_CANDIDATES if candidates else HIDDEN, Nq=Nq, Ncols=H.shape[-3], Lq=Lq,
         Ld=H.shape[-2], dim=d, dtype=dtype, device=Q.device, has_q_mask=q_mask is not None,
@@ -132,6 +134,28 @@ def test_scores_and_argmax(dtype, candidates, bias, normalize, masks):
     if masks:  # the fully masked query and document add nothing
         assert torch.equal(out[0][0], torch.zeros(Ncols))
         assert torch.equal(out[0][:, 0], torch.zeros(Nq))
+
+
+@pytest.mark.parametrize("Ld", [37, 9], ids=["tiles_and_tail", "tail_only"])
+@pytest.mark.parametrize("masks", [False, True], ids=["no_masks", "masks"])
+@pytest.mark.parametrize("candidates", [False, True], ids=["cross", "candidates"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
+def test_flat_tiles(dtype, candidates, masks, Ld):
+    """The full tiles and their split-K steps as one loop (``hidden_flat``): the oracle's scores
+    and argmax, the same bit for bit as the nested loops', and grad_H's zeros written the same;
+    documents with full tiles and a tail, a tail only (no full tile: the loop's guard false), a
+    fully masked one and one padded."""
+    Nq, Lq, Ncols, d, d_model = 3, 19, 4, 24, 40
+    Q, H, W, b = _inputs(Nq, Lq, Ncols, Ld, d, d_model, dtype, candidates=candidates)
+    q_mask, d_mask = _masks(Nq, Lq, Ncols, Ld, candidates=candidates) if masks else (None, None)
+    kw = dict(normalize=True, hidden_block=32, queries_per_block=1 if candidates else 2,
+              zero_grad_h=True)
+    nested = _call(Q, H, W, b, q_mask, d_mask, **kw)
+    flat = _call(Q, H, W, b, q_mask, d_mask, flat=True, **kw)
+    _check(flat[:2], _reference(Q, H, W, b, q_mask, d_mask, normalize=True), dtype, Ld)
+    for x, y in zip(flat, nested):
+        assert torch.equal(x, y)
+    assert torch.equal(flat[2], torch.zeros_like(H))
 
 
 @pytest.mark.parametrize(

@@ -76,6 +76,7 @@ SECTIONS = {
     "zero_fill": ("hidden", "zero_fill"),
     "zeros_in_forward": ("hidden", "zeros_in_forward"),
     "hidden_route_short": ("hidden", "hidden_route_short"),
+    "hidden_flat": ("hidden", "hidden_flat"),
     "residual_tiles": ("plaid", "residual_tiles"),
     "residual_profile": ("plaid", "residual_profile"),
     "approx_tiles": ("plaid", "approx_tiles"),

@@ -448,3 +448,46 @@ def hidden_route_short():
         times = _interleaved_medians(calls, rounds=5)
         print(f"{name} step, fused: " + ", ".join(f"{k} {v:.3f} ms" for k, v in times.items()),
               flush=True)
+
+
+def hidden_flat():
+    """The fused forward's full tiles and their split-K steps compiled as one loop
+    (``HIDDEN_FLAT_TILES``) against the nested loops (NOTES section 82): inference at five
+    shapes, then at the three long ones the training step with ``grad_H``'s zeros in the
+    backward or in the forward; ms in interleaved rounds (median), each shape after a
+    bit-for-bit check of the scores (and the step's four gradients)."""
+    for name, shape in {**SHAPES, **MORE_SHAPES}.items():
+        Q, H, W, b = _inputs(*shape)
+
+        def infer(flat):
+            with torch.no_grad(), forced_plan(hidden_route="fused", HIDDEN_FLAT_TILES=flat):
+                return maxsim_from_hidden(Q, H, W, b)
+
+        if not torch.equal(infer(False), infer(True)):
+            print(f"{name}: one loop changed the scores; not timed", flush=True)
+            continue
+        times = _interleaved_medians({flat: (lambda f=flat: infer(f)) for flat in (False, True)},
+                                     rounds=5)
+        print(f"{name} inference: nested {times[False]:.3f} ms, one loop {times[True]:.3f} "
+              f"({times[False] / times[True]:.2f}x)", flush=True)
+    for name in ("lateon-code-Nd512-Ld2k", "lateon-code-Nd1024-Ld2k",
+                 "lateon-code-edge-Nd256-Ld4k"):
+        leaves = _inputs(*{**SHAPES, **MORE_SHAPES}[name], grad=True)
+
+        def step(flat, zeros):
+            for t in leaves:
+                t.grad = None
+            with forced_plan(hidden_route="fused", hidden_bwd_kernel="entries",
+                             HIDDEN_FLAT_TILES=flat, hidden_zero_grad_h=zeros):
+                maxsim_from_hidden(*leaves).sum().backward()
+            return [t.grad.clone() for t in leaves]
+
+        if not all(torch.equal(x, y) for x, y in zip(step(False, True), step(True, True))):
+            print(f"{name}: one loop changed a gradient; not timed", flush=True)
+            continue
+        calls = {(flat, zeros): (lambda f=flat, z=zeros: step(f, z))
+                 for flat in (False, True) for zeros in (False, True)}
+        times = _interleaved_medians(calls)
+        print(f"{name} step: " + ", ".join(
+            f"{'one loop' if f else 'nested'}{', zeros in the forward' if z else ''} {ms:.3f} ms"
+            for (f, z), ms in times.items()), flush=True)

@@ -118,6 +118,10 @@ MEASURED: dict[str, object] = dict(
     # HIDDEN_TILES for 1 x 1000 x 300 inference, 1.06-1.08x their time on unpadded long
     # documents (probe hidden_caps, record 0401a5a).
     HIDDEN_SHORT_TILES=None,
+    # The fused kernel's full tiles and their split-K steps compiled as one pipelined loop (the
+    # next tile's first steps load during a tile's epilogue). Off until timed on the H200 (NOTES
+    # §82); offline the kernel's local memory fell from 200 to 8 B (inference) at HIDDEN_TILES.
+    HIDDEN_FLAT_TILES=False,
     # The head's Triton backwards (design.md "Fused projection head"; NOTES §70, §71): the
     # entries kernel (each (query, query token) entry's winning row projected) where a
     # document's query tokens are fewer than its tokens / HIDDEN_BWD_ENTRY_SHARE, else the token
@@ -464,6 +468,8 @@ class ForwardPlan:
     # ... with the fused route in training: the forward writes grad_H's zeros as it reads H, for
     # the entries backward, which then writes only the winning rows.
     hidden_zero_grad_h: bool = False
+    # ... the full tiles and their split-K steps as one pipelined loop (HIDDEN_FLAT_TILES).
+    hidden_flat: bool = False
     reasons: tuple[str, ...] = ()
 
 
@@ -762,10 +768,12 @@ def _plan_hidden_forward(p: Problem, o: Options) -> ForwardPlan:
             why = ("the entries backward writes only the winning rows" if zero
                    else f"the {kernel} backward writes grad_H whole")
         reasons.append(f"grad_H's zeros: {'in' if zero else 'not in'} the forward ({why})")
+    flat = route == "fused" and bool(_measured("HIDDEN_FLAT_TILES"))
     return ForwardPlan("triton" if route == "fused" else "torch", cfg, hidden_route=route,
-                       hidden_block=hidden_block, hidden_zero_grad_h=bool(zero),
+                       hidden_block=hidden_block, hidden_zero_grad_h=bool(zero), hidden_flat=flat,
                        reasons=tuple(reasons) + (
-                           f"tiles: {'forced' if forced_tiles else why_tiles}, {cfg}",))
+                           f"tiles: {'forced' if forced_tiles else why_tiles}, {cfg}"
+                           f"{', one loop with their split-K steps' if flat else ''}",))
 
 
 def _plan_forward(p: Problem, o: Options) -> ForwardPlan:

@@ -267,7 +267,7 @@ def forward_hidden(plan: ForwardPlan, p: Problem, fp32_precision: str, Q: Tensor
     cfg = plan.tiles
     consts = _hidden_constants(cfg, Q.dtype, H.dtype, p.dim, per_query_docs, hb, b is not None,
                                qm is not None, dm is not None, p.normalize, save_argmax,
-                               fp32_precision, grad_h is not None)
+                               fp32_precision, grad_h is not None, plan.hidden_flat)
     kernel = launcher(_maxsim_hidden_fwd_kernel)
     qpb = cfg.queries_per_block
 
@@ -292,13 +292,13 @@ def forward_hidden(plan: ForwardPlan, p: Problem, fp32_precision: str, Q: Tensor
 
 @functools.lru_cache(maxsize=256)
 def _hidden_constants(cfg, dtype, h_dtype, dim, per_query_docs, hidden_block, bias, has_q_mask,
-                      has_d_mask, normalize, save_argmax, fp32_precision,
-                      zero_grad_h) -> Constants:
+                      has_d_mask, normalize, save_argmax, fp32_precision, zero_grad_h,
+                      flat) -> Constants:
     meta = fwd_meta(cfg, dtype, dim, has_q_mask=has_q_mask, has_d_mask=has_d_mask,
                     normalize=normalize, save_argmax=save_argmax, fp32_precision=fp32_precision)
     meta["UPCAST"] = meta["UPCAST"] or upcast(h_dtype)  # the projection's products too
     return constants(PER_QUERY_DOCS=per_query_docs, HIDDEN_BLOCK=hidden_block, HIDDEN_BIAS=bias,
-                     ZERO_GRAD_H=zero_grad_h, **meta)
+                     ZERO_GRAD_H=zero_grad_h, FLAT_TILES=flat, **meta)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -403,6 +403,7 @@ def _doc_max(
     HIDDEN_BLOCK: tl.constexpr = 0,
     HIDDEN_BIAS: tl.constexpr = False,
     ZERO_GRAD_H: tl.constexpr = False,
+    FLATTEN: tl.constexpr = False,
 ):
     """The MaxSim inner loop: max (and lowest argmax) of ``b_q``'s rows over document tokens
     ``[t_lo, t_hi)``. Every layout calls this one loop.
@@ -421,6 +422,8 @@ def _doc_max(
     states, projected tile by tile (:func:`_hidden_tile`, with ``res``, the bias with
     ``HIDDEN_BIAS``); both 0 (dense documents) leave ``res`` unread. ``ZERO_GRAD_H``: the
     hidden tiles also write zeros to ``grad_H``'s rows they read (:func:`_hidden_tile`).
+    ``FLATTEN``: the full tiles and their inner loop compiled as one pipelined loop
+    (:func:`_doc_loop`).
     """
     if QUERY_IN_REGISTERS and not UPCAST:
         b_q = _in_product_layout(b_q)
@@ -429,14 +432,14 @@ def _doc_max(
             b_q, p_doc, stride_doc_tok, stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv,
             stride_dinv_tok, t_lo, t_hi, o_k, m_k, smooth_scale, res, EVEN_K, False, NORMALIZE,
             NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST,
-            RESIDUAL_NBITS, HIDDEN_BLOCK, HIDDEN_BIAS, ZERO_GRAD_H,
+            RESIDUAL_NBITS, HIDDEN_BLOCK, HIDDEN_BIAS, ZERO_GRAD_H, FLATTEN,
         )
     else:
         row_max, row_arg = _doc_loop(
             b_q, p_doc, stride_doc_tok, stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv,
             stride_dinv_tok, t_lo, t_hi, o_k, m_k, smooth_scale, res, EVEN_K, True, NORMALIZE,
             NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST,
-            RESIDUAL_NBITS, HIDDEN_BLOCK, HIDDEN_BIAS, ZERO_GRAD_H,
+            RESIDUAL_NBITS, HIDDEN_BLOCK, HIDDEN_BIAS, ZERO_GRAD_H, FLATTEN,
         )
     return row_max, row_arg
 
@@ -471,6 +474,7 @@ def _doc_loop(
     HIDDEN_BLOCK: tl.constexpr = 0,
     HIDDEN_BIAS: tl.constexpr = False,
     ZERO_GRAD_H: tl.constexpr = False,
+    FLATTEN: tl.constexpr = False,
 ):
     """:func:`_doc_max`'s tile loop for one masking mode."""
     if SMOOTH:
@@ -480,13 +484,19 @@ def _doc_loop(
     acc_arg = tl.full([BLOCK_M, BLOCK_N], -1, tl.int32)
     run_sum = tl.zeros([BLOCK_M], tl.float32)
     t_full = t_lo + (t_hi - t_lo) // BLOCK_N * BLOCK_N
-    for start in range(t_lo, t_full, BLOCK_N):
-        acc_max, acc_arg, run_sum = _doc_tile(
-            b_q, acc_max, acc_arg, run_sum, smooth_scale, start, t_hi, p_doc, stride_doc_tok,
-            stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv, stride_dinv_tok, o_k, m_k, res,
-            False, EVEN_K, HAS_D_MASK, NORMALIZE, NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_N,
-            DOT_PRECISION, UPCAST, RESIDUAL_NBITS, HIDDEN_BLOCK, HIDDEN_BIAS, ZERO_GRAD_H,
-        )
+    # FLATTEN: the full tiles' loop in a region of its own (the run-time `if`), where it roots a
+    # loop nest with the tile's inner loop (the hidden tile's split-K steps) that the compiler
+    # flattens into one pipelined loop: the next tile's first steps load during this tile's
+    # epilogue. Without it, the `if` folds away.
+    if not FLATTEN or t_full > t_lo:
+        for start in tl.range(t_lo, t_full, BLOCK_N, flatten=FLATTEN):
+            acc_max, acc_arg, run_sum = _doc_tile(
+                b_q, acc_max, acc_arg, run_sum, smooth_scale, start, t_hi, p_doc,
+                stride_doc_tok, stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv,
+                stride_dinv_tok, o_k, m_k, res, False, EVEN_K, HAS_D_MASK, NORMALIZE,
+                NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_N, DOT_PRECISION, UPCAST,
+                RESIDUAL_NBITS, HIDDEN_BLOCK, HIDDEN_BIAS, ZERO_GRAD_H,
+            )
     if t_full < t_hi:
         acc_max, acc_arg, run_sum = _doc_tile(
             b_q, acc_max, acc_arg, run_sum, smooth_scale, t_full, t_hi, p_doc, stride_doc_tok,

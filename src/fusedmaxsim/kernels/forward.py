@@ -49,7 +49,10 @@ Grid mapping
   in ``_maxsim_fwd_kernel`` (``_valid_span``). With ``ZERO_GRAD_H`` (a training step whose
   backward writes only the winning rows of ``grad_H``) the column's first program also writes
   zeros to its document's rows of ``grad_H`` as it reads them, and to the rows outside the
-  mask's span: the backward's zero fill, done while the loop reads ``H``.
+  mask's span: the backward's zero fill, done while the loop reads ``H``. With ``FLAT_TILES``
+  a document's full tiles and their split-K steps compile as one pipelined loop
+  (``common._doc_loop``'s ``FLATTEN``), the next tile's first steps loading during a tile's
+  epilogue; the values are the nested loops', bit for bit.
 * ``_inverse_norm_kernel``: program = a block of token rows; ``1 / max(‖x‖, eps)`` in fp32, each
   token read once (the norms are computed once per token, never per tile).
 
@@ -323,6 +326,7 @@ def _maxsim_hidden_fwd_kernel(
     HIDDEN_BLOCK: tl.constexpr,
     HIDDEN_BIAS: tl.constexpr,
     ZERO_GRAD_H: tl.constexpr,
+    FLAT_TILES: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = LQ_TILE * QUERIES_PER_BLOCK
     i_col = tl.program_id(0).to(tl.int64)
@@ -364,7 +368,7 @@ def _maxsim_hidden_fwd_kernel(
             b_q, p_doc, stride_h_tok, 0, p_dmask, 1, p_dmask, 1, t_lo, t_hi, all_valid, o_k,
             m_k, 1.0, hid, EVEN_K, NORMALIZE, NORMALIZE, SAVE_ARGMAX, False, BLOCK_M, BLOCK_N,
             DOT_PRECISION, UPCAST, QUERY_IN_REGISTERS, HIDDEN_BLOCK=HIDDEN_BLOCK,
-            HIDDEN_BIAS=HIDDEN_BIAS, ZERO_GRAD_H=ZERO_GRAD_H,
+            HIDDEN_BIAS=HIDDEN_BIAS, ZERO_GRAD_H=ZERO_GRAD_H, FLATTEN=FLAT_TILES,
         )
         acc += _chunk_scores(row_max, m_valid, 1.0, 1.0, QUERIES_PER_BLOCK, LQ_TILE)
         if SAVE_ARGMAX:
