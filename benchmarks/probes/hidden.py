@@ -394,7 +394,8 @@ def hidden_route_short():
     padding line falls (NOTES sections 78, 80). Inference at 1 x 1000 x 180-512 tokens: fused at
     the long tiles (``HIDDEN_TILES``) and at each candidate of ``SHORT_TILES``, the unfused
     route and late-interaction-kernels' fused head where it is installed, ms in five interleaved
-    rounds (median), with the route and tiles the plan takes with the first candidate on; then
+    rounds (median), with the route and tiles the plan takes with the first candidate on, and
+    that candidate with its full tiles and split-K steps as one loop (section 82); then
     training steps at two 300-token shapes, long tiles against each candidate."""
     try:
         from late_interaction_kernels.fused_head import maxsim_from_hidden as lik_head
@@ -413,13 +414,16 @@ def hidden_route_short():
                 return maxsim_from_hidden(Q, H, W, b)
 
         ref = call("unfused", long)
-        errs = [relative_error(call("fused", t), ref) for t in (long, *shorts.values())]
+        one_loop = dict(HIDDEN_SHORT_TILES=SHORT_TILES[0], HIDDEN_FLAT_TILES=True)
+        errs = [relative_error(call("fused", t), ref)
+                for t in (long, *shorts.values(), one_loop)]
         if not max(errs) <= 1e-2:
             print(f"1x1000x{Ld}: fused and unfused scores disagree ({errs}); not timed",
                   flush=True)
             continue
         calls = {"fused": lambda: call("fused", long), "unfused": lambda: call("unfused", long)}
         calls.update({f"fused {k}": (lambda t=t: call("fused", t)) for k, t in shorts.items()})
+        calls["fused short, one loop"] = lambda: call("fused", one_loop)
         if lik_head is not None:
             calls["LIK"] = lambda: lik_head(Q, H, W, b=b, normalize=True)
         times = _interleaved_medians(calls, rounds=5)
