@@ -105,15 +105,18 @@ def test_zeros_in_forward_change_no_value_on_cuda(dtype, layout, masked):
 SHORT_TILES = (64, 64, 4, 4)  # the candidate for HIDDEN_SHORT_TILES (NOTES §80)
 
 
-@pytest.mark.parametrize("tiles", ["plan", "short"])
+@pytest.mark.parametrize("tiles", ["plan", "short", "narrow"])
 @pytest.mark.parametrize("masked", [False, True], ids=["plain", "masked"])
 @pytest.mark.parametrize("layout", ["cross", "candidates"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_flat_tiles_change_no_value_on_cuda(dtype, layout, masked, tiles):
     """The full tiles and their split-K steps compiled as one loop (``HIDDEN_FLAT_TILES``)
     against the nested loops: scores and all four gradients bit for bit (the same products in
-    the same order), with grad_H's zeros in the forward, documents padded and fully masked."""
-    Q, H, W, b = _inputs(layout, dtype, Nq=5, Lq=19, Nd=7, Ld=333, d_model=392)
+    the same order), with grad_H's zeros in the forward, documents padded and fully masked; at
+    the plan's tiles, the short ones, and a d_model narrower than one step ("narrow": no whole
+    step, the compiler's copy of the nest without its inner loop)."""
+    Q, H, W, b = _inputs(layout, dtype, Nq=5, Lq=19, Nd=7, Ld=333,
+                         d_model=40 if tiles == "narrow" else 392)
     q_mask = masks_with_holes(Q.shape[:-1], "cuda") if masked else None
     d_mask = masks_with_holes(H.shape[:-1], "cuda") if masked else None
     if masked:
