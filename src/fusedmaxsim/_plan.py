@@ -114,10 +114,9 @@ MEASURED: dict[str, object] = dict(
     HIDDEN_TILES=(16, 16, 4, 1) if INTERPRETER else (128, 64, 8, 4),
     # Shorter tiles (same fields) for documents that HIDDEN_TILES' pad by more than
     # HIDDEN_FUSED_MAX_PADDING and these pad less (300-token documents: 28% and 7%); None: none.
-    # Off until timed on the H200 (NOTES §80): (64, 64, 4, 4) took 0.207 ms against 0.237 at
-    # HIDDEN_TILES for 1 x 1000 x 300 inference, 1.06-1.08x their time on unpadded long
-    # documents (probe hidden_caps, record 0401a5a).
-    HIDDEN_SHORT_TILES=None,
+    # NOTES §80, §83 (probe hidden_route_short): 1 x 1000 inference 0.185 -> 0.162 ms at 180
+    # tokens, 0.262 -> 0.235 at 300, 0.343 -> 0.306 at 448; 8 warps slower.
+    HIDDEN_SHORT_TILES=None if INTERPRETER else (64, 64, 4, 4),
     # The fused kernel's full tiles and their split-K steps compiled as one pipelined loop (the
     # next tile's first steps load during a tile's epilogue). Off until timed on the H200 (NOTES
     # §82); offline the kernel's local memory fell from 200 to 8 B (inference) at HIDDEN_TILES.
