@@ -203,27 +203,20 @@ def index_rows():
 HEAD_FORWARD = dict(HAS_Q_MASK=False, HAS_D_MASK=False, NORMALIZE=True, SAVE_ARGMAX=False,
                     PER_QUERY_DOCS=False, LQ_TILE=32, QUERIES_PER_BLOCK=1, BLOCK_K=128,
                     EVEN_K=True, DOT_PRECISION="tf32", UPCAST=False, QUERY_IN_REGISTERS=False,
-                    HIDDEN_BIAS=True, ZERO_GRAD_H=False, FLAT_TILES=False)
+                    HIDDEN_BIAS=True)
 
 
 def head_rows():
     """The projection head's fused forward (d_model 768 → 128, bias, normalized) at the plan's
-    tiles and beside them: which part holds the registers (NOTES section 72), and with a
-    training step's zeros of grad_H (section 79), the training variants at the short tiles too
-    (section 80), and the full tiles flattened with their split-K steps into one loop
-    (``FLAT_TILES``, section 82)."""
+    tiles and beside them: which part holds the registers (NOTES section 72), and the training
+    variant at the short tiles too (HIDDEN_SHORT_TILES, section 80)."""
     block_n, hidden_block, warps, stages = MEASURED["HIDDEN_TILES"]
-    flat = dict(FLAT_TILES=True)
     variants = [("inference", {}), ("argmax", dict(SAVE_ARGMAX=True)),
-                ("argmax, grad_H's zeros", dict(SAVE_ARGMAX=True, ZERO_GRAD_H=True)),
                 ("no bias", dict(HIDDEN_BIAS=False)), ("not normalized", dict(NORMALIZE=False)),
-                ("2 queries a block", dict(QUERIES_PER_BLOCK=2)),
-                ("inference, one loop", flat), ("argmax, one loop", dict(SAVE_ARGMAX=True, **flat)),
-                ("argmax, grad_H's zeros, one loop",
-                 dict(SAVE_ARGMAX=True, ZERO_GRAD_H=True, **flat))]
+                ("2 queries a block", dict(QUERIES_PER_BLOCK=2))]
     tiles = [(block_n, hidden_block, warps, stages), (128, 64, 8, 3), (128, 32, 8, 4),
              (64, 64, 8, 4), (64, 64, 4, 4)]
-    short = [tiles[0], (64, 64, 4, 4)]  # the plan's, and the short tiles' candidate (section 80)
+    short = [tiles[0], MEASURED["HIDDEN_SHORT_TILES"]]  # the plan's long and short tiles
     for mode, extra in variants:
         for n, hb, w, st in tiles if mode == "inference" else short if "argmax" in mode \
                 else tiles[:1]:

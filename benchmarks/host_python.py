@@ -74,7 +74,7 @@ def _head_rows(maxsim_from_hidden, forward_hidden, backward_hidden, plan_forward
     plan = plan_forward(p, o)
     if plan.hidden_route != "fused":
         raise SystemExit(f"the head's rows expect the fused forward, the plan says {plan.reasons}")
-    argmax = forward_hidden(plan, p, o.fp32_precision, Q, H, W, b, None, None)[1]
+    _, argmax = forward_hidden(plan, p, o.fp32_precision, Q, H, W, b, None, None)
     argmax.random_(0, 32)
     by_entry = plan_hidden_backward(p, o, True, False)
     Q2, _, _, _ = inputs(2, 32)

@@ -10,7 +10,7 @@ from helpers import masks_with_holes
 
 from fusedmaxsim import forced_plan, maxsim, maxsim_from_hidden, settings
 from fusedmaxsim._autograd import maxsim_hidden_bwd, maxsim_hidden_fwd
-from fusedmaxsim.planning import ForwardPlan, recording
+from fusedmaxsim.planning import MEASURED, ForwardPlan, recording
 from fusedmaxsim.reference import maxsim_ref
 from fusedmaxsim.testing import relative_error, relative_error_fro
 
@@ -71,78 +71,16 @@ def test_hidden_parity_on_cuda(dtype, layout, route, masked, backward):
         assert relative_error_fro(a.grad, r.grad) <= tg, (name, relative_error_fro(a.grad, r.grad))
 
 
+SHORT_TILES = MEASURED["HIDDEN_SHORT_TILES"]  # the fused head's short tiles (NOTES §80, §83)
+
+
 @pytest.mark.parametrize("masked", [False, True], ids=["plain", "masked"])
 @pytest.mark.parametrize("layout", ["cross", "candidates"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_zeros_in_forward_change_no_value_on_cuda(dtype, layout, masked):
-    """grad_H's zeros written by the fused forward (``hidden_zero_grad_h``, NaN-poisoned when
-    allocated) against the backward's own fill: every gradient bit for bit, with documents
-    padded and fully masked, two query blocks (one zeroes each document), and the forward's
-    zeros serving one backward only (a second, retain_graph, zeroes its own)."""
-    Q, H, W, b = _inputs(layout, dtype, Nq=5, Lq=19, Nd=7, Ld=333, d_model=392)
-    q_mask = masks_with_holes(Q.shape[:-1], "cuda") if masked else None
-    d_mask = masks_with_holes(H.shape[:-1], "cuda") if masked else None
-    if masked:
-        d_mask[..., 1, :] = False
-        d_mask[..., 2, :40] = False
-        d_mask[..., 2, 200:] = False
-    grads = []
-    for on in (False, True):
-        leaves = [t.detach().requires_grad_() for t in (Q, H, W, b)]
-        with forced_plan(hidden_route="fused", hidden_bwd_kernel="entries",
-                         hidden_zero_grad_h=on):
-            out = maxsim_from_hidden(*leaves, q_mask, d_mask)
-            torch.manual_seed(1)
-            g = torch.randn_like(out)
-            first = torch.autograd.grad(out, leaves, g, retain_graph=True)
-            again = torch.autograd.grad(out, leaves, g)
-        assert all(torch.equal(x, y) for x, y in zip(first, again))
-        grads.append(first)
-    assert all(torch.equal(x, y) for x, y in zip(*grads))
-    assert torch.isfinite(grads[1][1]).all()
-
-
-SHORT_TILES = (64, 64, 4, 4)  # the candidate for HIDDEN_SHORT_TILES (NOTES §80)
-
-
-@pytest.mark.parametrize("tiles", ["plan", "short", "narrow"])
-@pytest.mark.parametrize("masked", [False, True], ids=["plain", "masked"])
-@pytest.mark.parametrize("layout", ["cross", "candidates"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_flat_tiles_change_no_value_on_cuda(dtype, layout, masked, tiles):
-    """The full tiles and their split-K steps compiled as one loop (``HIDDEN_FLAT_TILES``)
-    against the nested loops: scores and all four gradients bit for bit (the same products in
-    the same order), with grad_H's zeros in the forward, documents padded and fully masked; at
-    the plan's tiles, the short ones, and a d_model narrower than one step ("narrow": no whole
-    step, the compiler's copy of the nest without its inner loop)."""
-    Q, H, W, b = _inputs(layout, dtype, Nq=5, Lq=19, Nd=7, Ld=333,
-                         d_model=40 if tiles == "narrow" else 392)
-    q_mask = masks_with_holes(Q.shape[:-1], "cuda") if masked else None
-    d_mask = masks_with_holes(H.shape[:-1], "cuda") if masked else None
-    if masked:
-        d_mask[..., 1, :] = False
-        d_mask[..., 2, 200:] = False
-    short = dict(HIDDEN_SHORT_TILES=SHORT_TILES) if tiles == "short" else {}
-    found = []
-    for flat in (False, True):
-        leaves = [t.detach().requires_grad_() for t in (Q, H, W, b)]
-        with forced_plan(hidden_route="fused", hidden_bwd_kernel="entries",
-                         hidden_zero_grad_h=True, HIDDEN_FLAT_TILES=flat, **short):
-            out = maxsim_from_hidden(*leaves, q_mask, d_mask)
-            torch.manual_seed(1)
-            out.backward(torch.randn_like(out))
-        found.append([out, *(t.grad for t in leaves)])
-    assert all(torch.equal(x, y) for x, y in zip(*found))
-
-
-@pytest.mark.parametrize("zeros", [False, True], ids=["fill", "zeros-in-forward"])
-@pytest.mark.parametrize("masked", [False, True], ids=["plain", "masked"])
-@pytest.mark.parametrize("layout", ["cross", "candidates"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_short_tiles_parity_on_cuda(dtype, layout, masked, zeros):
+def test_short_tiles_parity_on_cuda(dtype, layout, masked):
     """The fused forward at the short tiles (64 tokens, 4 warps), which the plan takes for
-    documents that its long tiles pad (300 tokens), in a training step with the argmax and with
-    or without grad_H's zeros: scores and all four gradients within the float64 chain's bounds."""
+    documents that its long tiles pad (300 tokens), in a training step with the argmax: scores
+    and all four gradients within the float64 chain's bounds."""
     Q, H, W, b = _inputs(layout, dtype, d_model=392)
     q_mask = masks_with_holes(Q.shape[:-1], "cuda") if masked else None
     d_mask = masks_with_holes(H.shape[:-1], "cuda") if masked else None
@@ -150,12 +88,12 @@ def test_short_tiles_parity_on_cuda(dtype, layout, masked, zeros):
     refs = [t.detach().double().requires_grad_() for t in (Q, H, W, b)]
     ref = _chain(*refs, q_mask, d_mask, True)
     grad = torch.randn_like(ref)
-    with forced_plan(hidden_route="fused", hidden_bwd_kernel="entries", hidden_zero_grad_h=zeros,
+    with forced_plan(hidden_route="fused", hidden_bwd_kernel="entries",
                      HIDDEN_SHORT_TILES=SHORT_TILES), recording() as plans:
         out = maxsim_from_hidden(*leaves, q_mask, d_mask)
         out.backward(grad.float())
     (forward,) = [plan for _, plan in plans if isinstance(plan, ForwardPlan)]
-    assert forward.tiles.block_n == SHORT_TILES[0] and forward.hidden_zero_grad_h == zeros
+    assert forward.tiles.block_n == SHORT_TILES[0]
     ts, tg = BOUNDS[dtype]
     assert relative_error(out, ref) <= ts
     ref.backward(grad)

@@ -254,43 +254,6 @@ def test_the_backward_rule_and_its_errors():
                 kernel(Qx, Hx, backend, hidden_bwd_kernel=forced)
 
 
-def test_zeros_in_the_forward_rule():
-    """With HIDDEN_ZEROS_IN_FORWARD, grad_H's zeros are written by the fused forward for a
-    training step whose backward is the entries kernel and that needs grad_H; not for the token
-    tiles' backward, inference, a step without grad_H, mixed dtypes or the unfused route;
-    forcing off turns them off. Without it (the default), only where forced."""
-    def zeros(Q, H, *, grad_h=True, measured=True, **decisions):
-        W = torch.randn(8, 16, dtype=H.dtype)
-        with settings.use_backend("triton"), forced_plan(
-                HIDDEN_ZEROS_IN_FORWARD=measured, **decisions), recording() as plans:
-            maxsim_from_hidden(Q.requires_grad_(), H.requires_grad_(grad_h), W)
-        forward = next(plan for _, plan in plans if plan.hidden_route)
-        return forward.hidden_zero_grad_h, forward.reasons
-
-    Q, H = torch.randn(2, 4, 8), torch.randn(3, 25, 16)  # 8 query tokens, 25 tokens: entries
-    default = MEASURED["HIDDEN_ZEROS_IN_FORWARD"]
-    assert zeros(Q, H, measured=default)[0] == default
-    assert zeros(Q, H, measured=False, hidden_zero_grad_h=True)[0]
-    on, reasons = zeros(Q, H)
-    assert on and "grad_H's zeros: in the forward (the entries backward writes only" in \
-        " ".join(reasons)
-    off, reasons = zeros(Q, torch.randn(3, 5, 16))  # 8 query tokens, 5 tokens: token tiles
-    assert not off and "not in the forward (the tiles backward writes grad_H whole)" in \
-        " ".join(reasons)
-    assert not zeros(Q, H, grad_h=False)[0]
-    assert not zeros(Q, H.half())[0]  # mixed dtypes: the closed form's backward
-    assert not zeros(Q, H, hidden_route="unfused")[0]
-    assert not zeros(Q, H, hidden_zero_grad_h=False)[0]
-    assert zeros(Q, torch.randn(3, 5, 16), hidden_zero_grad_h=True)[0]
-    with torch.no_grad():
-        assert not zeros(Q, H)[0]
-    with pytest.raises(ValueError, match=r"hidden_zero_grad_h=True needs a Triton backward "
-                                         r"\('entries' or 'tiles'\): the PyTorch closed form "
-                                         r"makes grad_H of its own"):
-        zeros(Q, H, hidden_zero_grad_h=True, hidden_bwd_kernel="torch")
-    assert not zeros(Q, H, hidden_zero_grad_h=False, hidden_bwd_kernel="torch")[0]
-
-
 def test_a_hidden_block_the_kernels_cannot_step_is_refused():
     """HIDDEN_TILES' split-K step (forcible as every measured constant) must be a power of two
     of at least 16 (tl.dot's least)."""
@@ -299,34 +262,6 @@ def test_a_hidden_block_the_kernels_cannot_step_is_refused():
                                                      HIDDEN_TILES=(16, 24, 4, 1)):
         with pytest.raises(ValueError, match=r"hidden_block must be a power of two >= 16, got 24"):
             maxsim_from_hidden(Q, H, W)
-
-
-@pytest.mark.parametrize("layout", ["cross", "candidates"])
-def test_zeros_in_the_forward_change_no_value(layout):
-    """The forward's zeros (NaN-poisoned when allocated) against the backward's own fill: every
-    gradient bit for bit, with masks (a document fully masked, one padded on both sides), and
-    for one backward only: a second (retain_graph) zeroes its own and gives the same."""
-    Q, H, W, b = problem(layout, torch.float16, Ld=37)
-    q_mask = masks_with_holes(Q.shape[:-1], "cpu")
-    d_mask = masks_with_holes(H.shape[:-1], "cpu")
-    d_mask[..., 1, :] = False
-    d_mask[..., 2, :] = False
-    d_mask[..., 2, 17:21] = True
-    g = torch.randn(Q.shape[0], H.shape[-3])
-    grads = []
-    for on in (False, True):
-        inputs = leaves(Q, H, W, b)
-        with settings.use_backend("triton"), forced_plan(
-                hidden_route="fused", hidden_bwd_kernel="entries", hidden_zero_grad_h=on):
-            out = maxsim_from_hidden(*inputs, q_mask, d_mask)
-            first = torch.autograd.grad(out, inputs, g, retain_graph=True)
-            again = torch.autograd.grad(out, inputs, g)
-        for x, y in zip(first, again):
-            torch.testing.assert_close(x, y, rtol=0, atol=0)
-        grads.append(first)
-    for x, y in zip(*grads):
-        torch.testing.assert_close(x, y, rtol=0, atol=0)
-    assert bool((grads[1][1][~d_mask] == 0).all())
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -417,31 +352,6 @@ def test_the_short_tiles_rule():
     tiles = dataclasses.replace(forward.tiles, block_n=32)
     block_n, _, forced = plan(47, fwd_tiles=tiles, **both)
     assert block_n == 32 and forced.reasons[-1].startswith("tiles: forced, ")
-
-
-def test_the_flat_tiles_rule():
-    """HIDDEN_FLAT_TILES: the fused route's full tiles and split-K steps as one loop, said in
-    the plan's reasons; never on the unfused route. The four gradients and the scores the same
-    bit for bit."""
-    Q, H, W, b = problem("cross", torch.float16, Ld=37)
-    g = torch.randn(Q.shape[0], H.shape[-3])
-    found = []
-    for flat in (False, True):
-        inputs = leaves(Q, H, W, b)
-        with settings.use_backend("triton"), forced_plan(
-                hidden_route="fused", HIDDEN_FLAT_TILES=flat), recording() as plans:
-            out = maxsim_from_hidden(*inputs)
-            out.backward(g)
-        forward = next(plan for _, plan in plans if plan.hidden_route)
-        assert forward.hidden_flat == flat
-        assert forward.reasons[-1].endswith(", one loop with their split-K steps") == flat
-        found.append([out, *(t.grad for t in inputs)])
-    for x, y in zip(*found):
-        torch.testing.assert_close(x, y, rtol=0, atol=0)
-    with settings.use_backend("triton"), forced_plan(
-            hidden_route="unfused", HIDDEN_FLAT_TILES=True), recording() as plans:
-        maxsim_from_hidden(Q, H, W, b)
-    assert not next(plan for _, plan in plans if plan.hidden_route).hidden_flat
 
 
 def test_projection_head_module():

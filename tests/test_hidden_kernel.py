@@ -45,27 +45,22 @@ def _masks(Nq, Lq, Ncols, Ld, *, candidates=False):
 
 
 def _call(Q, H, W, b, q_mask, d_mask, *, normalize, save_argmax=True, hidden_block=16,
-          block_n=16, lq_tile=16, queries_per_block=None, dtype=None, zero_grad_h=False,
-          flat=False):
-    """``forward_hidden`` with a hand-built Problem and ForwardPlan (fp32 products in IEEE):
-    ``(scores, argmax)``, and ``grad_H`` with ``zero_grad_h``; ``flat``: the plan's
-    ``hidden_flat`` (the full tiles and their split-K steps as one loop)."""
+          block_n=16, lq_tile=16, queries_per_block=None, dtype=None):
+    """``forward_hidden`` with a hand-built Problem and ForwardPlan (fp32 products in IEEE)."""
     candidates = H.dim() == 4
     Nq, Lq, d = Q.shape
     dtype = dtype or H.dtype
     cfg = fwd_heuristic(max(Lq, 1), d, max(Nq, 1), candidates, dtype.itemsize)
     cfg = dataclasses.replace(cfg, block_n=block_n, lq_tile=lq_tile,
                               queries_per_block=queries_per_block or cfg.queries_per_block)
-    plan = ForwardPlan("triton", cfg, hidden_route="fused", hidden_block=hidden_block,
-                       hidden_zero_grad_h=zero_grad_h, hidden_flat=flat)
+    plan = ForwardPlan("triton", cfg, hidden_route="fused", hidden_block=hidden_block)
     p = Problem(
         layout=HIDDEN_CANDIDATES if candidates else HIDDEN, Nq=Nq, Ncols=H.shape[-3], Lq=Lq,
         Ld=H.shape[-2], dim=d, dtype=dtype, device=Q.device, has_q_mask=q_mask is not None,
         has_d_mask=d_mask is not None, normalize=normalize, norm_from_tiles=normalize, tau=0.0,
         save_argmax=save_argmax, tma_ready=False, d_model=H.shape[-1], has_bias=b is not None,
     )
-    out = forward_hidden(plan, p, "ieee", Q, H, W, b, q_mask, d_mask)
-    return out if zero_grad_h else out[:2]
+    return forward_hidden(plan, p, "ieee", Q, H, W, b, q_mask, d_mask)
 
 
 def _reference(Q, H, W, b, q_mask, d_mask, *, normalize):
@@ -136,28 +131,6 @@ def test_scores_and_argmax(dtype, candidates, bias, normalize, masks):
         assert torch.equal(out[0][:, 0], torch.zeros(Nq))
 
 
-@pytest.mark.parametrize("Ld", [37, 9], ids=["tiles_and_tail", "tail_only"])
-@pytest.mark.parametrize("masks", [False, True], ids=["no_masks", "masks"])
-@pytest.mark.parametrize("candidates", [False, True], ids=["cross", "candidates"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
-def test_flat_tiles(dtype, candidates, masks, Ld):
-    """The full tiles and their split-K steps as one loop (``hidden_flat``): the oracle's scores
-    and argmax, the same bit for bit as the nested loops', and grad_H's zeros written the same;
-    documents with full tiles and a tail, a tail only (no full tile: the loop's guard false), a
-    fully masked one and one padded."""
-    Nq, Lq, Ncols, d, d_model = 3, 19, 4, 24, 40
-    Q, H, W, b = _inputs(Nq, Lq, Ncols, Ld, d, d_model, dtype, candidates=candidates)
-    q_mask, d_mask = _masks(Nq, Lq, Ncols, Ld, candidates=candidates) if masks else (None, None)
-    kw = dict(normalize=True, hidden_block=32, queries_per_block=1 if candidates else 2,
-              zero_grad_h=True)
-    nested = _call(Q, H, W, b, q_mask, d_mask, **kw)
-    flat = _call(Q, H, W, b, q_mask, d_mask, flat=True, **kw)
-    _check(flat[:2], _reference(Q, H, W, b, q_mask, d_mask, normalize=True), dtype, Ld)
-    for x, y in zip(flat, nested):
-        assert torch.equal(x, y)
-    assert torch.equal(flat[2], torch.zeros_like(H))
-
-
 @pytest.mark.parametrize(
     "d, d_model, hidden_block",
     [(24, 40, 32), (32, 64, 32), (16, 8, 16), (24, 1, 16), (40, 70, 16)],
@@ -205,32 +178,6 @@ def test_strided_inputs(dtype, candidates):
         _check(out, ref, dtype, Ld)
 
 
-@pytest.mark.parametrize("view", ["contiguous", "token_outer"])
-@pytest.mark.parametrize("masks", [False, True], ids=["no_masks", "masks"])
-@pytest.mark.parametrize("candidates", [False, True], ids=["cross", "candidates"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
-def test_grad_h_zeros(dtype, candidates, masks, view):
-    """A training step's forward that writes grad_H's zeros: the same scores and argmax bit for
-    bit, and every element of grad_H (poisoned with NaN when allocated) zero: the rows read
-    (several query blocks and chunks: each document zeroed by its first program only), the
-    tail tile's, a d_model tail step's, and with masks the padding outside each document's
-    span and the fully masked document's."""
-    Nq, Lq, Ncols, Ld, d, d_model = 3, 19, 4, 37, 24, 40
-    Q, H, W, b = _inputs(Nq, Lq, Ncols, Ld, d, d_model, dtype, candidates=candidates)
-    if view == "token_outer":
-        H = H.movedim(-2, 0).contiguous().movedim(0, -2)
-    q_mask, d_mask = _masks(Nq, Lq, Ncols, Ld, candidates=candidates) if masks else (None, None)
-    if masks:  # column 3: valid tokens in the middle only, padding on both sides
-        d_mask[..., 3, :] = False
-        d_mask[..., 3, 17:21] = True
-    kw = dict(normalize=True, hidden_block=32, queries_per_block=1 if candidates else 2)
-    scores, argmax, grad_h = _call(Q, H, W, b, q_mask, d_mask, zero_grad_h=True, **kw)
-    plain = _call(Q, H, W, b, q_mask, d_mask, **kw)
-    assert torch.equal(scores, plain[0]) and torch.equal(argmax, plain[1])
-    assert grad_h.shape == H.shape and grad_h.dtype == H.dtype and grad_h.is_contiguous()
-    assert torch.equal(grad_h, torch.zeros_like(grad_h))
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
 def test_without_argmax(dtype):
     """Inference: the same scores bit for bit, and the shared empty argmax."""
@@ -275,10 +222,8 @@ def test_empty_problems_launch_nothing(monkeypatch, Nq, Ncols, Lq, Ld, save_argm
 
     monkeypatch.setattr(launch_forward, "launcher", no_launch)
     Q, H, W, b = _inputs(Nq, Lq, Ncols, Ld, 24, 40, torch.float32, candidates=candidates)
-    scores, argmax, grad_h = _call(Q, H, W, b, None, None, normalize=True,
-                                   save_argmax=save_argmax, zero_grad_h=True)
+    scores, argmax = _call(Q, H, W, b, None, None, normalize=True, save_argmax=save_argmax)
     assert scores.dtype == torch.float32 and torch.equal(scores, torch.zeros(Nq, Ncols))
-    assert torch.equal(grad_h, torch.zeros_like(H))  # no kernel: zeroed all the same
     if save_argmax:
         assert argmax.dtype == argmax_dtype(Ld)
         assert torch.equal(argmax, torch.full((Nq, Ncols, Lq), -1, dtype=argmax.dtype))

@@ -323,67 +323,6 @@ def hidden_compiled():
                 _compiled_stats("LIK", compiled)
 
 
-def zeros_in_forward():
-    """``grad_H``'s zeros written by the fused forward as it reads ``H``
-    (``hidden_zero_grad_h``) against the backward's own fill: the training forward alone and
-    the step, ms in interleaved rounds (median of three), after a check that the four
-    gradients are the same bit for bit; then the kernels' spans of one step on each side."""
-    from torch.profiler import ProfilerActivity, profile
-
-    shapes = {"lateon-B4-Ld300": (4, 16, 32, 300, 768, 128),
-              "lateon-code-Nd256-Ld1k": SHAPES["lateon-code-Nd256-Ld1k"],
-              "lateon-code-Nd512-Ld2k": MORE_SHAPES["lateon-code-Nd512-Ld2k"],
-              "lateon-code-Nd1024-Ld2k": SHAPES["lateon-code-Nd1024-Ld2k"],
-              "lateon-code-edge-Nd256-Ld4k": MORE_SHAPES["lateon-code-edge-Nd256-Ld4k"]}
-    for name, shape in shapes.items():
-        leaves = _inputs(*shape, grad=True)
-        p = hidden_problem(*leaves, None, None, normalize=True, save_argmax=True,
-                           need_grad_h=True)
-        plan = plan_forward(p, options_for(leaves[0]))
-        print(f"{name}: plan {plan.hidden_route}, zeros in the forward "
-              f"{plan.hidden_zero_grad_h}", flush=True)
-
-        def forward(on):
-            with forced_plan(hidden_zero_grad_h=on):
-                return maxsim_from_hidden(*leaves)
-
-        def step(on):
-            for t in leaves:
-                t.grad = None
-            forward(on).sum().backward()
-
-        grads = []
-        for on in (False, True):
-            step(on)
-            grads.append([t.grad.clone() for t in leaves])
-        if not all(torch.equal(x, y) for x, y in zip(*grads)):
-            err = max(relative_error(y, x) for x, y in zip(*grads))
-            print(f"{name}: the zeros in the forward moved a gradient by {err:.1e}; not timed",
-                  flush=True)
-            continue
-        del grads
-        calls = {(mode, on): (lambda m=mode, o=on: forward(o) if m == "forward" else step(o))
-                 for mode in ("forward", "step") for on in (False, True)}
-        times = _interleaved_medians(calls)
-        for mode in ("forward", "step"):
-            off, on = (times[mode, x] for x in (False, True))
-            print(f"{name} {mode}: {off:.3f} ms, zeros in the forward {on:.3f} "
-                  f"({off / on:.2f}x)", flush=True)
-        for on in (False, True):
-            step(on)
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                step(on)
-                torch.cuda.synchronize()
-            spans = sorted((e.time_range.start, e.time_range.end, e.name)
-                           for e in prof.events() if e.device_type.name == "CUDA")
-            t0 = spans[0][0] if spans else 0
-            print(f"  {'in the forward' if on else 'in the backward'}: " + "; ".join(
-                f"{n[:32]} {a - t0:.0f}-{z - t0:.0f} us" for a, z, n in spans), flush=True)
-        del leaves
-        torch.cuda.empty_cache()
-
-
 # The candidates for HIDDEN_SHORT_TILES (NOTES section 80): 64-token tiles on 4 warps (two
 # programs an SM) and on 8.
 SHORT_TILES = ((64, 64, 4, 4), (64, 64, 8, 4))
@@ -394,8 +333,7 @@ def hidden_route_short():
     padding line falls (NOTES sections 78, 80). Inference at 1 x 1000 x 180-512 tokens: fused at
     the long tiles (``HIDDEN_TILES``) and at each candidate of ``SHORT_TILES``, the unfused
     route and late-interaction-kernels' fused head where it is installed, ms in five interleaved
-    rounds (median), with the route and tiles the plan takes with the first candidate on, and
-    that candidate with its full tiles and split-K steps as one loop (section 82); then
+    rounds (median), with the route and tiles the plan takes with the first candidate on; then
     training steps at two 300-token shapes, long tiles against each candidate."""
     try:
         from late_interaction_kernels.fused_head import maxsim_from_hidden as lik_head
@@ -414,16 +352,13 @@ def hidden_route_short():
                 return maxsim_from_hidden(Q, H, W, b)
 
         ref = call("unfused", long)
-        one_loop = dict(HIDDEN_SHORT_TILES=SHORT_TILES[0], HIDDEN_FLAT_TILES=True)
-        errs = [relative_error(call("fused", t), ref)
-                for t in (long, *shorts.values(), one_loop)]
+        errs = [relative_error(call("fused", t), ref) for t in (long, *shorts.values())]
         if not max(errs) <= 1e-2:
             print(f"1x1000x{Ld}: fused and unfused scores disagree ({errs}); not timed",
                   flush=True)
             continue
         calls = {"fused": lambda: call("fused", long), "unfused": lambda: call("unfused", long)}
         calls.update({f"fused {k}": (lambda t=t: call("fused", t)) for k, t in shorts.items()})
-        calls["fused short, one loop"] = lambda: call("fused", one_loop)
         if lik_head is not None:
             calls["LIK"] = lambda: lik_head(Q, H, W, b=b, normalize=True)
         times = _interleaved_medians(calls, rounds=5)
@@ -452,46 +387,3 @@ def hidden_route_short():
         times = _interleaved_medians(calls, rounds=5)
         print(f"{name} step, fused: " + ", ".join(f"{k} {v:.3f} ms" for k, v in times.items()),
               flush=True)
-
-
-def hidden_flat():
-    """The fused forward's full tiles and their split-K steps compiled as one loop
-    (``HIDDEN_FLAT_TILES``) against the nested loops (NOTES section 82): inference at five
-    shapes, then at the three long ones the training step with ``grad_H``'s zeros in the
-    backward or in the forward; ms in interleaved rounds (median), each shape after a
-    bit-for-bit check of the scores (and the step's four gradients)."""
-    for name, shape in {**SHAPES, **MORE_SHAPES}.items():
-        Q, H, W, b = _inputs(*shape)
-
-        def infer(flat):
-            with torch.no_grad(), forced_plan(hidden_route="fused", HIDDEN_FLAT_TILES=flat):
-                return maxsim_from_hidden(Q, H, W, b)
-
-        if not torch.equal(infer(False), infer(True)):
-            print(f"{name}: one loop changed the scores; not timed", flush=True)
-            continue
-        times = _interleaved_medians({flat: (lambda f=flat: infer(f)) for flat in (False, True)},
-                                     rounds=5)
-        print(f"{name} inference: nested {times[False]:.3f} ms, one loop {times[True]:.3f} "
-              f"({times[False] / times[True]:.2f}x)", flush=True)
-    for name in ("lateon-code-Nd512-Ld2k", "lateon-code-Nd1024-Ld2k",
-                 "lateon-code-edge-Nd256-Ld4k"):
-        leaves = _inputs(*{**SHAPES, **MORE_SHAPES}[name], grad=True)
-
-        def step(flat, zeros):
-            for t in leaves:
-                t.grad = None
-            with forced_plan(hidden_route="fused", hidden_bwd_kernel="entries",
-                             HIDDEN_FLAT_TILES=flat, hidden_zero_grad_h=zeros):
-                maxsim_from_hidden(*leaves).sum().backward()
-            return [t.grad.clone() for t in leaves]
-
-        if not all(torch.equal(x, y) for x, y in zip(step(False, True), step(True, True))):
-            print(f"{name}: one loop changed a gradient; not timed", flush=True)
-            continue
-        calls = {(flat, zeros): (lambda f=flat, z=zeros: step(f, z))
-                 for flat in (False, True) for zeros in (False, True)}
-        times = _interleaved_medians(calls)
-        print(f"{name} step: " + ", ".join(
-            f"{'one loop' if f else 'nested'}{', zeros in the forward' if z else ''} {ms:.3f} ms"
-            for (f, z), ms in times.items()), flush=True)

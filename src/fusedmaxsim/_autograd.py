@@ -400,11 +400,10 @@ torch.library.register_autograd("fusedmaxsim::maxsim_residual_fwd", _residual_ba
 
 
 def _hidden_forward(p: Problem, o: Options, Q: Tensor, H: Tensor, W: Tensor, b: Tensor | None,
-                    q_mask, d_mask) -> tuple[Tensor, Tensor, Tensor | None]:
+                    q_mask, d_mask) -> tuple[Tensor, Tensor]:
     """Scores and the argmax of ``Q`` against ``normalize?(F.linear(H, W, b))`` (``p``: their
     ``hidden_problem``), as planned: fused (each document tile projected on chip) or the
-    projection written once, then the dense plan; and where the plan writes them in the
-    forward, ``grad_H``'s zeros (else None)."""
+    projection written once, then the dense plan."""
     normalize, save_argmax = p.normalize, p.save_argmax
     plan = plan_forward(p, o)
     if plan.hidden_route == "fused":
@@ -415,7 +414,7 @@ def _hidden_forward(p: Problem, o: Options, Q: Tensor, H: Tensor, W: Tensor, b: 
         d_inv = inverse_norms(P, o.backend)
         q_inv = torch.ones(Q.shape[:2], dtype=d_inv.dtype, device=Q.device)
     pd = dense_problem(Qc, P, q_mask, d_mask, normalize=normalize, save_argmax=save_argmax)
-    return (*run_forward(pd, o, Qc, P, q_mask, d_mask, q_inv, d_inv), None)
+    return run_forward(pd, o, Qc, P, q_mask, d_mask, q_inv, d_inv)
 
 
 @torch.library.custom_op("fusedmaxsim::maxsim_hidden_fwd", mutates_args=())
@@ -426,8 +425,8 @@ def maxsim_hidden_fwd(
     """Scores ``[Nq, Ncols]`` of ``Q`` against the projected hidden states and, when saved, the
     argmax ``[Nq, Ncols, Lq]``."""
     p = hidden_problem(Q, H, W, b, q_mask, d_mask, normalize=normalize, save_argmax=save_argmax)
-    scores, saved, _ = _hidden_forward(p, options_for(Q, backend, fp32_precision), Q, H, W, b,
-                                       q_mask, d_mask)
+    scores, saved = _hidden_forward(p, options_for(Q, backend, fp32_precision), Q, H, W, b,
+                                    q_mask, d_mask)
     return scores, saved if save_argmax else saved.new_empty((0,))
 
 
@@ -453,17 +452,15 @@ def maxsim_hidden_bwd(
     return tuple(Q.new_empty((0,)) if g is None else g for g in grads)
 
 
-def _hidden_grads(p: Problem, o: Options, grad_scores, Q, H, W, b, argmax, needs,
-                  grad_h: Tensor | None = None):
+def _hidden_grads(p: Problem, o: Options, grad_scores, Q, H, W, b, argmax, needs):
     """The projection head's gradients as planned (``plan_hidden_backward`` of ``p``, the
     forward's problem: the Triton kernels, by entry or by token tile, or the PyTorch closed
-    form), each in its input's dtype; None where not needed. ``grad_h``: ``grad_H``'s zeros
-    from the forward, the Triton kernels' buffer for it."""
+    form), each in its input's dtype; None where not needed."""
     normalize = p.normalize
     plan = plan_hidden_backward(p, o, needs[0], Q.dtype != H.dtype)
     if plan.kernel != "torch":
         return list(_launch()[1].backward_hidden(plan, o.fp32_precision, grad_scores, Q, H, W, b,
-                                                 argmax, normalize, needs, grad_h))
+                                                 argmax, normalize, needs))
     grads = _torch_path.hidden_bwd_torch(grad_scores, Q, H, W, b, argmax, normalize, *needs,
                                          plan.hidden_cols, plan.hidden_by_entry)
     return [None if g is None else g.to(x.dtype) for g, x in zip(grads, (Q, H, W, b))]
@@ -481,11 +478,9 @@ def _hidden_backward_of(ctx, grad_scores: Tensor, traced: bool) -> list:
                                   ctx.options.backend, ctx.options.fp32_precision)
         grads = [g if need else None for g, need in zip(grads, needs)]
     else:
-        # The forward's zeros serve one backward: a second (retain_graph) zeroes its own.
-        grad_h, ctx.grad_h = ctx.grad_h, None
         with torch.no_grad():
             grads = _hidden_grads(ctx.problem, ctx.options, grad_scores, Q, H, W, b, argmax,
-                                  needs, grad_h)
+                                  needs)
     if torch.is_grad_enabled() and not torch.compiler.is_compiling():  # create_graph=True
         grads = [None if g is None else _FirstOrderOnly.apply(g, Q, H, grad_scores)
                  for g in grads]
@@ -525,9 +520,8 @@ class HiddenFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, Q, H, W, b, rest):
         q_mask, d_mask, normalize, o = rest
-        p = hidden_problem(Q, H, W, b, q_mask, d_mask, normalize=normalize, save_argmax=True,
-                           need_grad_h=ctx.needs_input_grad[1])
-        scores, argmax, ctx.grad_h = _hidden_forward(p, o, Q, H, W, b, q_mask, d_mask)
+        p = hidden_problem(Q, H, W, b, q_mask, d_mask, normalize=normalize, save_argmax=True)
+        scores, argmax = _hidden_forward(p, o, Q, H, W, b, q_mask, d_mask)
         ctx.save_for_backward(Q, H, W, b, argmax)
         ctx.options, ctx.problem = o, p
         return scores

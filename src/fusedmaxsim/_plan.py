@@ -117,10 +117,6 @@ MEASURED: dict[str, object] = dict(
     # NOTES §80, §83 (probe hidden_route_short): 1 x 1000 inference 0.185 -> 0.162 ms at 180
     # tokens, 0.262 -> 0.235 at 300, 0.343 -> 0.306 at 448; 8 warps slower.
     HIDDEN_SHORT_TILES=None if INTERPRETER else (64, 64, 4, 4),
-    # The fused kernel's full tiles and their split-K steps compiled as one pipelined loop (the
-    # next tile's first steps load during a tile's epilogue). Off until timed on the H200 (NOTES
-    # §82); offline the kernel's local memory fell from 200 to 8 B (inference) at HIDDEN_TILES.
-    HIDDEN_FLAT_TILES=False,
     # The head's Triton backwards (design.md "Fused projection head"; NOTES §70, §71): the
     # entries kernel (each (query, query token) entry's winning row projected) where a
     # document's query tokens are fewer than its tokens / HIDDEN_BWD_ENTRY_SHARE, else the token
@@ -141,10 +137,6 @@ MEASURED: dict[str, object] = dict(
     HIDDEN_WEIGHT_WAVES=2,
     HIDDEN_BWD_TILES=(16, 4, 1) if INTERPRETER else (64, 8, 2),
     HIDDEN_WEIGHT_TILES=(16, 16, 4, 1) if INTERPRETER else (64, 128, 8, 2),
-    # grad_H's zeros written by the fused forward as it reads H, for a training step whose
-    # backward is the entries kernel (plan decision hidden_zero_grad_h): off until timed on the
-    # H200 (NOTES §79).
-    HIDDEN_ZEROS_IN_FORWARD=False,
     # PLAID residual documents (design.md "PLAID"; NOTES §63, §66): the kernel's tiles (d <=
     # 128: document tile, warps, stages, register cap) on the cross product and on per-query
     # candidates, and the query rows a block on the cross product (16-bit; half for fp32).
@@ -192,7 +184,6 @@ FORCIBLE = frozenset({
     "hidden_route",       # fused projection head: "fused" or "unfused"
     "hidden_by_entry",    # projection head backward: winners one row an entry, or every row
     "hidden_bwd_kernel",  # projection head backward: "entries", "tiles" or "torch" (closed form)
-    "hidden_zero_grad_h",  # fused projection head: grad_H's zeros written by the forward
 })
 
 
@@ -464,11 +455,6 @@ class ForwardPlan:
     # projected once into memory, then the dense plan); the fused kernel's d_model step.
     hidden_route: str = ""
     hidden_block: int = 0
-    # ... with the fused route in training: the forward writes grad_H's zeros as it reads H, for
-    # the entries backward, which then writes only the winning rows.
-    hidden_zero_grad_h: bool = False
-    # ... the full tiles and their split-K steps as one pipelined loop (HIDDEN_FLAT_TILES).
-    hidden_flat: bool = False
     reasons: tuple[str, ...] = ()
 
 
@@ -750,29 +736,9 @@ def _plan_hidden_forward(p: Problem, o: Options) -> ForwardPlan:
         raise ValueError(f"hidden_route must be 'fused' or 'unfused', got {route!r}")
     if route == "fused" and o.backend == "torch":
         raise ValueError("hidden_route='fused' needs the Triton backend")
-    # Decided where the fused kernel runs for a training step that needs grad_H.
-    zero = False
-    if p.need_grad_h and route == "fused":
-        zero = _forced.get("hidden_zero_grad_h")
-        if zero is not None:
-            why = "forced"
-            if zero and _plan_hidden_backward(p, o, True, False).kernel == "torch":
-                raise ValueError("hidden_zero_grad_h=True needs a Triton backward ('entries' or "
-                                 "'tiles'): the PyTorch closed form makes grad_H of its own")
-        elif not _measured("HIDDEN_ZEROS_IN_FORWARD"):
-            why = "HIDDEN_ZEROS_IN_FORWARD off"
-        else:
-            kernel = _plan_hidden_backward(p, o, True, False).kernel
-            zero = kernel == "entries"
-            why = ("the entries backward writes only the winning rows" if zero
-                   else f"the {kernel} backward writes grad_H whole")
-        reasons.append(f"grad_H's zeros: {'in' if zero else 'not in'} the forward ({why})")
-    flat = route == "fused" and bool(_measured("HIDDEN_FLAT_TILES"))
     return ForwardPlan("triton" if route == "fused" else "torch", cfg, hidden_route=route,
-                       hidden_block=hidden_block, hidden_zero_grad_h=bool(zero), hidden_flat=flat,
-                       reasons=tuple(reasons) + (
-                           f"tiles: {'forced' if forced_tiles else why_tiles}, {cfg}"
-                           f"{', one loop with their split-K steps' if flat else ''}",))
+                       hidden_block=hidden_block, reasons=tuple(reasons) + (
+                           f"tiles: {'forced' if forced_tiles else why_tiles}, {cfg}",))
 
 
 def _plan_forward(p: Problem, o: Options) -> ForwardPlan:

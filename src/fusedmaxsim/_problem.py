@@ -67,8 +67,6 @@ class Problem(NamedTuple):
     d_model: int = 0  # hidden layouts: the hidden states' width (0 elsewhere)
     has_bias: bool = False  # hidden layouts: the projection has a bias
     nbits: int = 0  # residual layouts: bits a residual code (0 elsewhere)
-    # hidden layouts: H's gradient will be needed, Q and H of one dtype (the Triton backward's)
-    need_grad_h: bool = False
 
     def describe(self) -> str:
         reduction = f"smoothmax(tau={self.tau})" if self.tau else "max"
@@ -1173,16 +1171,13 @@ def check_hidden(Q: object, H: object, W: object, b: object, q_mask: object,
 
 
 def hidden_problem(Q: Tensor, H: Tensor, W: Tensor, b: Tensor | None, q_mask, d_mask, *,
-                   normalize: bool, save_argmax: bool, need_grad_h: bool = False) -> Problem:
+                   normalize: bool, save_argmax: bool) -> Problem:
     """The :class:`Problem` of ``Q [Nq, Lq, d]`` against the projection of hidden states ``H``
     (``[Nd, Ld, d_model]`` or ``[Nq, K, Ld, d_model]``); ``dtype``: the inputs' common dtype,
-    that of the similarities (F.linear's output in H's dtype, promoted with Q's).
-    ``need_grad_h``: H's gradient will be needed (kept where Q and H share a dtype, the
-    Triton backward's case: the plan may then write its zeros in the forward)."""
+    that of the similarities (F.linear's output in H's dtype, promoted with Q's)."""
     Nq, Lq, dim = Q.shape
     return Problem(
         HIDDEN_CANDIDATES if H.dim() == 4 else HIDDEN, Nq, H.shape[-3], Lq, H.shape[-2], dim,
         torch.promote_types(Q.dtype, H.dtype), Q.device, q_mask is not None, d_mask is not None,
         normalize, normalize, 0.0, save_argmax, False, H.shape[-1], b is not None,
-        need_grad_h=need_grad_h and Q.dtype == H.dtype,
     )

@@ -876,7 +876,6 @@ def hidden_bwd_torch(grad_scores: Tensor, Q: Tensor, H: Tensor, W: Tensor, b: Te
         return grad_q, grad_h, grad_w, grad_b
     g = grad_scores.to(ct)
     q = Q.to(ct)
-    rows_col = (Nq if per_query else 1) * Ld  # a column's document rows
     for c0 in range(0, Ncols, cols):
         cs = slice(c0, min(Ncols, c0 + cols))
         c = cs.stop - c0

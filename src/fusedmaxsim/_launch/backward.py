@@ -462,8 +462,7 @@ class _HeadBackward(NamedTuple):
 
 def backward_hidden(plan: BackwardPlan, fp32_precision: str, grad_scores: Tensor, Q: Tensor,
                     H: Tensor, W: Tensor, b: Tensor | None, argmax: Tensor, normalize: bool,
-                    needs: tuple[bool, bool, bool, bool],
-                    grad_h: Tensor | None = None) -> tuple[Tensor | None, ...]:
+                    needs: tuple[bool, bool, bool, bool]) -> tuple[Tensor | None, ...]:
     """``(grad_Q, grad_H, grad_W, grad_b)`` of ``maxsim(Q, normalize?(F.linear(H, W, b)))`` from
     the forward's argmax, each in its input's dtype (None where not needed).
 
@@ -479,8 +478,7 @@ def backward_hidden(plan: BackwardPlan, fp32_precision: str, grad_scores: Tensor
 
     Then, where ``grad_W`` or ``grad_b`` is needed, the weight kernel adds the chunk's into
     ``plan.weight_groups`` fp32 partials, summed at the end. No atomics: bitwise
-    reproducible. ``grad_h``: ``grad_H`` zeroed by the forward (contiguous, H's shape and
-    dtype), written here in place of a buffer of its own."""
+    reproducible."""
     need_q, need_h, need_w, need_b = needs
     need_b = need_b and b is not None
     need_weights = need_w or need_b
@@ -494,9 +492,8 @@ def backward_hidden(plan: BackwardPlan, fp32_precision: str, grad_scores: Tensor
                      for t, need in zip((Q, H, W, b), (need_q, need_h, need_w, need_b)))
     by_entry = plan.kernel == "entries"
     chunk = min(plan.hidden_cols, Ncols)
-    if not need_h:
-        grad_h = None
-    elif grad_h is None:  # the entries kernel writes the winning rows only
+    grad_h = None
+    if need_h:  # the entries kernel writes the winning rows only
         grad_h = (zeros if by_entry else empty)(H.shape, dtype, dev)
     # For the weight kernel, a chunk's buffer rows (a token tile kernel's every row of its
     # columns, the entries kernel's (query, query token) entries of each column): each row's

@@ -230,31 +230,26 @@ def forward_residual(plan: ForwardPlan, p: Problem, fp32_precision: str, Q: Tens
 
 def forward_hidden(plan: ForwardPlan, p: Problem, fp32_precision: str, Q: Tensor, H: Tensor,
                    W: Tensor, b: Tensor | None, q_mask: Tensor | None,
-                   d_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+                   d_mask: Tensor | None) -> tuple[Tensor, Tensor]:
     """Scores ``[Nq, Ncols]`` (fp32) and the argmax ``[Nq, Ncols, Lq]`` of ``Q`` against the
     projection ``F.linear(H, W, b)`` of hidden states ``H`` (``[Nd, Ld, d_model]`` or
     ``[Nq, K, Ld, d_model]``, any strides), each document tile projected inside the kernel
     (``plan.hidden_block`` of ``d_model`` a step) and never written; with ``p.normalize`` the
     projected tokens are normalized, their norms from the tiles (``Q`` is taken as it is).
     ``Q`` is brought to the problem's dtype; ``W`` and ``b`` come in H's (the projected tile is
-    rounded to H's dtype first, as ``F.linear``'s output is).
-
-    Third: with ``plan.hidden_zero_grad_h``, ``grad_H`` (contiguous, H's shape and dtype),
-    its zeros written by the kernel as it reads ``H``, for a backward that writes only the
-    winning rows; else None."""
+    rounded to H's dtype first, as ``F.linear``'s output is)."""
     Nq, Ncols, Lq, Ld = p.Nq, p.Ncols, p.Lq, p.Ld
     device = Q.device
     scores = empty((Nq, Ncols), torch.float32, device)
     save_argmax = p.save_argmax
     argmax = empty((Nq, Ncols, Lq), argmax_dtype(Ld), device) if save_argmax else \
         no_argmax(device, argmax_dtype(Ld))
-    grad_h = empty(H.shape, H.dtype, device) if plan.hidden_zero_grad_h else None
-    if not (Nq and Ncols and Lq and Ld):  # no program reads H: its gradient's zeros here
-        if grad_h is not None:
-            grad_h.zero_()
+    if not (Nq and Ncols):
+        return scores, argmax
+    if Lq == 0 or Ld == 0:
         scores.zero_()
         argmax.fill_(-1)
-        return scores, argmax, grad_h
+        return scores, argmax
     if Q.dtype != p.dtype:
         Q = Q.to(p.dtype)
     if b is not None:  # W and b have H's dtype (the front door's check)
@@ -267,38 +262,36 @@ def forward_hidden(plan: ForwardPlan, p: Problem, fp32_precision: str, Q: Tensor
     cfg = plan.tiles
     consts = _hidden_constants(cfg, Q.dtype, H.dtype, p.dim, per_query_docs, hb, b is not None,
                                qm is not None, dm is not None, p.normalize, save_argmax,
-                               fp32_precision, grad_h is not None, plan.hidden_flat)
+                               fp32_precision)
     kernel = launcher(_maxsim_hidden_fwd_kernel)
     qpb = cfg.queries_per_block
 
     def launch_slice(rows, out, _stride_out_split):
         doc_rows = rows if per_query_docs else None  # per-query candidates: their documents too
         q, h, q_m, d_m = take(Q, rows), take(H, doc_rows), take(qm, rows), take(dm, doc_rows)
-        g = h if grad_h is None else take(grad_h, doc_rows)
         kernel(
             (Ncols, cdiv(q.shape[0], qpb)),
             (
                 q, h, W, W if b is None else b, q if q_m is None else q_m,
                 h if d_m is None else d_m, out, take(argmax, rows) if save_argmax else argmax,
-                g, q.shape[0], Ncols, Lq, Ld, p.d_model, p.dim, *q.stride(),
-                *doc_strides(h, per_query_docs), *W.stride(), *doc_strides(g, per_query_docs)[:3],
+                q.shape[0], Ncols, Lq, Ld, p.d_model, p.dim, *q.stride(),
+                *doc_strides(h, per_query_docs), *W.stride(),
             ),
             consts,
         )
 
     _query_slices(launch_slice, scores, qpb, 1, plan.max_grid_y)
-    return scores, argmax, grad_h
+    return scores, argmax
 
 
 @functools.lru_cache(maxsize=256)
 def _hidden_constants(cfg, dtype, h_dtype, dim, per_query_docs, hidden_block, bias, has_q_mask,
-                      has_d_mask, normalize, save_argmax, fp32_precision, zero_grad_h,
-                      flat) -> Constants:
+                      has_d_mask, normalize, save_argmax, fp32_precision) -> Constants:
     meta = fwd_meta(cfg, dtype, dim, has_q_mask=has_q_mask, has_d_mask=has_d_mask,
                     normalize=normalize, save_argmax=save_argmax, fp32_precision=fp32_precision)
     meta["UPCAST"] = meta["UPCAST"] or upcast(h_dtype)  # the projection's products too
     return constants(PER_QUERY_DOCS=per_query_docs, HIDDEN_BLOCK=hidden_block, HIDDEN_BIAS=bias,
-                     ZERO_GRAD_H=zero_grad_h, FLAT_TILES=flat, **meta)
+                     **meta)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -171,8 +171,7 @@ def _residual_tile(p_codes, stride_code_tok, res, o_t, m_t, BLOCK_K: tl.constexp
 @triton.jit
 def _hidden_tile(p_h, stride_h_tok, hid, o_t, m_t, o_k, m_k, HIDDEN_BLOCK: tl.constexpr,
                  HIDDEN_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                 MASK_ROWS: tl.constexpr = True, EVEN_K: tl.constexpr = False,
-                 ZERO_GRAD_H: tl.constexpr = False):
+                 MASK_ROWS: tl.constexpr = True, EVEN_K: tl.constexpr = False):
     """Tokens ``o_t`` of one document projected on chip from its hidden states: ``H[o_t] · Wᵀ
     (+ b)`` accumulated in fp32 over ``d_model`` in ``HIDDEN_BLOCK`` steps, the bias added in
     fp32, then rounded to H's dtype (``F.linear``'s output); zero outside ``m_k`` (W and the
@@ -186,24 +185,14 @@ def _hidden_tile(p_h, stride_h_tok, hid, o_t, m_t, o_k, m_k, HIDDEN_BLOCK: tl.co
     bias ``[d]`` contiguous, read only with ``HIDDEN_BIAS``). The loop runs over ``d_model`` at
     run time (one compiled kernel for every width): whole steps with no bound on the hidden
     dim, the tail step masked.
-
-    ``ZERO_GRAD_H`` (the training forward): ``hid`` goes on with ``(grad_H's document, its
-    token stride, end)``, and each step of ``H`` read also stores zeros to the same columns of
-    ``grad_H`` (contiguous in ``d_model``) in the tile's rows below ``end`` (0: none), so the
-    zeros' writes share the loop with the reads instead of a fill of their own.
     """
-    stride_h_dim, W, stride_w_out, stride_w_in, Bias, d_model = (hid[0], hid[1], hid[2], hid[3],
-                                                                 hid[4], hid[5])
+    stride_h_dim, W, stride_w_out, stride_w_in, Bias, d_model = hid
     # int64 token offsets: H may be a strided view with a large token stride. Each step's
     # addresses come from these offsets and the step's start, not from pointer tiles carried
     # through the loop: carried, each pipeline stage held its own [BLOCK_N, HIDDEN_BLOCK] of
     # 64-bit pointers, and the kernel spilled (NOTES §72).
     o_row = o_t.to(tl.int64)[:, None] * stride_h_tok
     o_col = o_k[None, :] * stride_w_out
-    if ZERO_GRAD_H:
-        p_g = hid[6] + o_t.to(tl.int64)[:, None] * hid[7]
-        m_g = (o_t < hid[8])[:, None]
-        zero = tl.zeros([o_t.shape[0], HIDDEN_BLOCK], p_h.dtype.element_ty)
     acc = tl.zeros([o_t.shape[0], o_k.shape[0]], tl.float32)
     c_full = d_model // HIDDEN_BLOCK * HIDDEN_BLOCK
     for c in range(0, c_full, HIDDEN_BLOCK):
@@ -212,8 +201,6 @@ def _hidden_tile(p_h, stride_h_tok, hid, o_t, m_t, o_k, m_k, HIDDEN_BLOCK: tl.co
             h = tl.load(p_h + o_row + o_c[None, :] * stride_h_dim, mask=m_t[:, None], other=0.0)
         else:
             h = tl.load(p_h + o_row + o_c[None, :] * stride_h_dim)
-        if ZERO_GRAD_H:
-            tl.store(p_g + o_c[None, :], zero, mask=m_g)
         if EVEN_K:
             w = tl.load(W + o_c[:, None] * stride_w_in + o_col)
         else:
@@ -226,8 +213,6 @@ def _hidden_tile(p_h, stride_h_tok, hid, o_t, m_t, o_k, m_k, HIDDEN_BLOCK: tl.co
                     other=0.0)
         w = tl.load(W + o_c[:, None] * stride_w_in + o_col, mask=m_c[:, None] & m_k[None, :],
                     other=0.0)
-        if ZERO_GRAD_H:
-            tl.store(p_g + o_c[None, :], zero, mask=m_g & m_c[None, :])
         acc += _dot(h, w, DOT_PRECISION, UPCAST)
     if HIDDEN_BIAS:
         acc += tl.load(Bias + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
@@ -235,21 +220,6 @@ def _hidden_tile(p_h, stride_h_tok, hid, o_t, m_t, o_k, m_k, HIDDEN_BLOCK: tl.co
     if MASK_ROWS:
         tile = tl.where(m_t[:, None], tile, 0.0)
     return tile
-
-
-@triton.jit
-def _zero_rows(p_g, stride_g_tok, t_lo, t_hi, d_model, BLOCK_N: tl.constexpr,
-               HIDDEN_BLOCK: tl.constexpr):
-    """Zeros to rows ``[t_lo, t_hi)`` of one document of ``grad_H`` (contiguous in
-    ``d_model``): the rows the tile loop does not read (a document mask's padding)."""
-    zero = tl.zeros([BLOCK_N, HIDDEN_BLOCK], p_g.dtype.element_ty)
-    for start in range(t_lo, t_hi, BLOCK_N):
-        o_t = start + tl.arange(0, BLOCK_N)
-        p_row = p_g + o_t.to(tl.int64)[:, None] * stride_g_tok
-        m_t = (o_t < t_hi)[:, None]
-        for c in range(0, d_model, HIDDEN_BLOCK):
-            o_c = c + tl.arange(0, HIDDEN_BLOCK)
-            tl.store(p_row + o_c[None, :], zero, mask=m_t & (o_c < d_model)[None, :])
 
 
 @triton.jit
@@ -284,7 +254,6 @@ def _doc_tile(
     RESIDUAL_NBITS: tl.constexpr,
     HIDDEN_BLOCK: tl.constexpr = 0,
     HIDDEN_BIAS: tl.constexpr = False,
-    ZERO_GRAD_H: tl.constexpr = False,
 ):
     """One document tile folded into the running reduction.
 
@@ -309,8 +278,7 @@ def _doc_tile(
         b_d = b_d.to(b_q.dtype)
     elif HIDDEN_BLOCK:
         b_d = _hidden_tile(p_doc, stride_doc_tok, res, o_t, m_t, o_k, m_k, HIDDEN_BLOCK,
-                           HIDDEN_BIAS, DOT_PRECISION, UPCAST, MASK_TAIL, EVEN_K,
-                           ZERO_GRAD_H).to(b_q.dtype)
+                           HIDDEN_BIAS, DOT_PRECISION, UPCAST, MASK_TAIL, EVEN_K).to(b_q.dtype)
     elif MASK_TAIL:
         b_d = tl.load(p, mask=m_t[:, None] & m_k[None, :], other=0.0)
     elif EVEN_K:
@@ -402,8 +370,6 @@ def _doc_max(
     RESIDUAL_NBITS: tl.constexpr = 0,
     HIDDEN_BLOCK: tl.constexpr = 0,
     HIDDEN_BIAS: tl.constexpr = False,
-    ZERO_GRAD_H: tl.constexpr = False,
-    FLATTEN: tl.constexpr = False,
 ):
     """The MaxSim inner loop: max (and lowest argmax) of ``b_q``'s rows over document tokens
     ``[t_lo, t_hi)``. Every layout calls this one loop.
@@ -420,10 +386,7 @@ def _doc_max(
     document tiles. ``RESIDUAL_NBITS``: the document is a PLAID one, decompressed tile by tile
     (:func:`_residual_tile`, with ``res``); ``HIDDEN_BLOCK``: the document is hidden
     states, projected tile by tile (:func:`_hidden_tile`, with ``res``, the bias with
-    ``HIDDEN_BIAS``); both 0 (dense documents) leave ``res`` unread. ``ZERO_GRAD_H``: the
-    hidden tiles also write zeros to ``grad_H``'s rows they read (:func:`_hidden_tile`).
-    ``FLATTEN``: the full tiles and their inner loop compiled as one pipelined loop
-    (:func:`_doc_loop`).
+    ``HIDDEN_BIAS``); both 0 (dense documents) leave ``res`` unread.
     """
     if QUERY_IN_REGISTERS and not UPCAST:
         b_q = _in_product_layout(b_q)
@@ -432,14 +395,14 @@ def _doc_max(
             b_q, p_doc, stride_doc_tok, stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv,
             stride_dinv_tok, t_lo, t_hi, o_k, m_k, smooth_scale, res, EVEN_K, False, NORMALIZE,
             NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST,
-            RESIDUAL_NBITS, HIDDEN_BLOCK, HIDDEN_BIAS, ZERO_GRAD_H, FLATTEN,
+            RESIDUAL_NBITS, HIDDEN_BLOCK, HIDDEN_BIAS,
         )
     else:
         row_max, row_arg = _doc_loop(
             b_q, p_doc, stride_doc_tok, stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv,
             stride_dinv_tok, t_lo, t_hi, o_k, m_k, smooth_scale, res, EVEN_K, True, NORMALIZE,
             NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_M, BLOCK_N, DOT_PRECISION, UPCAST,
-            RESIDUAL_NBITS, HIDDEN_BLOCK, HIDDEN_BIAS, ZERO_GRAD_H, FLATTEN,
+            RESIDUAL_NBITS, HIDDEN_BLOCK, HIDDEN_BIAS,
         )
     return row_max, row_arg
 
@@ -473,8 +436,6 @@ def _doc_loop(
     RESIDUAL_NBITS: tl.constexpr,
     HIDDEN_BLOCK: tl.constexpr = 0,
     HIDDEN_BIAS: tl.constexpr = False,
-    ZERO_GRAD_H: tl.constexpr = False,
-    FLATTEN: tl.constexpr = False,
 ):
     """:func:`_doc_max`'s tile loop for one masking mode."""
     if SMOOTH:
@@ -484,25 +445,19 @@ def _doc_loop(
     acc_arg = tl.full([BLOCK_M, BLOCK_N], -1, tl.int32)
     run_sum = tl.zeros([BLOCK_M], tl.float32)
     t_full = t_lo + (t_hi - t_lo) // BLOCK_N * BLOCK_N
-    # FLATTEN: the full tiles' loop in a region of its own (the run-time `if`), where it roots a
-    # loop nest with the tile's inner loop (the hidden tile's split-K steps) that the compiler
-    # flattens into one pipelined loop: the next tile's first steps load during this tile's
-    # epilogue. Without it, the `if` folds away.
-    if not FLATTEN or t_full > t_lo:
-        for start in tl.range(t_lo, t_full, BLOCK_N, flatten=FLATTEN):
-            acc_max, acc_arg, run_sum = _doc_tile(
-                b_q, acc_max, acc_arg, run_sum, smooth_scale, start, t_hi, p_doc,
-                stride_doc_tok, stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv,
-                stride_dinv_tok, o_k, m_k, res, False, EVEN_K, HAS_D_MASK, NORMALIZE,
-                NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_N, DOT_PRECISION, UPCAST,
-                RESIDUAL_NBITS, HIDDEN_BLOCK, HIDDEN_BIAS, ZERO_GRAD_H,
-            )
+    for start in range(t_lo, t_full, BLOCK_N):
+        acc_max, acc_arg, run_sum = _doc_tile(
+            b_q, acc_max, acc_arg, run_sum, smooth_scale, start, t_hi, p_doc, stride_doc_tok,
+            stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv, stride_dinv_tok, o_k, m_k, res,
+            False, EVEN_K, HAS_D_MASK, NORMALIZE, NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_N,
+            DOT_PRECISION, UPCAST, RESIDUAL_NBITS, HIDDEN_BLOCK, HIDDEN_BIAS,
+        )
     if t_full < t_hi:
         acc_max, acc_arg, run_sum = _doc_tile(
             b_q, acc_max, acc_arg, run_sum, smooth_scale, t_full, t_hi, p_doc, stride_doc_tok,
             stride_doc_dim, p_dmask, stride_dmask_tok, p_dinv, stride_dinv_tok, o_k, m_k, res,
             True, EVEN_K, HAS_D_MASK, NORMALIZE, NORM_FROM_TILES, TRACK_ARGMAX, SMOOTH, BLOCK_N,
-            DOT_PRECISION, UPCAST, RESIDUAL_NBITS, HIDDEN_BLOCK, HIDDEN_BIAS, ZERO_GRAD_H,
+            DOT_PRECISION, UPCAST, RESIDUAL_NBITS, HIDDEN_BLOCK, HIDDEN_BIAS,
         )
     row_arg = tl.full([BLOCK_M], -1, tl.int32)
     if SMOOTH:

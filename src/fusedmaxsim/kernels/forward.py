@@ -46,13 +46,7 @@ Grid mapping
   document tile on chip (``common._hidden_tile``: ``F.linear(H, W, b)``, rounded to H's dtype)
   and never writes the projection; with ``NORMALIZE`` the projected tokens are normalized, their
   norms from the tiles (the queries are taken as they are). The document mask bounds the loop as
-  in ``_maxsim_fwd_kernel`` (``_valid_span``). With ``ZERO_GRAD_H`` (a training step whose
-  backward writes only the winning rows of ``grad_H``) the column's first program also writes
-  zeros to its document's rows of ``grad_H`` as it reads them, and to the rows outside the
-  mask's span: the backward's zero fill, done while the loop reads ``H``. With ``FLAT_TILES``
-  a document's full tiles and their split-K steps compile as one pipelined loop
-  (``common._doc_loop``'s ``FLATTEN``), the next tile's first steps loading during a tile's
-  epilogue; the values are the nested loops', bit for bit.
+  in ``_maxsim_fwd_kernel`` (``_valid_span``).
 * ``_inverse_norm_kernel``: program = a block of token rows; ``1 / max(‖x‖, eps)`` in fp32, each
   token read once (the norms are computed once per token, never per tile).
 
@@ -82,7 +76,6 @@ from .common import (
     _query_chunk,
     _segment,
     _valid_span,
-    _zero_rows,
 )
 
 
@@ -291,7 +284,6 @@ def _maxsim_hidden_fwd_kernel(
     DMask,
     Out,
     Argmax,
-    GradH,
     Nq,
     Ncols,
     Lq,
@@ -307,9 +299,6 @@ def _maxsim_hidden_fwd_kernel(
     stride_h_dim,
     stride_w_out,
     stride_w_in,
-    stride_gh_grp,
-    stride_gh_col,
-    stride_gh_tok,
     HAS_Q_MASK: tl.constexpr,
     HAS_D_MASK: tl.constexpr,
     NORMALIZE: tl.constexpr,
@@ -325,8 +314,6 @@ def _maxsim_hidden_fwd_kernel(
     QUERY_IN_REGISTERS: tl.constexpr,
     HIDDEN_BLOCK: tl.constexpr,
     HIDDEN_BIAS: tl.constexpr,
-    ZERO_GRAD_H: tl.constexpr,
-    FLAT_TILES: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = LQ_TILE * QUERIES_PER_BLOCK
     i_col = tl.program_id(0).to(tl.int64)
@@ -346,18 +333,9 @@ def _maxsim_hidden_fwd_kernel(
     t_lo, t_hi, all_valid = 0, Ld, True
     if HAS_D_MASK:
         t_lo, t_hi, all_valid = _valid_span(p_dmask, 0, Ld, MASK_SCAN)
-    # grad_H (unit stride in d_model) with ZERO_GRAD_H: the column's first program zeroes it
-    # while it reads H, in its first query chunk; the rows outside the span here.
-    p_g = GradH + i_grp * stride_gh_grp + i_col * stride_gh_col
-    first = (i_blk == 0) | PER_QUERY_DOCS
-    if ZERO_GRAD_H and HAS_D_MASK:
-        if first:
-            _zero_rows(p_g, stride_gh_tok, 0, t_lo, d_model, BLOCK_N, HIDDEN_BLOCK)
-            _zero_rows(p_g, stride_gh_tok, t_hi, Ld, d_model, BLOCK_N, HIDDEN_BLOCK)
+    hid = (stride_h_dim, W, stride_w_out, stride_w_in, Bias, d_model)
     acc = tl.zeros([QUERIES_PER_BLOCK], tl.float32)
     for chunk in range(0, Lq, LQ_TILE):
-        hid = (stride_h_dim, W, stride_w_out, stride_w_in, Bias, d_model, p_g, stride_gh_tok,
-               tl.where(first & (chunk == 0), t_hi, 0))
         o_s = chunk + o_row_in_tile
         m_row = m_query & (o_s < Lq)
         b_q, m_valid = _query_chunk(
@@ -368,7 +346,7 @@ def _maxsim_hidden_fwd_kernel(
             b_q, p_doc, stride_h_tok, 0, p_dmask, 1, p_dmask, 1, t_lo, t_hi, all_valid, o_k,
             m_k, 1.0, hid, EVEN_K, NORMALIZE, NORMALIZE, SAVE_ARGMAX, False, BLOCK_M, BLOCK_N,
             DOT_PRECISION, UPCAST, QUERY_IN_REGISTERS, HIDDEN_BLOCK=HIDDEN_BLOCK,
-            HIDDEN_BIAS=HIDDEN_BIAS, ZERO_GRAD_H=ZERO_GRAD_H, FLATTEN=FLAT_TILES,
+            HIDDEN_BIAS=HIDDEN_BIAS,
         )
         acc += _chunk_scores(row_max, m_valid, 1.0, 1.0, QUERIES_PER_BLOCK, LQ_TILE)
         if SAVE_ARGMAX:

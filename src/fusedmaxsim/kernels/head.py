@@ -30,9 +30,9 @@ Grid mapping
   the document's entry blocks, fp32) and marks the first such entry the row's leader; projects
   the entries' winning rows (``_hidden_tile`` over the argmax), applies the Jacobian, and
   writes: each entry's ``g · P̂`` (fp32, ``[Nq, n_cols, Lq, dim]``, summed over the columns
-  for ``grad_Q`` by the launcher), the leaders' rows of ``grad_H`` (zeroed before, by the
-  launcher or by the training forward with ``ZERO_GRAD_H``: each row has one writer) and their
-  ``grad_P`` and token (-1 for the others) into the entries' buffers for the weight kernel.
+  for ``grad_Q`` by the launcher), the leaders' rows of ``grad_H`` (zeroed by the launcher:
+  each row has one writer) and their ``grad_P`` and token (-1 for the others) into the
+  entries' buffers for the weight kernel.
 * ``_hidden_bwd_rows_kernel``: the document-owned ``grad_D`` kernel's mapping (program = group
   and column, ``tiles_per_program`` token tiles; through the winner index on the cross
   product), which builds ``G`` for a ``BLOCK_T``-token tile with :func:`backward._dd_tile`; then,
