@@ -327,7 +327,7 @@ def test_the_route_rule():
 def test_the_short_tiles_rule():
     """HIDDEN_SHORT_TILES where HIDDEN_TILES' tiles pad a document by more than
     HIDDEN_FUSED_MAX_PADDING and the short ones pad it less; the route's padding line then
-    counts the short tiles'. None (the default until timed): never. Forced tiles win."""
+    counts the short tiles'. None (the default under the interpreter): never. Forced tiles win."""
     def plan(Ld, **decisions):
         with settings.use_backend("triton"), forced_plan(**decisions), recording() as plans:
             maxsim_from_hidden(torch.randn(1, 4, 8), torch.randn(3, Ld, 16), torch.randn(8, 16))
